@@ -1,0 +1,85 @@
+"""PyTorch references of the simsd attention ops (importable without Triton or CUDA).
+
+* :func:`temporal_attention_torch`: the ``torch`` backend, SDPA with a dense boolean mask
+  built from :mod:`simsd_kernels.mask_rule`.
+* :func:`temporal_attention_naive`: explicit softmax math in the input dtype (float64 in
+  tests), the ground truth the kernels are compared with.
+* :func:`append_kv_torch`: rotates the new keys and writes K/V into the cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .mask_rule import dense_new_token_mask
+from .rope import apply_rope
+
+
+def full_mask(cache_seqlens, labels, mask_mode, cache_len: int):
+    """Dense ``(B, Lq, cache_len + Lq)`` bool mask: visible cache prefix, then the rule."""
+    B, Lq, _ = labels.shape
+    cache_vis = torch.arange(cache_len, device=labels.device)[None, :] < cache_seqlens[:, None].to(torch.int64)
+    cache_vis = cache_vis[:, None, :].expand(B, Lq, cache_len)
+    return torch.cat([cache_vis, dense_new_token_mask(labels, mask_mode)], dim=-1)
+
+
+def _inputs(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta):
+    qr = apply_rope(q, positions, rope_theta)
+    kr = apply_rope(k, positions, rope_theta)
+    used = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 0
+    keys = torch.cat([k_cache[:, :used], kr], dim=1)
+    vals = torch.cat([v_cache[:, :used], v], dim=1)
+    mask = full_mask(cache_seqlens, labels, mask_mode, used)
+    return qr, keys, vals, mask
+
+
+def _expand_kv(x, groups):
+    # (B, L, Hkv, D) -> (B, Hq, L, D)
+    return x.repeat_interleave(groups, dim=2).transpose(1, 2)
+
+
+def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                             mask_mode, rope_theta, softmax_scale):
+    """SDPA with a dense mask; same contract as :func:`simsd_kernels.temporal_attention`."""
+    qr, keys, vals, mask = _inputs(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                                   mask_mode, rope_theta)
+    groups = q.shape[2] // k.shape[2]
+    out = F.scaled_dot_product_attention(
+        qr.transpose(1, 2), _expand_kv(keys, groups), _expand_kv(vals, groups),
+        attn_mask=mask[:, None], scale=softmax_scale,
+    ).transpose(1, 2)
+    # a fully masked row is defined as zeros (SDPA would give NaN)
+    any_visible = mask.any(dim=-1)[:, :, None, None]
+    return torch.where(any_visible, out, torch.zeros((), dtype=out.dtype, device=out.device)).contiguous()
+
+
+def temporal_attention_naive(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                             mask_mode, rope_theta, softmax_scale=None, compute_dtype=torch.float64):
+    """Explicit softmax math in ``compute_dtype``; output in ``compute_dtype``."""
+    cast = lambda t: t.to(compute_dtype)  # noqa: E731
+    q, k, v, k_cache, v_cache = map(cast, (q, k, v, k_cache, v_cache))
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    qr, keys, vals, mask = _inputs(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                                   mask_mode, rope_theta)
+    groups = q.shape[2] // k.shape[2]
+    kx, vx = _expand_kv(keys, groups), _expand_kv(vals, groups)
+    scores = torch.einsum("bqhd,bhkd->bhqk", qr, kx) * softmax_scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(compute_dtype).min)
+    p = torch.exp(scores - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = torch.where(denom > 0, p / denom.clamp_min(torch.finfo(compute_dtype).tiny), torch.zeros_like(p))
+    return torch.einsum("bhqk,bhkd->bqhd", p, vx)
+
+
+def append_kv_torch(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
+    """Write rotated ``k[:, :num_tokens]`` and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``."""
+    if num_tokens == 0:
+        return
+    kr = apply_rope(k[:, :num_tokens], positions[:, :num_tokens], rope_theta)
+    B = k.shape[0]
+    rows = torch.arange(B, device=k.device)[:, None]
+    cols = cache_seqlens.to(torch.int64)[:, None] + torch.arange(num_tokens, device=k.device)[None, :]
+    k_cache[rows, cols] = kr.to(k_cache.dtype)
+    v_cache[rows, cols] = v[:, :num_tokens].to(v_cache.dtype)
