@@ -1,0 +1,44 @@
+"""Static KV cache: preallocated per-layer K/V buffers and per-row lengths on the device."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer buffers ``k[i], v[i]`` of shape ``(B, Lmax, Hkv, D)`` and ``seqlens (B,) int32``.
+
+    Keys are stored rotated (RoPE applied at their positions). ``seqlens[b]`` counts the
+    committed tokens of row ``b``; forwards read ``[0, seqlens[b])`` and never resize buffers
+    (CUDA-graph friendly).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device):
+        shape = (batch_size, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, config, batch_size: int, max_len: int, dtype, device) -> "KVCache":
+        return cls(config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads,
+                   config.head_dim, dtype, device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.seqlens.shape[0]
+
+    def reset(self) -> None:
+        self.seqlens.zero_()
+
+    def advance(self, num_tokens) -> None:
+        """Add ``num_tokens`` (int or ``(B,)`` tensor) to every row's length.
+
+        Raises:
+            ValueError: the cache would overflow ``max_len``.
+        """
+        new = self.seqlens + torch.as_tensor(num_tokens, dtype=torch.int32, device=self.seqlens.device)
+        if int(new.max()) > self.max_len:
+            raise ValueError(f"KV cache overflow: length {int(new.max())} > capacity {self.max_len}")
+        self.seqlens.copy_(new)

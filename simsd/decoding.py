@@ -1,0 +1,198 @@
+"""Shared pieces of block-diffusion decoding: configuration, the per-model sequence runner
+(prefill, denoise and commit forwards over a static cache), one denoising step, and results.
+
+Semantics follow SDAR's reference decoding (DESIGN.md §3): blocks aligned to absolute
+position 0, block-causal prefill of the aligned prompt part, the unaligned prompt tail inside
+the first decode block, a read-only cache while denoising, a commit forward per finished block.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from simsd_kernels import KIND_KNOWN
+
+from .sampling import SamplingParams, sample
+from .strategies import parse_strategy, select_positions, transfer_schedule
+
+
+@dataclass
+class DecodeConfig:
+    """Decoding settings shared by every mode.
+
+    ``steps`` defaults to ``block_length`` (one token per step for the schedule strategies).
+    ``threshold`` is the confidence threshold of ``dynamic`` or the entropy bound of
+    ``entropy`` (nats).
+    """
+    block_length: int = 4
+    steps: int | None = None
+    strategy: str = "static"
+    threshold: float | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    seed: int = 0
+    fold_commit: bool = False
+
+    def __post_init__(self):
+        if self.block_length < 1:
+            raise ValueError(f"block_length must be >= 1, got {self.block_length}")
+        if self.steps is None:
+            self.steps = self.block_length
+        self.strategy = parse_strategy(self.strategy)
+        self.schedule = transfer_schedule(self.block_length, self.steps)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def tokens_for_step(self, step: int) -> int:
+        """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats)."""
+        return self.schedule[min(step, len(self.schedule) - 1)]
+
+
+@dataclass
+class GenerationResult:
+    """``token_ids``: generated ids cut after the first stop id and at ``max_new_tokens``."""
+    token_ids: list
+    stats: dict
+    text: str | None = None
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> torch.Tensor:
+    lab = torch.zeros(1, n, 3, dtype=torch.int32, device=device)
+    lab[..., 0] = kind
+    lab[..., 1] = tau
+    lab[..., 2] = torch.as_tensor(grp, dtype=torch.int32, device=device)
+    return lab
+
+
+class SequenceRunner:
+    """One model decoding one sequence (batch row 0) over its own static cache.
+
+    Counts the forwards it runs (``forwards``; the prefill separately in ``prefill_forwards``).
+    """
+
+    def __init__(self, model, block_length: int, capacity: int):
+        self.model = model
+        self.block_length = block_length
+        self.device = model.device
+        self.cache = model.new_cache(1, capacity)
+        self.forwards = 0
+        self.prefill_forwards = 0
+
+    @property
+    def cached(self) -> int:
+        return int(self.cache.seqlens[0])
+
+    def forward(self, ids, positions, labels, mask_mode, num_write=0, logits_slice=slice(None)):
+        self.forwards += 1
+        return self.model(ids, positions, labels, mask_mode, self.cache, num_write, logits_slice)
+
+    def prefill(self, prompt_ids: list) -> list:
+        """Store K/V of the block-aligned prompt part; return the unaligned tail (block-causal)."""
+        B = self.block_length
+        aligned = (len(prompt_ids) // B) * B
+        if aligned:
+            ids = torch.tensor([prompt_ids[:aligned]], device=self.device)
+            pos = torch.arange(aligned, device=self.device)[None]
+            self.model(ids, pos, labels_for(aligned, self.device, grp=pos // B), "block_causal",
+                       self.cache, num_write=aligned, logits_slice=None)
+            self.prefill_forwards += 1
+        return list(prompt_ids[aligned:])
+
+    def block_positions(self, n: int | None = None) -> torch.Tensor:
+        n = self.block_length if n is None else n
+        return torch.arange(self.cached, self.cached + n, device=self.device)[None]
+
+    def denoise_logits(self, block: torch.Tensor) -> torch.Tensor:
+        """Logits ``(L, V)`` of the block (bidirectional over cache + block), cache read-only."""
+        L = block.shape[0]
+        return self.forward(block[None], self.block_positions(L), labels_for(L, self.device),
+                            "bidirectional")[0]
+
+    def commit(self, block: torch.Tensor) -> None:
+        """Commit forward: store the clean block's K/V (it attends cache + whole block)."""
+        L = block.shape[0]
+        self.forward(block[None], self.block_positions(L), labels_for(L, self.device), "bidirectional",
+                     num_write=L, logits_slice=None)
+
+    def commit_and_denoise(self, block: torch.Tensor, next_block: torch.Tensor) -> torch.Tensor:
+        """The commit forward of ``block`` folded into the first denoise forward of ``next_block``.
+
+        Block-causal over the pair (same K/V as a separate commit); returns the logits of
+        ``next_block``.
+        """
+        L = block.shape[0]
+        ids = torch.cat([block, next_block])[None]
+        pos = self.block_positions(2 * L)
+        lab = labels_for(2 * L, self.device, grp=(torch.arange(2 * L, device=self.device) >= L).int())
+        return self.forward(ids, pos, lab, "block_causal", num_write=L, logits_slice=slice(L, 2 * L))[0]
+
+
+def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step: int,
+                 generator: torch.Generator | None):
+    """One denoising step on ``block (L,)`` from ``logits (L, V)``.
+
+    Returns ``(new_block, revealed (L,) bool, probs (L, V))``: ``probs`` is the distribution
+    each position's token was drawn from.
+    """
+    masked = block == mask_id
+    tokens, conf, ent, probs = sample(logits, cfg.sampling, generator)
+    revealed = select_positions(cfg.strategy, masked, conf, ent, cfg.tokens_for_step(step), cfg.threshold)
+    return torch.where(revealed, tokens, block), revealed, probs
+
+
+def finish(generated: list, stop_ids, max_new_tokens: int) -> list:
+    """Cut ``generated`` after the first stop id (kept) and at ``max_new_tokens``."""
+    out = []
+    stops = set(stop_ids)
+    for t in generated[:max_new_tokens]:
+        out.append(t)
+        if t in stops:
+            break
+    return out
+
+
+def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int) -> int:
+    """Validate prompt ids and return the cache capacity (tokens) the generation needs.
+
+    Raises:
+        ValueError: empty prompt, id outside the vocabulary, or prompt too long for the model.
+    """
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {config.vocab_size})")
+    limit = config.max_position_embeddings
+    if len(prompt_ids) >= limit:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than the model's maximum length {limit}")
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's maximum length {limit}")
+    B = block_length
+    total = -(-(len(prompt_ids) + max_new_tokens) // B) * B
+    return total + B
+
+
+class Timer:
+    """Wall-clock decode timer, CUDA-synchronised at start and stop."""
+
+    def __init__(self, device):
+        self.device = device
+        self.start = None
+        self.seconds = 0.0
+
+    def __enter__(self):
+        synchronize(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,150 @@
+"""Native PyTorch implementation of the SDAR architecture (the Qwen3 decoder).
+
+RMSNorm (eps from the config) -> attention -> residual -> RMSNorm -> SwiGLU MLP -> residual;
+final norm; ``lm_head``. Attention: q/k/v/o projections without bias, GQA, per-head RMSNorm
+on q and k (weights of size ``head_dim``) before rotate-half RoPE, scale ``head_dim ** -0.5``.
+Parameter names equal Qwen3's, so HF state dicts load as they are.
+
+The forward takes explicit position ids and per-token mask labels and runs attention through
+:func:`simsd_kernels.temporal_attention` over a static :class:`~simsd.cache.KVCache`.
+No shift: the logits at position ``p`` predict the token at ``p`` (SDAR).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import simsd_kernels
+
+from .cache import KVCache
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32) if dtype != torch.float64 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rope_theta = c.rope_theta
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, positions, labels, mask_mode, cache: KVCache, num_write: int, backend: str):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
+        kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        out = simsd_kernels.temporal_attention(
+            q, k, v, kc, vc, cache.seqlens, labels, positions,
+            mask_mode=mask_mode, rope_theta=self.rope_theta, backend=backend,
+        )
+        if num_write:
+            simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
+                                    num_tokens=num_write, backend=backend)
+        return self.o_proj(out.reshape(B, L, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, labels, mask_mode, cache, num_write, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, labels, mask_mode, cache, num_write, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SDARBackbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class SDARForCausalLM(nn.Module):
+    """SDAR / Qwen3 decoder with simsd's cache-aware forward.
+
+    Attribute ``attention_backend`` (``auto | cuda | triton | torch``) is passed to every
+    attention call.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = SDARBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.attention_backend = "auto"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        return KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, labels, mask_mode, cache: KVCache, num_write: int = 0,
+                logits_slice: slice | None = slice(None)):
+        """One forward of ``L`` new tokens per row over the cache.
+
+        Args:
+            input_ids: ``(B, L)`` int64 token ids.
+            positions: ``(B, L)`` int64 RoPE positions.
+            labels: ``(B, L, 3)`` int32 ``(kind, tau, grp)`` (see :mod:`simsd_kernels.mask_rule`).
+            mask_mode: ``"bidirectional" | "block_causal" | "exact" | "paper"``.
+            cache: the static cache; rows read ``[0, cache.seqlens[b])``.
+            num_write: the first ``num_write`` tokens of every row are written into the cache
+                and ``cache.seqlens`` advances by it after the forward (0: read-only forward).
+            logits_slice: which of the ``L`` tokens get logits (None: no lm_head at all).
+
+        Returns:
+            float32 logits ``(B, L', vocab)`` for the sliced tokens, or None.
+        """
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, labels, mask_mode, cache, num_write, self.attention_backend)
+        if num_write:
+            cache.advance(num_write)
+        if logits_slice is None:
+            return None
+        x = self.model.norm(x[:, logits_slice])
+        return self.lm_head(x).float()

@@ -1,0 +1,75 @@
+"""Token sampling for denoising steps: temperature, top-k, top-p, greedy.
+
+Confidence is the probability of the chosen token under the temperature-scaled distribution
+*before* top-k/top-p filtering (SDAR's evaluation code; DESIGN.md §3.6). ``temperature == 0``
+or ``top_k == 1`` is greedy (argmax); the confidence then uses temperature 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def scaled_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Softmax of ``logits (N, V)`` at the sampling temperature (1 when greedy), float32."""
+    t = params.temperature if params.temperature > 0 else 1.0
+    return torch.softmax(logits.float() / t, dim=-1)
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from: temperature, then top-k, then top-p, renormalised.
+
+    Greedy gives a one-hot at the argmax. Shape ``(N, V)`` float32.
+    """
+    if params.greedy:
+        out = torch.zeros_like(logits, dtype=torch.float32)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the token that crosses p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    return torch.softmax(scores, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+    """Draw one token per row of ``logits (N, V)``.
+
+    Returns ``(tokens (N,) int64, confidence (N,) float32, entropy (N,) float32, probs (N, V))``
+    where ``probs`` is the filtered distribution the token was drawn from (used by rejection
+    sampling) and confidence/entropy come from the unfiltered temperature-scaled distribution.
+    """
+    base = scaled_probs(logits, params)
+    probs = filtered_probs(logits, params)
+    if params.greedy:
+        tokens = logits.argmax(-1)
+    else:
+        tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    confidence = base.gather(-1, tokens[:, None]).squeeze(-1)
+    entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1)
+    return tokens, confidence, entropy, probs
