@@ -134,14 +134,22 @@ class SequenceRunner:
         return self.forward(ids, pos, lab, "block_causal", num_write=L, logits_slice=slice(L, 2 * L))[0]
 
 
+def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``logits (..., V)`` with the MASK token made impossible (a step never "reveals" MASK)."""
+    out = logits.clone()
+    out[..., mask_id] = float("-inf")
+    return out
+
+
 def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step: int,
                  generator: torch.Generator | None):
     """One denoising step on ``block (L,)`` from ``logits (L, V)``.
 
-    Returns ``(new_block, revealed (L,) bool, probs (L, V))``: ``probs`` is the distribution
-    each position's token was drawn from.
+    The MASK token is excluded from sampling. Returns ``(new_block, revealed (L,) bool,
+    probs (L, V))``: ``probs`` is the distribution each position's token was drawn from.
     """
     masked = block == mask_id
+    logits = without_mask_token(logits, mask_id)
     tokens, conf, ent, probs = sample(logits, cfg.sampling, generator)
     revealed = select_positions(cfg.strategy, masked, conf, ent, cfg.tokens_for_step(step), cfg.threshold)
     return torch.where(revealed, tokens, block), revealed, probs

@@ -137,7 +137,7 @@ SAMPLE_TEXT = [
 def make_random_checkpoint(path, *, vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=4, seed=0,
                            tokenizer=True, tie_word_embeddings=False, shards=1, dtype=torch.float32,
-                           max_position_embeddings=2048, std=0.2) -> Path:
+                           max_position_embeddings=2048, std=0.5) -> Path:
     """A random-weight SDAR checkpoint with a small trained BPE tokenizer (or none).
 
     Without a tokenizer, ``vocab_size`` defaults to 256 and ``mask_token_id`` to

@@ -1,0 +1,101 @@
+"""``simsd bench``: a prompt set through several decoding modes in one process.
+
+Per mode: tokens/s (sum of generated tokens / sum of decode seconds, prefill excluded,
+warm-up prompts excluded), speedup over vanilla, acceptance rate, target and draft forwards
+per token, accepted tokens per round, whether the output equals vanilla's token for token;
+for ``paper`` also the top-1 agreement and mean KL(exact || paper) of its verification
+distributions against the exact ones (the approximation of DESIGN.md §4.1), measured in a
+separate untimed pass.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import torch
+
+from .commands import collect_prompts, decode_config, load_models, make_decoder
+
+
+def paper_agreement(target, draft, prompts, cfg, args) -> dict:
+    """Top-1 agreement and mean KL between paper-mode and exact verification distributions."""
+    from .speculative import SpecConfig, SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode="paper", gamma=args.gamma,
+                                                            on_reject=args.on_reject,
+                                                            rope_copy=not args.no_rope_copy,
+                                                            draft_strategy=args.draft_strategy))
+    dec.diagnostics = {"agree": 0, "total": 0, "kl": 0.0}
+    for p in prompts:
+        dec.stats.__init__()
+        dec.generate(p.ids)
+    d = dec.diagnostics
+    return {"top1_agreement": d["agree"] / max(d["total"], 1), "mean_kl": d["kl"] / max(d["total"], 1),
+            "positions_compared": d["total"]}
+
+
+def bench_modes(args) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
+    if bad:
+        raise ValueError(f"unknown mode(s) in --modes: {', '.join(bad)}")
+    target, draft = load_models(args, need_draft=any(m != "vanilla" for m in modes))
+    cfg = decode_config(args, target.config)
+    if args.limit is None and args.prompts_file is None and args.prompt is None and args.prompt_ids is None:
+        args.limit = 8
+    prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
+    rows, outputs = [], {}
+    from tqdm import tqdm
+    for mode in modes:
+        decode = make_decoder(mode, args, target, draft, cfg)
+        for p in prompts[: args.warmup]:
+            decode(p.ids)
+        results = [decode(p.ids) for p in tqdm(prompts, desc=mode, file=sys.stderr)]
+        outputs[mode] = [r.token_ids for r in results]
+        tot = lambda key: sum(r.stats.get(key, 0) for r in results)  # noqa: E731
+        tokens, seconds = tot("new_tokens"), tot("decode_seconds")
+        row = {"mode": mode, "prompts": len(prompts), "new_tokens": tokens, "decode_seconds": seconds,
+               "tokens_per_second": tokens / seconds if seconds else float("nan"),
+               "target_forwards_per_token": tot("target_forwards") / max(tokens, 1),
+               "draft_forwards_per_token": tot("draft_forwards") / max(tokens, 1)}
+        if mode != "vanilla":
+            row.update({"proposed": tot("proposed"), "accepted": tot("accepted"),
+                        "acceptance_rate": tot("accepted") / max(tot("proposed"), 1),
+                        "accepted_per_round": tot("accepted") / max(tot("rounds"), 1),
+                        "tokens_per_round": tokens / max(tot("rounds"), 1)})
+        if "vanilla" in outputs:
+            row["identical_to_vanilla"] = sum(a == b for a, b in zip(outputs[mode], outputs["vanilla"]))
+        if mode == "paper":
+            row.update(paper_agreement(target, draft, prompts, cfg, args))
+        rows.append(row)
+    base = next((r for r in rows if r["mode"] == "vanilla"), None)
+    for r in rows:
+        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base else float("nan")
+        r["forwards_ratio_vs_vanilla"] = (r["target_forwards_per_token"] / base["target_forwards_per_token"]
+                                          if base else float("nan"))
+    print_table(rows, cfg, args)
+    if args.json:
+        meta = {"block_length": cfg.block_length, "strategy": cfg.strategy, "steps": cfg.steps,
+                "gamma": args.gamma or cfg.block_length, "dtype": str(target.model.dtype),
+                "device": str(target.model.device), "torch": torch.__version__, "python": platform.python_version(),
+                "machine": platform.processor() or platform.machine(), "target": str(target.path),
+                "draft": str(draft.path) if draft else None}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
+
+
+def print_table(rows, cfg, args) -> None:
+    cols = [("mode", "{}"), ("tokens_per_second", "{:.1f}"), ("speedup", "{:.2f}x"),
+            ("target_forwards_per_token", "{:.3f}"), ("forwards_ratio_vs_vanilla", "{:.2f}"),
+            ("acceptance_rate", "{:.3f}"), ("accepted_per_round", "{:.2f}"), ("identical_to_vanilla", "{}"),
+            ("top1_agreement", "{:.3f}"), ("mean_kl", "{:.4f}")]
+    heads = ["mode", "tok/s", "speedup", "tgt fwd/tok", "fwd vs van", "accept", "acc/round", "same as van",
+             "paper top1", "paper KL"]
+    table = [heads] + [[fmt.format(r[k]) if k in r else "-" for k, fmt in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(heads))]
+    print(f"# B={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} gamma={args.gamma or cfg.block_length} "
+          f"prompts={rows[0]['prompts']}")
+    for row in table:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))

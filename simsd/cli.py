@@ -1,0 +1,103 @@
+"""The ``simsd`` command line: ``simsd generate`` and ``simsd bench``.
+
+Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the problem.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import CheckpointError
+
+
+class UsageError(ValueError):
+    """A command-line input problem (reported in one line, exit status 2)."""
+
+
+def default_target() -> Path:
+    from .assets import DEFAULT_TARGET
+    return DEFAULT_TARGET
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, default=None,
+                   help="target SDAR checkpoint directory (HF format); default: the bundled tiny target")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="draft SDAR checkpoint directory (paper/exact modes); default: the bundled tiny draft")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--draft-device", default=None, help="device of the draft model (default: --device)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-length", type=int, default=None,
+                   help="block length B (default: the checkpoint's block_size, 4 if unset)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: B)")
+    p.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="confidence threshold (dynamic, default 0.9) or entropy bound (entropy, default 0.35)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off; 1 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fold-commit", action="store_true",
+                   help="fold each block's commit forward into the next block's first forward")
+    p.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"])
+    p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
+    p.add_argument("--on-reject", default="redraft", choices=["redraft", "fallback"],
+                   help="after a partial acceptance: re-draft the rest, or (paper's fallback) finish with "
+                        "vanilla target denoising when fewer than gamma positions remain")
+    p.add_argument("--no-rope-copy", action="store_true",
+                   help="ablation (paper mode): mask slots get fresh positions after the draft slots")
+    p.add_argument("--draft-strategy", default=None, help="draft strategy (default: the target's)")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", default=None, help="prompt text (default: a bundled held-out prompt)")
+    g.add_argument("--prompts-file", type=Path, default=None,
+                   help='JSONL file, one {"prompt": text} or {"prompt_ids": [ids]} per line')
+    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (bypasses the tokenizer)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts from the file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="simsd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding")
+    add_model_args(gen)
+    add_prompt_args(gen)
+    add_decode_args(gen)
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    bench = sub.add_parser("bench", help="run a prompt set through several modes in one process")
+    add_model_args(bench)
+    add_prompt_args(bench)
+    add_decode_args(bench)
+    bench.add_argument("--modes", default="vanilla,paper,exact", help="comma-separated modes")
+    bench.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed)")
+    bench.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from .commands import run_generate
+            return run_generate(args)
+        from .commands import run_bench
+        return run_bench(args)
+    except (UsageError, CheckpointError, ValueError, FileNotFoundError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"simsd: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Implementation of the ``simsd generate`` and ``simsd bench`` commands."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cli import UsageError
+from .decoding import DecodeConfig
+from .loading import load_checkpoint
+from .sampling import SamplingParams
+
+
+@dataclass
+class Prompt:
+    ids: list
+    text: str | None = None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL prompts file; ``UsageError`` naming the file and line on bad input."""
+    if not path.is_file():
+        raise UsageError(f"prompts file not found: {path}")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{n}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(row, dict) or not ("prompt" in row or "prompt_ids" in row):
+            raise UsageError(f'{path}:{n}: expected an object with "prompt" or "prompt_ids"')
+        rows.append(row)
+    if not rows:
+        raise UsageError(f"{path}: no prompts")
+    return rows
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as exc:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
+
+
+def encode(tokenizer, text: str, raw: bool) -> list[int]:
+    if tokenizer is None:
+        raise UsageError("this checkpoint has no tokenizer: pass --prompt-ids or prompt_ids in the JSONL file")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def collect_prompts(args, tokenizer, vocab_size: int) -> list[Prompt]:
+    if args.prompt_ids is not None:
+        rows = [{"prompt_ids": parse_ids(args.prompt_ids)}]
+    elif args.prompt is not None:
+        rows = [{"prompt": args.prompt}]
+    else:
+        from .assets import HELDOUT_PROMPTS
+        path = args.prompts_file or HELDOUT_PROMPTS
+        rows = read_jsonl(Path(path))
+        if args.prompts_file is None and args.limit is None:
+            rows = rows[:1]
+            print(f"simsd: no prompt given, using a held-out prompt from {path}", file=sys.stderr)
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    prompts = []
+    for row in rows:
+        if "prompt_ids" in row:
+            ids = [int(t) for t in row["prompt_ids"]]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            prompts.append(Prompt(ids))
+        else:
+            prompts.append(Prompt(encode(tokenizer, str(row["prompt"]), args.raw), str(row["prompt"])))
+    return prompts
+
+
+def resolve_device_dtype(args):
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    return device, dtype
+
+
+def decode_config(args, target_config) -> DecodeConfig:
+    B = args.block_length or target_config.block_size or 4
+    return DecodeConfig(
+        block_length=B, steps=args.steps, strategy=args.strategy, threshold=args.threshold,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+        max_new_tokens=args.max_new_tokens, seed=args.seed, fold_commit=args.fold_commit,
+    )
+
+
+def load_models(args, need_draft: bool):
+    from .assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    device, dtype = resolve_device_dtype(args)
+    target = load_checkpoint(args.target or DEFAULT_TARGET, dtype=dtype, device=device)
+    target.model.attention_backend = args.attention_backend
+    draft = None
+    if need_draft:
+        draft = load_checkpoint(args.draft or DEFAULT_DRAFT, dtype=dtype, device=args.draft_device or device)
+        draft.model.attention_backend = args.attention_backend
+    return target, draft
+
+
+def make_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
+    """A callable ``prompt_ids -> GenerationResult`` for ``mode``."""
+    if mode == "vanilla":
+        from .vanilla import vanilla_generate
+        return lambda ids: vanilla_generate(target.model, ids, cfg, target.mask_token_id, target.stop_ids)
+    from .speculative import SpecConfig, speculative_generate
+    spec = SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject, rope_copy=not args.no_rope_copy,
+                      draft_strategy=args.draft_strategy)
+    return lambda ids: speculative_generate(target, draft, ids, cfg, spec)
+
+
+def summary_line(stats: dict) -> str:
+    line = (f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['decode_seconds']:.3f} s "
+            f"({stats['tokens_per_second']:.1f} tokens/s), target forwards/token "
+            f"{stats['target_forwards'] / max(stats['new_tokens'], 1):.3f}")
+    if "acceptance_rate" in stats:
+        line += (f", acceptance {stats['acceptance_rate']:.3f}, accepted/round "
+                 f"{stats['accepted_per_round']:.2f}")
+    return line
+
+
+def decode_text(tokenizer, ids, stop_ids) -> str | None:
+    if tokenizer is None:
+        return None
+    if ids and ids[-1] in set(stop_ids):
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def run_generate(args) -> int:
+    target, draft = load_models(args, need_draft=args.mode != "vanilla")
+    cfg = decode_config(args, target.config)
+    prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
+    decoder = make_decoder(args.mode, args, target, draft, cfg)
+    show_progress = len(prompts) > 1
+    from tqdm import tqdm
+    for prompt in tqdm(prompts, disable=not show_progress, file=sys.stderr, desc=args.mode):
+        result = decoder(prompt.ids)
+        text = decode_text(target.tokenizer, result.token_ids, target.stop_ids)
+        if args.json:
+            print(json.dumps({"prompt": prompt.text, "text": text, "token_ids": result.token_ids,
+                              "stats": result.stats}), flush=True)
+        else:
+            print(text if text is not None else " ".join(map(str, result.token_ids)))
+            print(summary_line(result.stats), flush=True)
+    return 0
+
+
+def run_bench(args) -> int:
+    from .bench_cli import bench_modes
+    return bench_modes(args)

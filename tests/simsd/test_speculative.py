@@ -1,0 +1,197 @@
+"""SimSD verification (paper and exact layouts) and the speculative decoder."""
+import dataclasses
+
+import pytest
+import torch
+
+from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
+from simsd.decoding import SequenceRunner, labels_for
+from simsd.speculative import SpecConfig, speculative_generate
+from simsd.verification import accept_token, exact_layout, paper_layout
+from simsd_kernels import TAU_INF
+from tests.helpers import random_checkpoint
+
+V = 96
+
+
+def ckpt(name, layers=2, dtype="float64", seed=0, vocab=V, std=0.2):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=vocab, num_hidden_layers=layers, seed=seed, std=std)
+    return load_checkpoint(path, dtype=dtype, with_tokenizer=False)
+
+
+def prefilled(model, prompt, B=4):
+    runner = SequenceRunner(model, B, 64)
+    runner.prefill(prompt)
+    return runner
+
+
+def sequential_states(block, drafted, tau, mask_id, n):
+    """State before draft step s (s = 1..n): the block plus draft tokens with tau < s."""
+    return [torch.where((tau < s) & (block == mask_id), drafted, block) for s in range(1, n + 1)]
+
+
+def random_round(seed, mask_id, B=4, n_known=1):
+    g = torch.Generator().manual_seed(seed)
+    block = torch.full((B,), mask_id)
+    block[:n_known] = torch.randint(0, mask_id, (n_known,), generator=g)
+    drafted = block.clone()
+    drafted[n_known:] = torch.randint(0, mask_id, (B - n_known,), generator=g)
+    tau = torch.full((B,), 0, dtype=torch.int64)
+    tau[n_known:] = torch.tensor([1, 2, 2, 3, 4, 4, 5][: B - n_known])  # ties allowed
+    tau[:n_known] = TAU_INF
+    return block, drafted, tau
+
+
+def verification_vs_sequential(model, mask_id, mode, rope_copy=True):
+    prompt = list(range(1, 9))
+    runner = prefilled(model, prompt)
+    block, drafted, tau = random_round(3, mask_id)
+    known = block != mask_id
+    n = int(tau[~known].max())
+    states = sequential_states(block, drafted, tau, mask_id, n)
+    start = runner.cached
+    seq = torch.stack([runner.denoise_logits(s) for s in states])  # (n, B, V)
+    if mode == "paper":
+        ids, pos, lab, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start,
+                                              mask_id, rope_copy)
+        logits = runner.forward(ids, pos, lab, "paper")[0]
+        got = torch.stack([logits[m_index[p]] for p in range(4) if not known[p]])
+        want = torch.stack([seq[int(tau[p]) - 1, p] for p in range(4) if not known[p]])
+    else:
+        ids, pos, lab = exact_layout(states, start)
+        got = runner.forward(ids, pos, lab, "exact")[0].view(n, 4, -1)
+        want = seq
+    return got, want
+
+
+def test_paper_one_layer_equals_sequential():
+    c = ckpt("one-layer", layers=1)
+    got, want = verification_vs_sequential(c.model, c.mask_token_id, "paper")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_paper_two_layers_is_an_approximation():
+    c = ckpt("two-layer", layers=2)
+    got, want = verification_vs_sequential(c.model, c.mask_token_id, "paper")
+    assert (got - want).abs().max() > 1e-6  # the approximation of DESIGN §4.1 is real
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_exact_equals_sequential(layers):
+    c = ckpt(f"exact-{layers}", layers=layers)
+    got, want = verification_vs_sequential(c.model, c.mask_token_id, "exact")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_no_rope_copy_changes_verification_logits():
+    c = ckpt("one-layer", layers=1)
+    with_copy, want = verification_vs_sequential(c.model, c.mask_token_id, "paper", rope_copy=True)
+    without, _ = verification_vs_sequential(c.model, c.mask_token_id, "paper", rope_copy=False)
+    assert (without - with_copy).abs().max() > 1e-3
+    torch.testing.assert_close(with_copy, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+@pytest.mark.parametrize("B", [4, 8])
+@pytest.mark.parametrize("prompt_len", [8, 13])
+@pytest.mark.parametrize("draft_kind", ["self", "poor"])
+def test_exact_greedy_equals_vanilla_target(strategy, B, prompt_len, draft_kind):
+    target = ckpt("target")
+    draft = target if draft_kind == "self" else ckpt("poor-draft", layers=1, seed=11)
+    prompt = torch.randint(0, V - 2, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    cfg = DecodeConfig(block_length=B, strategy=strategy, max_new_tokens=3 * B + 2,
+                       threshold=0.05 if strategy == "dynamic" else None)
+    want = vanilla_generate(target.model, prompt, cfg, target.mask_token_id, target.stop_ids)
+    got = speculative_generate(target, draft, prompt, cfg, SpecConfig(mode="exact"))
+    assert got.token_ids == want.token_ids
+    s = got.stats
+    assert s["proposed"] >= s["accepted"] >= 0 and s["rounds"] >= 1
+    if draft_kind == "self":
+        # the target as its own draft: every draft step is accepted
+        assert s["acceptance_rate"] == 1.0
+        assert s["target_forwards"] <= want.stats["target_forwards"]
+        if strategy == "static":  # one token per step: speculation must save target forwards
+            assert s["target_forwards"] < want.stats["target_forwards"]
+
+
+def test_paper_greedy_self_draft_one_layer_equals_vanilla():
+    # with one layer the paper mask is exact, so a self-draft is always accepted
+    c = ckpt("one-layer", layers=1)
+    cfg = DecodeConfig(block_length=4, strategy="sequential", max_new_tokens=12)
+    want = vanilla_generate(c.model, list(range(1, 10)), cfg, c.mask_token_id, c.stop_ids)
+    got = speculative_generate(c, c, list(range(1, 10)), cfg, SpecConfig(mode="paper"))
+    assert got.token_ids == want.token_ids
+    assert got.stats["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("on_reject", ["redraft", "fallback"])
+def test_paper_mode_runs_with_poor_draft(on_reject):
+    target, draft = ckpt("target"), ckpt("poor-draft", layers=1, seed=11)
+    cfg = DecodeConfig(block_length=4, max_new_tokens=16)
+    r = speculative_generate(target, draft, list(range(1, 9)), cfg, SpecConfig(mode="paper", on_reject=on_reject))
+    assert len(r.token_ids) == 16
+    assert r.stats["accepted"] <= r.stats["proposed"]
+    if on_reject == "fallback":
+        assert r.stats["fallback_steps"] > 0
+
+
+def test_stop_inside_accepted_prefix():
+    target = ckpt("target")
+    cfg = DecodeConfig(block_length=4, strategy="sequential", max_new_tokens=32)
+    free = speculative_generate(target, target, list(range(1, 9)), cfg, SpecConfig(mode="exact"))
+    stop = free.token_ids[6]
+    first = free.token_ids.index(stop)
+    stopped = dataclasses.replace(target, stop_ids=[stop])
+    for mode in ("exact", "paper"):
+        r = speculative_generate(stopped, stopped, list(range(1, 9)), cfg, SpecConfig(mode=mode))
+        assert r.token_ids[-1] == stop and stop not in r.token_ids[:-1]
+        assert len(r.token_ids) == first + 1 and r.stats["new_tokens"] == first + 1
+        assert r.stats["blocks"] == first // 4 + 1
+
+
+def test_mismatched_pair_is_rejected():
+    target, other = ckpt("target"), ckpt("other-vocab", vocab=80)
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(target, other, [1, 2, 3, 4], DecodeConfig(), SpecConfig())
+
+
+def test_accept_token_keeps_target_distribution():
+    from scipy.stats import chisquare
+    g = torch.Generator().manual_seed(0)
+    p_t = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
+    p_d = torch.tensor([0.1, 0.1, 0.3, 0.3, 0.2])
+    N = 20000
+    counts = torch.zeros(5)
+    for _ in range(N):
+        x = int(torch.multinomial(p_d, 1, generator=g))
+        _, tok = accept_token(x, p_t, p_d, g)
+        counts[tok] += 1
+    assert counts[4] == 0
+    assert chisquare(counts[:4].numpy(), (p_t[:4] * N).numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["paper", "exact"])
+def test_rejection_sampling_committed_token_matches_target(mode):
+    """The first committed token of a block follows the target's own distribution (chi-square)."""
+    from scipy.stats import chisquare
+    vocab = 12
+    target = ckpt("tiny-vocab-target", vocab=vocab, dtype="float32", std=0.6)
+    draft = ckpt("tiny-vocab-draft", vocab=vocab, layers=1, seed=5, dtype="float32", std=0.6)
+    prompt = [1, 2, 3, 4]
+    sampling = SamplingParams(temperature=1.0)
+    runner = prefilled(target.model, prompt)
+    block = torch.full((4,), target.mask_token_id)
+    logits = runner.denoise_logits(block)[0].double()  # position 0, sequential strategy
+    logits[target.mask_token_id] = float("-inf")  # a step never reveals MASK
+    p = torch.softmax(logits, -1)
+    N = 1500
+    counts = torch.zeros(vocab)
+    for seed in range(N):
+        cfg = DecodeConfig(block_length=4, strategy="sequential", max_new_tokens=1, seed=seed, sampling=sampling)
+        r = speculative_generate(target, draft, prompt, cfg, SpecConfig(mode=mode, gamma=1))
+        counts[r.token_ids[0]] += 1
+    keep = p * N >= 5
+    expected = p[keep] * N
+    observed = counts[keep]
+    expected = expected * observed.sum() / expected.sum()
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3

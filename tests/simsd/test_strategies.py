@@ -1,0 +1,78 @@
+"""Strategy choices on hand-made confidence vectors, and the token schedule."""
+import pytest
+import torch
+
+from simsd.sampling import SamplingParams, filtered_probs, sample
+from simsd.strategies import select_positions, transfer_schedule
+
+
+@pytest.mark.parametrize("B,steps,expected", [(4, 4, [1, 1, 1, 1]), (8, 4, [2, 2, 2, 2]), (8, 3, [3, 3, 2]),
+                                              (4, 1, [4]), (8, 5, [2, 2, 2, 1, 1])])
+def test_schedule(B, steps, expected):
+    assert transfer_schedule(B, steps) == expected
+    assert sum(expected) == B
+
+
+def test_schedule_rejects_bad_steps():
+    with pytest.raises(ValueError, match="steps"):
+        transfer_schedule(4, 5)
+    with pytest.raises(ValueError, match="steps"):
+        transfer_schedule(4, 0)
+
+
+M = torch.tensor([True, True, False, True, True])
+CONF = torch.tensor([0.5, 0.95, 0.99, 0.91, 0.2])
+ENT = torch.tensor([0.3, 0.1, 0.0, 0.2, 2.0])
+
+
+def picks(strategy, k, thr=None, masked=M):
+    return torch.nonzero(select_positions(strategy, masked, CONF, ENT, k, thr)).flatten().tolist()
+
+
+def test_sequential():
+    assert picks("sequential", 2) == [0, 1]
+    assert picks("sequential", 9) == [0, 1, 3, 4]  # never more than the masked positions
+
+
+def test_static_top_k_ignores_known_positions():
+    assert picks("static", 1) == [1]          # position 2 (0.99) is not masked
+    assert picks("static", 2) == [1, 3]
+    assert picks("static", 10) == [0, 1, 3, 4]
+
+
+def test_dynamic_strictly_greater():
+    assert picks("dynamic", 1, 0.9) == [1, 3]  # both above 0.9, at least k=1 -> all of them
+    assert picks("dynamic", 1, 0.91) == [1]    # 0.91 is not > 0.91
+    assert picks("dynamic", 3, 0.9) == [0, 1, 3]  # fewer than k above -> top-k
+    assert picks("dynamic", 1, 0.99) == [1]    # none above -> top-1
+
+
+def test_entropy_bounded():
+    # masked entropies sorted: 0.1 (1), 0.2 (3), 0.3 (0), 2.0 (4); cumsum 0.1, 0.3, 0.6, 2.6
+    assert picks("entropy", 1, 0.35) == [1, 3]
+    assert picks("entropy", 1, 0.61) == [0, 1, 3]
+    assert picks("entropy", 1, 0.59) == [1, 3]
+    assert picks("entropy", 1, 0.05) == [1]    # at least one
+    assert picks("entropy", 1, 100.0) == [0, 1, 3, 4]
+
+
+def test_nothing_masked():
+    assert picks("static", 2, masked=torch.zeros(5, dtype=torch.bool)) == []
+
+
+def test_ties_go_to_lower_index():
+    conf = torch.tensor([0.5, 0.5, 0.5])
+    sel = select_positions("static", torch.ones(3, dtype=torch.bool), conf, conf, 2)
+    assert sel.tolist() == [True, True, False]
+
+
+def test_confidence_is_unfiltered_probability():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    tok, conf, ent, probs = sample(logits, SamplingParams(temperature=0.0))
+    assert tok.item() == 0
+    torch.testing.assert_close(conf, torch.softmax(logits, -1)[:, 0])
+    assert probs[0, 0] == 1.0  # greedy draws from a one-hot
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(p[0, 2:], torch.zeros(2))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (p[0] > 0).tolist() == [True, False, False, False]
