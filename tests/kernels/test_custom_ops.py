@@ -69,3 +69,22 @@ def test_triton_backend_rejects_unsupported_head_dim():
     with pytest.raises(ValueError, match="dtype"):
         impl.attention(*[a.double() if a.is_floating_point() else a for a in
                          make_inputs(5, 1, 3, 2, 1, 64, [2])], 0, 1e4, 0.1)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_reads_device_lengths():
+    """Capture once; change cache_seqlens / labels in place; replay equals eager (no host sync)."""
+    args = [a.cuda() for a in make_inputs(6, 2, 8, 8, 2, 128, [300, 17], dtype=torch.bfloat16, lmax=512)]
+
+    def run():
+        return sk.temporal_attention(*args, mask_mode="paper", rope_theta=1e6, backend="triton")
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    args[5].copy_(torch.tensor([511 - 8, 0], dtype=torch.int32))
+    args[6][..., 0].fill_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, run(), atol=0, rtol=0)
