@@ -88,6 +88,11 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
     ``D ** -0.5``); a row that sees nothing is zeros. dtypes float16/bfloat16/float32
     (float64 on the torch backend).
 
+    Runs as the ``torch.library`` custom op ``simsd::temporal_attention`` (see
+    :mod:`simsd_kernels.custom_ops`), so it works under ``torch.compile`` and CUDA graphs; the
+    backend (``auto | cuda | triton | torch``) is resolved here in eager mode, inside the op
+    when compiling.
+
     Raises:
         ValueError: wrong dtype, device mismatch, shape, non-contiguous last dim, head_dim,
             GQA ratio, mask mode or backend (the message names the argument).

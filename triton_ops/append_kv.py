@@ -14,7 +14,7 @@ from .common import rope_inv_freq
 @triton.jit
 def append_kv_kernel(K, V, POS, KC, VC, SEQLENS, num_tokens, Lmax,
                      skb, skt, skh, svb, svt, svh, spb, spt,
-                     skcb, skct, skch, svcb, svct, svch, log2_theta,
+                     skcb, skct, skch, svcb, svct, svch, log2_theta_hi, log2_theta_lo,
                      HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     b = tl.program_id(0).to(tl.int64)
@@ -29,7 +29,7 @@ def append_kv_kernel(K, V, POS, KC, VC, SEQLENS, num_tokens, Lmax,
     k_lo = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
     k_hi = tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
     pos = tl.load(POS + b * spb + t * spt, mask=ok, other=0).to(tl.float32)
-    ang = pos[:, None] * rope_inv_freq(HALF, HEAD_DIM, log2_theta)[None, :]
+    ang = pos[:, None] * rope_inv_freq(HALF, HEAD_DIM, log2_theta_hi, log2_theta_lo)[None, :]
     cos = tl.cos(ang)
     sin = tl.sin(ang)
     kc_ptr = KC + b * skcb + slot[:, None] * skct + h * skch + offs_h[None, :]

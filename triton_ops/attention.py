@@ -63,7 +63,7 @@ def temporal_attn_fwd_kernel(
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     skcb, skct, skch, svcb, svct, svch,
     slb, slt, spb, spt, sob, sot, soh,
-    Lq, Hq, total_rows, log2_theta, qk_scale,
+    Lq, Hq, total_rows, log2_theta_hi, log2_theta_lo, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_MODE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -84,7 +84,7 @@ def temporal_attn_fwd_kernel(
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    inv_freq = rope_inv_freq(HALF, HEAD_DIM, log2_theta)
+    inv_freq = rope_inv_freq(HALF, HEAD_DIM, log2_theta_hi, log2_theta_lo)
 
     # q: load, rotate in fp32 at its positions, round to the input dtype for the dots
     q_ptr = Q + b * sqb + tok[:, None] * sqt + head[:, None] * sqh + offs_h[None, :]

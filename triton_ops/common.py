@@ -39,10 +39,16 @@ def allowed(MODE: tl.constexpr, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
 
 
 @triton.jit
-def rope_inv_freq(HALF: tl.constexpr, HEAD_DIM: tl.constexpr, log2_theta):
-    """``(HALF,)`` fp32 ``1 / theta ** (arange(0, D, 2) / D)`` (as simsd_kernels.rope, in fp32)."""
-    j2 = (tl.arange(0, HALF) * 2).to(tl.float32)
-    return 1.0 / tl.exp2((j2 / HEAD_DIM) * log2_theta)
+def rope_inv_freq(HALF: tl.constexpr, HEAD_DIM: tl.constexpr, log2_theta_hi, log2_theta_lo):
+    """``(HALF,)`` fp32 ``1 / theta ** (arange(0, D, 2) / D)``, as :mod:`simsd_kernels.rope`.
+
+    Evaluated in fp64 (``log2(theta)`` arrives as an fp32 hi/lo pair) and rounded once to fp32,
+    so it matches the fp32 table of the reference to an ulp; a plain fp32 ``exp2`` would be
+    ~10x less accurate and the error grows with the position.
+    """
+    log2_theta = tl.cast(log2_theta_hi, tl.float64) + tl.cast(log2_theta_lo, tl.float64)
+    j2 = (tl.arange(0, HALF) * 2).to(tl.float64)
+    return (1.0 / tl.exp2((j2 / HEAD_DIM) * log2_theta)).to(tl.float32)
 
 
 @triton.jit

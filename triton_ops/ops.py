@@ -31,6 +31,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _split_f64(x: float):
+    """``x`` as an fp32 pair ``(hi, lo)`` with ``hi + lo == x`` to ~48 bits (kernel args are fp32)."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
 def block_m_for(rows: int) -> int:
     """Tile of packed (token, q-head) rows: the next power of two in [16, 64]."""
     return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
@@ -98,7 +104,7 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         labels.stride(0), labels.stride(1), positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        Lq, Hq, total_rows, math.log2(rope_theta), softmax_scale * math.log2(math.e),
+        Lq, Hq, total_rows, *_split_f64(math.log2(rope_theta)), softmax_scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=D, MASK_MODE=int(mask_mode), NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRETED,
         DOT_PREC="ieee" if (fp32 or INTERPRETED) else "tf32",
@@ -130,6 +136,6 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         positions.stride(0), positions.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), math.log2(rope_theta),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *_split_f64(math.log2(rope_theta)),
         HEAD_DIM=D, BLOCK_T=block_t, num_warps=2,
     )

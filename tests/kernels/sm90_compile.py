@@ -33,7 +33,7 @@ def fwd_source(dtype, head_dim, mask_mode, num_splits, group, block_m=64, block_
     ints = ("sqb sqt sqh skb skt skh svb svt svh skcb skct skch svcb svct svch "
             "slb slt spb spt sob sot soh Lq Hq total_rows").split()
     sig.update({n: "i32" for n in ints})
-    sig.update(log2_theta="fp32", qk_scale="fp32")
+    sig.update(log2_theta_hi="fp32", log2_theta_lo="fp32", qk_scale="fp32")
     consts = dict(GROUP=group, HEAD_DIM=head_dim, MASK_MODE=mask_mode, NUM_SPLITS=num_splits,
                   BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32")
@@ -61,7 +61,7 @@ def append_source(dtype, head_dim):
     from triton_ops.append_kv import append_kv_kernel as fn
 
     ptr = ELT[dtype]
-    sig = dict(K=ptr, V=ptr, POS="*i64", KC=ptr, VC=ptr, SEQLENS="*i32", log2_theta="fp32")
+    sig = dict(K=ptr, V=ptr, POS="*i64", KC=ptr, VC=ptr, SEQLENS="*i32", log2_theta_hi="fp32", log2_theta_lo="fp32")
     for n in fn.arg_names:
         sig.setdefault(n, "i32")
     consts = dict(HEAD_DIM=head_dim, BLOCK_T=16)
