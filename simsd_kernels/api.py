@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .backends import resolve_backend
+from .custom_ops import append_kv_op, temporal_attention_op
 from .mask_rule import parse_mask_mode
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -58,6 +59,14 @@ def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, po
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def _backend_name(backend, device) -> str:
+    # eager: resolve now so that a bad or unavailable backend raises ValueError here; under
+    # torch.compile the custom op resolves the name when it runs
+    if torch.compiler.is_compiling():
+        return backend
+    return resolve_backend(backend, device).name
+
+
 def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, *,
                        mask_mode, rope_theta, softmax_scale=None, backend="auto", out=None):
     """Attention of new tokens over a KV cache and over themselves, with a label mask and RoPE.
@@ -79,6 +88,11 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
     ``D ** -0.5``); a row that sees nothing is zeros. dtypes float16/bfloat16/float32
     (float64 on the torch backend).
 
+    Runs as the ``torch.library`` custom op ``simsd::temporal_attention`` (see
+    :mod:`simsd_kernels.custom_ops`), so it works under ``torch.compile`` and CUDA graphs; the
+    backend (``auto | cuda | triton | torch``) is resolved here in eager mode, inside the op
+    when compiling.
+
     Raises:
         ValueError: wrong dtype, device mismatch, shape, non-contiguous last dim, head_dim,
             GQA ratio, mask mode or backend (the message names the argument).
@@ -87,9 +101,9 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
     validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    impl = resolve_backend(backend, q.device)
-    result = impl.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
-                            mode, float(rope_theta), float(softmax_scale))
+    result = temporal_attention_op(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                                   int(mode), float(rope_theta), float(softmax_scale),
+                                   _backend_name(backend, q.device))
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
@@ -118,5 +132,5 @@ def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta, n
         raise ValueError(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)} do not fit")
     if positions.shape != (B, L):
         raise ValueError(f"positions must be (B={B}, L={L}), got {tuple(positions.shape)}")
-    impl = resolve_backend(backend, k.device)
-    impl.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens))
+    append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens),
+                 _backend_name(backend, k.device))

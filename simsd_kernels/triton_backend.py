@@ -1,0 +1,50 @@
+"""The ``triton`` backend of the simsd attention ops (kernels in :mod:`triton_ops`).
+
+Imported lazily by :mod:`simsd_kernels.backends`; importing it imports Triton. Runs on CUDA
+devices, and on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
+Triton is imported), which is how the tests exercise the kernels without a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .backends import Backend
+
+
+def is_available(device) -> tuple:
+    """``(ok, reason)``: CUDA device with Triton, or CPU under ``TRITON_INTERPRET=1``."""
+    device = torch.device(device)
+    try:
+        import triton  # noqa: F401
+        from triton_ops import ops
+    except ImportError as exc:  # pragma: no cover - triton is a dependency of this module
+        return False, f"triton does not import: {exc}"
+    if device.type == "cuda":
+        if ops.INTERPRETED:
+            return False, "Triton kernels were defined under TRITON_INTERPRET=1 (CPU only)"
+        return True, ""
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1" and ops.INTERPRETED:
+            return True, ""
+        return False, "on CPU the Triton kernels need TRITON_INTERPRET=1 before triton is imported"
+    return False, f"device type {device.type!r} is not supported by Triton here"
+
+
+def _attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
+               softmax_scale, out=None):
+    from triton_ops.ops import temporal_attention_fwd
+    return temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                                  mask_mode, rope_theta, softmax_scale, out=out)
+
+
+def _append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
+    from triton_ops.ops import append_kv_fwd
+    append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
+
+
+def make_backend() -> Backend:
+    """Backend factory used by :func:`simsd_kernels.backends.get_backend`."""
+    import triton  # noqa: F401  (ImportError -> backend reported unavailable)
+    return Backend("triton", _attention, _append_kv, is_available)

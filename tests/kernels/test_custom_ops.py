@@ -1,0 +1,90 @@
+"""``simsd::temporal_attention`` / ``simsd::append_kv`` custom ops: opcheck, torch.compile, api."""
+import pytest
+import torch
+
+import simsd_kernels as sk
+from simsd_kernels.backends import resolve_backend
+from simsd_kernels.custom_ops import append_kv_op, temporal_attention_op
+from tests.kernels.helpers import make_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backends():
+    names = ["torch"]
+    try:
+        resolve_backend("triton", torch.device(DEVICE))
+        names.append("triton")
+    except ValueError:
+        pass
+    return names
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_opcheck_temporal_attention(backend):
+    args = [a.to(DEVICE) for a in make_inputs(1, 2, 5, 4, 2, 64, [6, 0])]
+    torch.library.opcheck(temporal_attention_op, (*args, 3, 1e4, 0.125, backend),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_opcheck_append_kv(backend):
+    _, k, v, kc, vc, lens, _, pos = [a.to(DEVICE) for a in make_inputs(2, 2, 5, 4, 2, 64, [6, 0])]
+    torch.library.opcheck(append_kv_op, (k, v, pos, kc, vc, lens, 1e4, 3, backend),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_torch_compile_fullgraph_equals_eager(backend):
+    args = [a.to(DEVICE) for a in make_inputs(3, 2, 6, 4, 2, 64, [9, 1])]
+
+    def f(*a):
+        return sk.temporal_attention(*a, mask_mode="exact", rope_theta=1e4, backend=backend) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*args), f(*args), atol=0, rtol=0)
+
+
+def test_api_out_and_errors():
+    args = make_inputs(4, 1, 3, 2, 1, 64, [2])
+    out = torch.full_like(args[0], float("nan"))
+    res = sk.temporal_attention(*args, mask_mode="paper", rope_theta=1e4, backend="torch", out=out)
+    assert res is out and not out.isnan().any()
+    with pytest.raises(ValueError, match="backend"):
+        sk.temporal_attention(*args, mask_mode="paper", rope_theta=1e4, backend="nope")
+    with pytest.raises(ValueError, match="mask_mode"):
+        sk.temporal_attention(*args, mask_mode="causal", rope_theta=1e4)
+
+
+def test_triton_backend_rejects_unsupported_head_dim():
+    pytest.importorskip("triton")
+    try:
+        impl = resolve_backend("triton", torch.device(DEVICE))
+    except ValueError as exc:
+        pytest.skip(f"triton backend unavailable here: {exc}")
+    args = [a.to(DEVICE) for a in make_inputs(5, 1, 3, 2, 1, 32, [2])]
+    with pytest.raises(ValueError, match="head_dim"):
+        impl.attention(*args, 0, 1e4, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        impl.attention(*[a.double() if a.is_floating_point() else a for a in
+                         make_inputs(5, 1, 3, 2, 1, 64, [2])], 0, 1e4, 0.1)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_reads_device_lengths():
+    """Capture once; change cache_seqlens / labels in place; replay equals eager (no host sync)."""
+    args = [a.cuda() for a in make_inputs(6, 2, 8, 8, 2, 128, [300, 17], dtype=torch.bfloat16, lmax=512)]
+
+    def run():
+        return sk.temporal_attention(*args, mask_mode="paper", rope_theta=1e6, backend="triton")
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    args[5].copy_(torch.tensor([511 - 8, 0], dtype=torch.int32))
+    args[6][..., 0].fill_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, run(), atol=0, rtol=0)

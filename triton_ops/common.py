@@ -1,0 +1,72 @@
+"""Triton helpers shared by the simsd kernels: the mask-rule mirror and RoPE angles.
+
+:func:`allowed` mirrors :func:`simsd_kernels.mask_rule.allowed` operator for operator;
+``tests/kernels/test_mask_mirror.py`` checks the two agree on every label combination.
+"""
+import triton
+import triton.language as tl
+
+# mirrors simsd_kernels.mask_rule (kinds and MaskMode values)
+KIND_KNOWN = tl.constexpr(0)
+KIND_DRAFT = tl.constexpr(1)
+KIND_MASK = tl.constexpr(2)
+MODE_BIDIRECTIONAL = tl.constexpr(0)
+MODE_BLOCK_CAUSAL = tl.constexpr(1)
+MODE_EXACT = tl.constexpr(2)
+MODE_PAPER = tl.constexpr(3)
+
+
+@triton.jit
+def allowed(MODE: tl.constexpr, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
+    """True where a query (labels ``*_q``, column vectors) may attend a new key (row vectors)."""
+    if MODE == MODE_BIDIRECTIONAL:
+        res = (kind_q == kind_q) & (kind_k == kind_k)
+    elif MODE == MODE_BLOCK_CAUSAL:
+        res = grp_k <= grp_q
+    elif MODE == MODE_EXACT:
+        res = grp_k == grp_q
+    else:
+        k_known = kind_k == KIND_KNOWN
+        k_draft = kind_k == KIND_DRAFT
+        k_mask = kind_k == KIND_MASK
+        q_draft = kind_q == KIND_DRAFT
+        q_mask = kind_q == KIND_MASK
+        from_draft = q_draft & (k_known | (k_draft & (tau_k <= tau_q)) | (k_mask & (tau_k > tau_q)))
+        from_mask = q_mask & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k >= tau_q)))
+        from_known = (kind_q == KIND_KNOWN) & k_known
+        res = from_known | from_draft | from_mask
+    return res
+
+
+@triton.jit
+def rope_inv_freq(HALF: tl.constexpr, HEAD_DIM: tl.constexpr, log2_theta_hi, log2_theta_lo):
+    """``(HALF,)`` fp32 ``1 / theta ** (arange(0, D, 2) / D)``, as :mod:`simsd_kernels.rope`.
+
+    Evaluated in fp64 (``log2(theta)`` arrives as an fp32 hi/lo pair) and rounded once to fp32,
+    so it matches the fp32 table of the reference to an ulp; a plain fp32 ``exp2`` would be
+    ~10x less accurate and the error grows with the position.
+    """
+    log2_theta = tl.cast(log2_theta_hi, tl.float64) + tl.cast(log2_theta_lo, tl.float64)
+    j2 = (tl.arange(0, HALF) * 2).to(tl.float64)
+    return (1.0 / tl.exp2((j2 / HEAD_DIM) * log2_theta)).to(tl.float32)
+
+
+@triton.jit
+def to_dot(x, ELT: tl.constexpr, UPCAST: tl.constexpr):
+    """Round ``x`` to the input dtype ``ELT`` for ``tl.dot``; back to fp32 under the interpreter.
+
+    The interpreter computes bf16/fp16 arithmetic on raw bits, so there the operands are kept in
+    fp32 after the rounding (the rounding itself is emulated faithfully).
+    """
+    x = x.to(ELT)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def upcast(x, UPCAST: tl.constexpr):
+    """Under the interpreter, cast a freshly loaded dot operand to fp32 (no-op otherwise)."""
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
