@@ -84,6 +84,8 @@ def resolve_backend(requested: str, device: torch.device) -> Backend:
             raise ValueError(f"attention backend {requested!r} cannot run on {device}: {why}")
         return backend
     for name in ("cuda", "triton"):
+        if device.type != "cuda":
+            break  # on CPU the Triton interpreter is a testing tool, never an automatic choice
         backend = get_backend(name)
         if backend is not None and backend.is_available(device)[0]:
             return backend

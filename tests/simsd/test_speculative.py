@@ -175,16 +175,21 @@ def test_rejection_sampling_committed_token_matches_target(mode):
     """The first committed token of a block follows the target's own distribution (chi-square)."""
     from scipy.stats import chisquare
     vocab = 12
-    target = ckpt("tiny-vocab-target", vocab=vocab, dtype="float32", std=0.6)
+    # paper mode is exact only for a one-layer target (DESIGN §4.1): deeper targets let the
+    # draft token leak into its own verification, so its guarantee is checked on one layer
+    layers = 1 if mode == "paper" else 2
+    target = ckpt(f"tiny-vocab-target{layers}", vocab=vocab, layers=layers, dtype="float32", std=0.6)
     draft = ckpt("tiny-vocab-draft", vocab=vocab, layers=1, seed=5, dtype="float32", std=0.6)
     prompt = [1, 2, 3, 4]
-    sampling = SamplingParams(temperature=1.0)
+    T = 3.0  # a flat enough distribution for the test to have power
+    sampling = SamplingParams(temperature=T)
     runner = prefilled(target.model, prompt)
     block = torch.full((4,), target.mask_token_id)
-    logits = runner.denoise_logits(block)[0].double()  # position 0, sequential strategy
+    logits = runner.denoise_logits(block)[0].double() / T  # position 0, sequential strategy
     logits[target.mask_token_id] = float("-inf")  # a step never reveals MASK
     p = torch.softmax(logits, -1)
-    N = 1500
+    assert int((p * 800 >= 5).sum()) >= 4
+    N = 800
     counts = torch.zeros(vocab)
     for seed in range(N):
         cfg = DecodeConfig(block_length=4, strategy="sequential", max_new_tokens=1, seed=seed, sampling=sampling)

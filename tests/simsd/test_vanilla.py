@@ -109,3 +109,23 @@ def test_bad_prompts(ckpt):
         vanilla_generate(ckpt.model, [], cfg, ckpt.mask_token_id, [])
     with pytest.raises(ValueError, match="maximum length"):
         vanilla_generate(ckpt.model, [1] * 5000, cfg, ckpt.mask_token_id, [])
+
+
+def test_triton_backend_decodes_like_torch(ckpt):
+    """Greedy decoding with the (interpreted on CPU) Triton kernels equals the torch backend."""
+    pytest.importorskip("triton")
+    from simsd_kernels.backends import resolve_backend
+    try:
+        resolve_backend("triton", ckpt.model.device)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    prompt = list(range(3, 14))
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=8)
+    ckpt.model.attention_backend = "torch"
+    want = vanilla_generate(ckpt.model, prompt, cfg, ckpt.mask_token_id, [])
+    try:
+        ckpt.model.attention_backend = "triton"
+        got = vanilla_generate(ckpt.model, prompt, cfg, ckpt.mask_token_id, [])
+    finally:
+        ckpt.model.attention_backend = "auto"
+    assert got.token_ids == want.token_ids

@@ -1,0 +1,145 @@
+"""The ``simsd`` command-line contract (run in-process)."""
+import json
+import shutil
+
+import pytest
+
+from simsd.cli import main
+from simsd.testing import make_random_checkpoint
+from tests.helpers import random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckdir():
+    return random_checkpoint("cli", tokenizer=True)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json(ckdir, capsys):
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt", "def add(a, b):",
+                         "--max-new-tokens", "10", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 1
+    row = rows[0]
+    assert isinstance(row["text"], str) and 0 < len(row["token_ids"]) <= 10
+    for key in ("mode", "new_tokens", "decode_seconds", "tokens_per_second", "target_forwards"):
+        assert key in row["stats"]
+    assert row["stats"]["new_tokens"] == len(row["token_ids"])
+
+
+def test_generate_text_summary(ckdir, capsys):
+    code, out, _ = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6,7,8,9",
+                       "--max-new-tokens", "6")
+    assert code == 0
+    assert "[vanilla]" in out.splitlines()[-1] and "tokens/s" in out
+
+
+@pytest.mark.parametrize("mode", ["paper", "exact"])
+def test_generate_speculative_modes(ckdir, capsys, mode):
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", mode,
+                         "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    for key in ("proposed", "accepted", "acceptance_rate", "accepted_per_round", "rounds", "target_forwards",
+                "draft_forwards", "new_tokens", "decode_seconds", "tokens_per_second"):
+        assert key in stats
+
+
+def test_exact_mode_cli_equals_vanilla(ckdir, capsys):
+    args = ["--target", str(ckdir), "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", "12", "--json"]
+    _, van, _ = run(capsys, "generate", *args)
+    _, ex, _ = run(capsys, "generate", *args, "--draft", str(random_checkpoint("cli-draft", tokenizer=True, seed=4,
+                                                                                 num_hidden_layers=1)),
+                   "--mode", "exact")
+    assert json.loads(van)["token_ids"] == json.loads(ex)["token_ids"]
+
+
+def test_prompts_file(ckdir, capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Let x be"}) + "\n\n" + json.dumps({"prompt_ids": [4, 5, 6]}) + "\n")
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", str(f),
+                         "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    assert len(out.splitlines()) == 2
+
+
+@pytest.mark.parametrize("content,needle", [("{not json", ":1: invalid JSON"), ('{"text": 1}', ':1: expected'),
+                                            ("", "no prompts")])
+def test_bad_prompts_file(ckdir, capsys, tmp_path, content, needle):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    code, _, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", str(f))
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_inputs(ckdir, capsys, tmp_path):
+    def err_of(*argv):
+        code, _, err = run(capsys, "generate", *argv)
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1
+        return err
+
+    assert "not found" in err_of("--target", str(tmp_path / "nope"), "--prompt-ids", "1")
+    assert "not found" in err_of("--target", str(ckdir), "--prompts-file", str(tmp_path / "none.jsonl"))
+    assert "outside the vocabulary" in err_of("--target", str(ckdir), "--prompt-ids", "1,999999")
+    assert "comma-separated" in err_of("--target", str(ckdir), "--prompt-ids", "1,x")
+    assert "unknown strategy" in err_of("--target", str(ckdir), "--prompt-ids", "1", "--strategy", "fancy")
+    assert "maximum length" in err_of("--target", str(ckdir), "--prompt-ids", ",".join(["5"] * 3000))
+
+    bad_type = tmp_path / "bad_type"
+    shutil.copytree(ckdir, bad_type)
+    cfg = json.loads((bad_type / "config.json").read_text())
+    (bad_type / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    assert "unknown model_type 'llama'" in err_of("--target", str(bad_type), "--prompt-ids", "1")
+
+
+def test_weight_shape_mismatch_names_tensor(capsys, tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    code, _, err = run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2")
+    assert code == 2 and "model.layers.0.mlp.down_proj.weight" in err and "(64, 128)" in err
+
+
+def test_missing_mask_token(capsys, tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "mask_token_id": None}))
+    code, _, err = run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2")
+    assert code == 2 and "mask" in err
+
+
+def test_sharded_and_tied_checkpoints_load(capsys, tmp_path):
+    a = make_random_checkpoint(tmp_path / "single", tokenizer=False, seed=2)
+    b = make_random_checkpoint(tmp_path / "sharded", tokenizer=False, seed=2, shards=3)
+    outs = []
+    for path in (a, b):
+        code, out, err = run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3,4,5",
+                             "--max-new-tokens", "8", "--json")
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1]
+    tied = make_random_checkpoint(tmp_path / "tied", tokenizer=False, tie_word_embeddings=True)
+    code, _, err = run(capsys, "generate", "--target", str(tied), "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    assert code == 0, err
+
+
+def test_bench_command(ckdir, capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": [4 + i, 5, 6, 7, 8]}) for i in range(3)))
+    out_json = tmp_path / "rows.json"
+    code, out, err = run(capsys, "bench", "--target", str(ckdir), "--draft", str(ckdir), "--prompts-file", str(f),
+                         "--max-new-tokens", "8", "--modes", "vanilla,paper,exact", "--json", str(out_json))
+    assert code == 0, err
+    rows = {r["mode"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {"vanilla", "paper", "exact"}
+    assert rows["exact"]["identical_to_vanilla"] == 3
+    assert rows["exact"]["acceptance_rate"] == 1.0  # the target is its own draft
+    assert 0.0 <= rows["paper"]["top1_agreement"] <= 1.0 and rows["paper"]["positions_compared"] > 0
+    assert "tok/s" in out
