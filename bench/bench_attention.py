@@ -10,7 +10,7 @@ bidirectional). Every row of the batch has the same cache length.
 Providers (a provider that cannot run is reported and skipped):
 * ``simsd-<name>``: every simsd backend available by name (``triton``, ``cuda`` once the
   compiled extension exists), RoPE fused (q, k un-rotated);
-* ``flex``: compiled FlexAttention, block mask whose ``mask_mod`` calls ``mask_rule.allowed``;
+* ``flex``: compiled FlexAttention, block mask from ``simsd_kernels.flex.make_mask_mod``;
 * ``sdpa-dense``: SDPA with a dense boolean mask (the torch backend's method);
 * ``sdpa-nomask``: SDPA over the same keys with no mask, the speed-of-light for this token count
   (SDPA's ``is_causal`` is top-left aligned when Lq != Lk, so it is not a valid causal here);
@@ -85,7 +85,6 @@ def build_providers(names_filter):
     import torch.nn.functional as F
 
     from simsd_kernels import backends
-    from simsd_kernels.mask_rule import allowed
     from simsd_kernels.reference import full_mask
     from simsd_kernels.rope import apply_rope
 
@@ -119,14 +118,10 @@ def build_providers(names_filter):
 
     def flex(c):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        qr, keys, vals = dense_inputs(c)
-        labels, L, mode = c["args"][6], c["cache_len"], c["mode"]
-        kind, tau, grp = labels[..., 0], labels[..., 1], labels[..., 2]
 
-        def mask_mod(b, h, qi, ki):
-            kj = (ki - L).clamp(min=0)
-            new = allowed(mode, kind[b, qi], tau[b, qi], grp[b, qi], kind[b, kj], tau[b, kj], grp[b, kj])
-            return (ki < L) | new
+        from simsd_kernels.flex import make_mask_mod
+        qr, keys, vals = dense_inputs(c)
+        mask_mod = make_mask_mod(c["args"][6], c["args"][5], c["cache_len"], c["mode"])
         bm = create_block_mask(mask_mod, qr.shape[0], None, qr.shape[2], keys.shape[2], device=qr.device)
         fn = torch.compile(flex_attention, dynamic=False)
         return lambda: fn(qr, keys, vals, block_mask=bm, enable_gqa=True).transpose(1, 2)
