@@ -156,8 +156,9 @@ def _cuda_extension():
             # in-place / editable builds: the record goes next to the copied extension too
             super().copy_extensions_to_source()
             for e in self.extensions:
-                src = os.path.join(os.path.dirname(self.get_ext_fullpath(e.name)), "_build_info.json")
-                dst = os.path.join(ROOT, *e.name.split(".")[:-1], "_build_info.json")
+                pkg = e.name.split(".")[:-1]
+                src = os.path.join(self.build_lib, *pkg, "_build_info.json")
+                dst = os.path.join(ROOT, *pkg, "_build_info.json")
                 if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(dst):
                     shutil.copyfile(src, dst)
 
