@@ -50,13 +50,23 @@ __device__ __forceinline__ uint32_t pack_bits(T lo, T hi) {
   return (uint32_t)Dt<T>::bits(lo) | ((uint32_t)Dt<T>::bits(hi) << 16);
 }
 
-// Load `nrows` rows of a (., D) tile starting at row `first` of a (B, L, H, D) tensor into
-// smem (row stride kStride); rows >= nvalid are zero-filled. ROPE rotates each row at
-// positions[row] (new keys).
+// Load kBlockN rows of a (., D) tile starting at row `first` (row stride `row_stride`
+// elements) into smem (row stride kStride); rows >= nvalid are zero-filled. ROPE rotates each
+// row at pos[first + r] in fp32 (new keys); otherwise the 16-byte chunks are copied as is.
 template <typename T, int D, bool ROPE>
 __device__ __forceinline__ void load_kv_rows(T* dst, const T* base, int64_t row_stride, int first,
                                              int nvalid, const int64_t* pos, const float* inv) {
   using Tile = MmaTile<D>;
+  if (!ROPE) {
+    constexpr int kVecs = D / 8;  // 16-byte chunks per row
+    for (int u = threadIdx.x; u < Tile::kBlockN * kVecs; u += Tile::kThreads) {
+      const int r = u / kVecs, c = (u % kVecs) * 8;
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (r < nvalid) val = *reinterpret_cast<const uint4*>(base + (int64_t)(first + r) * row_stride + c);
+      *reinterpret_cast<uint4*>(dst + r * Tile::kStride + c) = val;
+    }
+    return;
+  }
   for (int u = threadIdx.x; u < Tile::kBlockN * Tile::kChunks; u += Tile::kThreads) {
     const int r = u / Tile::kChunks, c = (u % Tile::kChunks) * 8;
     float x1[8], x2[8];
@@ -64,7 +74,7 @@ __device__ __forceinline__ void load_kv_rows(T* dst, const T* base, int64_t row_
       const T* src = base + (int64_t)(first + r) * row_stride;
       load8(src + c, x1);
       load8(src + D / 2 + c, x2);
-      if (ROPE) rope8(x1, x2, static_cast<float>(pos[first + r]), inv + c);
+      rope8(x1, x2, static_cast<float>(pos[first + r]), inv + c);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) x1[i] = x2[i] = 0.f;
@@ -103,8 +113,8 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qf)[D / 16][4], con
       bool ok = col < nvalid;
       if (NEW && ok) {
         const int* kl = sLab + 3 * col;
-        const int* ql = qlab[i >> 1];
-        ok = mask_allowed(mode, ql[0], ql[1], ql[2], kl[0], kl[1], kl[2]);
+        const int rh = i >> 1;
+        ok = mask_allowed(mode, qlab[rh][0], qlab[rh][1], qlab[rh][2], kl[0], kl[1], kl[2]);
       }
       s[nt][i] = ok ? s[nt][i] * scale_log2 : -INFINITY;
     }
