@@ -57,7 +57,7 @@ template <typename T, int D, bool ROPE>
 __device__ __forceinline__ void load_kv_rows(T* dst, const T* base, int64_t row_stride, int first,
                                              int nvalid, const int64_t* pos, const float* inv) {
   using Tile = MmaTile<D>;
-  if (!ROPE) {
+  if constexpr (!ROPE) {
     constexpr int kVecs = D / 8;  // 16-byte chunks per row
     for (int u = threadIdx.x; u < Tile::kBlockN * kVecs; u += Tile::kThreads) {
       const int r = u / kVecs, c = (u % kVecs) * 8;
@@ -65,22 +65,22 @@ __device__ __forceinline__ void load_kv_rows(T* dst, const T* base, int64_t row_
       if (r < nvalid) val = *reinterpret_cast<const uint4*>(base + (int64_t)(first + r) * row_stride + c);
       *reinterpret_cast<uint4*>(dst + r * Tile::kStride + c) = val;
     }
-    return;
-  }
-  for (int u = threadIdx.x; u < Tile::kBlockN * Tile::kChunks; u += Tile::kThreads) {
-    const int r = u / Tile::kChunks, c = (u % Tile::kChunks) * 8;
-    float x1[8], x2[8];
-    if (r < nvalid) {
-      const T* src = base + (int64_t)(first + r) * row_stride;
-      load8(src + c, x1);
-      load8(src + D / 2 + c, x2);
-      rope8(x1, x2, static_cast<float>(pos[first + r]), inv + c);
-    } else {
+  } else {
+    for (int u = threadIdx.x; u < Tile::kBlockN * Tile::kChunks; u += Tile::kThreads) {
+      const int r = u / Tile::kChunks, c = (u % Tile::kChunks) * 8;
+      float x1[8], x2[8];
+      if (r < nvalid) {
+        const T* src = base + (int64_t)(first + r) * row_stride;
+        load8(src + c, x1);
+        load8(src + D / 2 + c, x2);
+        rope8(x1, x2, static_cast<float>(pos[first + r]), inv + c);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x1[i] = x2[i] = 0.f;
+        for (int i = 0; i < 8; ++i) x1[i] = x2[i] = 0.f;
+      }
+      store8(dst + r * Tile::kStride + c, x1);
+      store8(dst + r * Tile::kStride + D / 2 + c, x2);
     }
-    store8(dst + r * Tile::kStride + c, x1);
-    store8(dst + r * Tile::kStride + D / 2 + c, x2);
   }
 }
 
