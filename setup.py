@@ -1,4 +1,171 @@
-"""Build script: pure-Python install; the CUDA extension is added in csrc/ (see README)."""
+"""Build script: the pure-Python package, plus the CUDA extension ``simsd_kernels._C`` when it can.
+
+The extension (csrc/, see csrc/README.md) is built with ninja when a CUDA-enabled torch and
+nvcc are both present; otherwise the install stays pure Python and says why. Nothing is ever
+downloaded. Install torch first, then::
+
+    pip install --no-build-isolation .          # or -e . for a development checkout
+
+Environment:
+
+* ``SIMSD_SKIP_CUDA_BUILD=1``  never build the extension;
+* ``SIMSD_CUDA_ARCHS="80;90"`` SM archs to compile for (default ``80;90``; PTX of the highest
+  is embedded too); sm_80 is the minimum (mma.sync bf16);
+* ``MAX_JOBS``                  parallel compile jobs (torch's ninja builder reads it);
+* ``CUDA_HOME``                 the CUDA toolkit (found from nvcc otherwise).
+
+A successful build writes ``simsd_kernels/_build_info.json`` next to the extension (archs,
+versions, flags), which :mod:`simsd_kernels.cuda_backend` reads.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
 from setuptools import setup
 
-setup()
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(ROOT, "csrc")
+DEFAULT_ARCHS = "80;90"
+
+
+def _log(msg: str) -> None:
+    print(f"simsd setup: {msg}", file=sys.stderr)
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _parse_archs(spec: str) -> list[int]:
+    """``"80;90"`` / ``"8.0 9.0"`` -> ``[80, 90]``; raise ``ValueError`` on a bad or < sm_80 entry."""
+    archs = []
+    for tok in spec.replace(",", ";").replace(" ", ";").split(";"):
+        tok = tok.strip().lower().removeprefix("sm_")
+        if not tok:
+            continue
+        num = int(tok.replace(".", "")) if tok.replace(".", "").isdigit() else None
+        if num is None or num < 80:
+            raise ValueError(f"SIMSD_CUDA_ARCHS: {tok!r} is not an SM arch >= 80 (e.g. '80;90')")
+        archs.append(num)
+    if not archs:
+        raise ValueError("SIMSD_CUDA_ARCHS is empty")
+    return sorted(set(archs))
+
+
+def _find_cuda_home() -> str | None:
+    """The toolkit root holding bin/nvcc and include/cuda_runtime.h (nvcc may be a wrapper script)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for c in candidates:
+        if c and os.path.isfile(os.path.join(c, "bin", "nvcc")) and os.path.isfile(
+                os.path.join(c, "include", "cuda_runtime.h")):
+            return c
+    return None
+
+
+def _nvcc_version(cuda_home: str) -> str:
+    out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout else "unknown"
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cuda_extension():
+    """``(ext_modules, cmdclass)`` for the CUDA build, or ``([], {})`` with the reason logged."""
+    if _truthy("SIMSD_SKIP_CUDA_BUILD"):
+        _log("SIMSD_SKIP_CUDA_BUILD is set: pure-Python install, no CUDA extension")
+        return [], {}
+    try:
+        import torch
+    except ImportError:
+        _log("torch is not importable (install torch first, then pip install --no-build-isolation .): "
+             "pure-Python install, no CUDA extension")
+        return [], {}
+    if not torch.version.cuda:
+        _log(f"torch {torch.__version__} is not a CUDA build: pure-Python install, no CUDA extension")
+        return [], {}
+    cuda_home = _find_cuda_home()
+    if cuda_home is None:
+        _log("nvcc / the CUDA toolkit was not found (set CUDA_HOME): pure-Python install, no CUDA extension")
+        return [], {}
+    archs = _parse_archs(os.environ.get("SIMSD_CUDA_ARCHS", DEFAULT_ARCHS))
+
+    # torch.utils.cpp_extension reads CUDA_HOME when first imported; a wrapper nvcc on PATH
+    # (/usr/local/bin/nvcc -> the toolkit) would otherwise make it guess the wrong root.
+    os.environ["CUDA_HOME"] = cuda_home
+    from torch.utils import cpp_extension
+    cpp_extension.CUDA_HOME = cuda_home
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
+    # torch adds -std=c++20 (ATen needs it); no --use_fast_math: RoPE needs accurate sincosf
+    nvcc_flags = ["-O3", "-lineinfo", *gencode]
+    cxx_flags = ["-O3"]
+    sources = ["csrc/bindings.cpp"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(CSRC, "*.cu")))
+    ext = CUDAExtension(
+        name="simsd_kernels._C",
+        sources=sources,
+        include_dirs=[CSRC],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+    info = {
+        "cuda_extension": True,
+        "archs": archs,
+        "ptx_arch": archs[-1],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "nvcc": _nvcc_version(cuda_home),
+        "cuda_home": cuda_home,
+        "nvcc_flags": nvcc_flags,
+        "sources": sources,
+        "git_sha": _git_sha(),
+    }
+
+    class BuildWithInfo(BuildExtension):
+        """BuildExtension (ninja) that records what it built next to the extension."""
+
+        def build_extensions(self):
+            t0 = time.time()
+            super().build_extensions()
+            info["build_seconds"] = round(time.time() - t0, 1)
+            info["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            for e in self.extensions:
+                path = os.path.join(os.path.dirname(self.get_ext_fullpath(e.name)), "_build_info.json")
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(info, f, indent=1, sort_keys=True)
+                _log(f"built {e.name} for sm {archs} in {info['build_seconds']} s; wrote {path}")
+
+        def copy_extensions_to_source(self):
+            # in-place / editable builds: the record goes next to the copied extension too
+            super().copy_extensions_to_source()
+            for e in self.extensions:
+                pkg = e.name.split(".")[:-1]
+                src = os.path.join(self.build_lib, *pkg, "_build_info.json")
+                dst = os.path.join(ROOT, *pkg, "_build_info.json")
+                if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(dst):
+                    shutil.copyfile(src, dst)
+
+    _log(f"building the CUDA extension for sm {archs} with {cuda_home} "
+         f"(MAX_JOBS={os.environ.get('MAX_JOBS', 'default')})")
+    return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _cuda_extension()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

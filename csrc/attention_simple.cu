@@ -1,0 +1,193 @@
+// Plain (no tensor core) fp32 forward and the split-KV LSE merge.
+//
+// attention_simple_kernel<D>: one warp per row (b, t, h), grid (ceil(B*Lq*Hq / 4), num_splits),
+// 128 threads. Lane l owns elements d = l + 32 j (j < D / 32); since D / 2 is a multiple of 32,
+// a lane owns both halves of every rotate-half pair and rotates q and the new keys locally.
+// Keys are visited one at a time (dot product by warp shuffles, online softmax in base 2), the
+// cache slice of the split first (same slicing as the tensor-core kernel), then the new tokens
+// with the mask rule. Written for fp32 tests against float64, not for speed.
+//
+// split_merge_kernel<T, D>: one warp per row; out = sum_s 2^(lse_s - max) O_s / sum_s 2^(...),
+// zeros when every split saw nothing (all lse = -inf).
+#include <math.h>
+
+#include "common.cuh"
+#include "launchers.cuh"
+#include "mask_rule.cuh"
+
+namespace simsd {
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kSimpleBlockN = 64;  // split granularity, as the tensor-core kernel
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Rotate the lane's elements x[j] (d = lane + 32 j) at position `pos`.
+template <int D>
+__device__ __forceinline__ void rope_lane(float (&x)[D / 32], float pos, float theta, int lane) {
+  constexpr int J = D / 32, H = J / 2;  // x[j + H] is the partner of x[j]
+  float y[J];
+#pragma unroll
+  for (int j = 0; j < H; ++j) {
+    float s, c;
+    sincosf(pos * rope_inv_freq(lane + 32 * j, D, theta), &s, &c);
+    y[j] = x[j] * c - x[j + H] * s;
+    y[j + H] = x[j + H] * c + x[j] * s;
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j) x[j] = y[j];
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simple_kernel(const simsd_attention_params p) {
+  constexpr int J = D / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= (int64_t)p.B * p.Lq * p.Hq) return;
+  const int h = (int)(row % p.Hq), t = (int)((row / p.Hq) % p.Lq), b = (int)(row / ((int64_t)p.Hq * p.Lq));
+  const int hkv = h / (p.Hq / p.Hkv);
+  const int split = blockIdx.y;
+  const float scale_log2 = p.softmax_scale * kLog2e;
+
+  const float* qp = static_cast<const float*>(p.q) + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
+  const int64_t* pos = p.positions + (int64_t)b * p.positions_stride;
+  float q[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) q[j] = qp[lane + 32 * j];
+  rope_lane<D>(q, static_cast<float>(pos[t]), p.rope_theta, lane);
+
+  float m = -INFINITY, l = 0.f, o[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) o[j] = 0.f;
+
+  auto visit = [&](const float* kp, const float* vp, bool rotate, float kpos) {
+    float k[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) k[j] = kp[lane + 32 * j];
+    if (rotate) rope_lane<D>(k, kpos, p.rope_theta, lane);
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) dot += q[j] * k[j];
+    const float s = warp_sum(dot) * scale_log2;
+    const float m_new = fmaxf(m, s);
+    const float alpha = exp2f(m - m_new), w = exp2f(s - m_new);
+    l = l * alpha + w;
+#pragma unroll
+    for (int j = 0; j < J; ++j) o[j] = o[j] * alpha + w * vp[lane + 32 * j];
+    m = m_new;
+  };
+
+  const int cache_len = min(max(p.cache_seqlens[b], 0), p.Lmax);
+  const int chunk = ceil_div(ceil_div(cache_len, p.num_splits), kSimpleBlockN) * kSimpleBlockN;
+  const int kbeg = split * chunk, kend = min(cache_len, kbeg + chunk);
+  const float* kc = static_cast<const float*>(p.k_cache) + b * p.kc_stride[0] + hkv * p.kc_stride[2];
+  const float* vc = static_cast<const float*>(p.v_cache) + b * p.vc_stride[0] + hkv * p.vc_stride[2];
+  for (int n = kbeg; n < kend; ++n) visit(kc + n * p.kc_stride[1], vc + n * p.vc_stride[1], false, 0.f);
+
+  if (split == p.num_splits - 1) {
+    const int* lq = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)t * p.labels_stride[1];
+    const float* kn = static_cast<const float*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[2];
+    const float* vn = static_cast<const float*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[2];
+    for (int n = 0; n < p.Lq; ++n) {
+      const int* lk = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)n * p.labels_stride[1];
+      if (!mask_allowed(p.mask_mode, lq[0], lq[1], lq[2], lk[0], lk[1], lk[2])) continue;
+      visit(kn + n * p.k_stride[1], vn + n * p.v_stride[1], true, static_cast<float>(pos[n]));
+    }
+  }
+
+  const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row that saw nothing -> zeros
+  if (p.num_splits == 1) {
+    float* dst = static_cast<float*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] + h * p.out_stride[2];
+#pragma unroll
+    for (int j = 0; j < J; ++j) dst[lane + 32 * j] = o[j] * inv_l;
+  } else {
+    const int64_t prow = (int64_t)split * p.B * p.Lq * p.Hq + row;
+#pragma unroll
+    for (int j = 0; j < J; ++j) p.o_partial[prow * D + lane + 32 * j] = o[j] * inv_l;
+    if (lane == 0) p.lse_partial[prow] = l > 0.f ? m + log2f(l) : -INFINITY;
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) split_merge_kernel(const simsd_attention_params p) {
+  constexpr int J = D / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = (int64_t)p.B * p.Lq * p.Hq;
+  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int h = (int)(row % p.Hq), t = (int)((row / p.Hq) % p.Lq), b = (int)(row / ((int64_t)p.Hq * p.Lq));
+
+  float lmax = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) lmax = fmaxf(lmax, p.lse_partial[s * rows + row]);
+  float acc[J], wsum = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) acc[j] = 0.f;
+  if (lmax != -INFINITY) {
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = exp2f(p.lse_partial[s * rows + row] - lmax);  // 0 for an empty split
+      if (w == 0.f) continue;  // its partial O may be anything finite; skip it anyway
+      wsum += w;
+      const float* src = p.o_partial + (s * rows + row) * D;
+#pragma unroll
+      for (int j = 0; j < J; ++j) acc[j] += w * src[lane + 32 * j];
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] + h * p.out_stride[2];
+#pragma unroll
+  for (int j = 0; j < J; ++j) dst[lane + 32 * j] = Dt<T>::from_float(acc[j] * inv);
+}
+
+template <int D>
+int launch_simple(const simsd_attention_params& p, cudaStream_t stream) {
+  const int64_t rows = (int64_t)p.B * p.Lq * p.Hq;
+  const dim3 grid((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), p.num_splits);
+  attention_simple_kernel<D><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+  SIMSD_CHECK_LAUNCH();
+  return SIMSD_OK;
+}
+
+template <typename T, int D>
+int launch_merge(const simsd_attention_params& p, cudaStream_t stream) {
+  const int64_t rows = (int64_t)p.B * p.Lq * p.Hq;
+  const dim3 grid((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  split_merge_kernel<T, D><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+  SIMSD_CHECK_LAUNCH();
+  return SIMSD_OK;
+}
+
+template <typename T>
+int launch_merge_d(const simsd_attention_params& p, cudaStream_t stream) {
+  if (p.D == 64) return launch_merge<T, 64>(p, stream);
+  if (p.D == 128) return launch_merge<T, 128>(p, stream);
+  return SIMSD_ERR_HEAD_DIM;
+}
+
+}  // namespace
+
+int launch_attention_simple_f32(const simsd_attention_params& p, cudaStream_t stream) {
+  if (p.D == 64) return launch_simple<64>(p, stream);
+  if (p.D == 128) return launch_simple<128>(p, stream);
+  return SIMSD_ERR_HEAD_DIM;
+}
+
+int launch_split_merge(const simsd_attention_params& p, simsd_dtype dtype, cudaStream_t stream) {
+  switch (dtype) {
+    case SIMSD_F16:
+      return launch_merge_d<__half>(p, stream);
+    case SIMSD_BF16:
+      return launch_merge_d<__nv_bfloat16>(p, stream);
+    case SIMSD_F32:
+      return launch_merge_d<float>(p, stream);
+    default:
+      return SIMSD_ERR_DTYPE;
+  }
+}
+
+}  // namespace simsd

@@ -1,0 +1,138 @@
+// Device helpers shared by the simsd kernels: dtype traits, 16-byte vector access, RoPE, the
+// m16n8k16 tensor-core MMA and the launch-error check. No torch header.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "simsd_attention.h"
+
+namespace simsd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---- dtype traits: float <-> storage conversions (explicit intrinsics only, so the torch
+// flags -D__CUDA_NO_HALF_CONVERSIONS__ etc. do not matter) -------------------------------
+template <typename T> struct Dt;
+
+template <> struct Dt<__half> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ uint16_t bits(__half x) { return __half_as_ushort(x); }
+  // two floats -> one 32-bit register, `lo` in the low half (the lower column of a fragment)
+  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <> struct Dt<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ uint16_t bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <> struct Dt<float> {
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+
+// ---- 16-byte vector access of 8 half-width elements ------------------------------------
+// `ptr` must be 16-byte aligned (checked on the host by simsd_attention_fwd).
+template <typename T>
+__device__ __forceinline__ void load8(const T* ptr, float (&x)[8]) {
+  static_assert(sizeof(T) == 2, "load8 is for 16-bit types");
+  uint4 u = *reinterpret_cast<const uint4*>(ptr);
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = Dt<T>::to_float(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* ptr, const float (&x)[8]) {
+  static_assert(sizeof(T) == 2, "store8 is for 16-bit types");
+  uint4 u;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = Dt<T>::pack2(x[2 * i], x[2 * i + 1]);
+  *reinterpret_cast<uint4*>(ptr) = u;
+}
+
+// ---- RoPE (rotate-half, as simsd_kernels/rope.py) ---------------------------------------
+// inv_freq[i] = 1 / theta ** (2 i / D) in fp32, angle = float(pos) * inv_freq[i] in fp32
+// (the transformers Qwen3 recipe). Needs accurate sincosf: never build with --use_fast_math.
+__device__ __forceinline__ float rope_inv_freq(int i, int head_dim, float theta) {
+  return 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(head_dim));
+}
+
+// Rotate the pair of 8-element chunks x1 = x[c .. c+8), x2 = x[c+D/2 .. c+D/2+8) in place:
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with inv_freq[c .. c+8) in `inv`.
+__device__ __forceinline__ void rope8(float (&x1)[8], float (&x2)[8], float pos, const float* inv) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float s, c;
+    sincosf(pos * inv[i], &s, &c);
+    const float a = x1[i], b = x2[i];
+    x1[i] = a * c - b * s;
+    x2[i] = b * c + a * s;
+  }
+}
+
+// ---- tensor-core MMA: D(16x8 f32) += A(16x16 row) * B(16x8 col), sm_80+ ------------------
+// Fragment layout (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+//   A regs: {row g, k 2t..2t+1}, {row g+8, k 2t..}, {row g, k 2t+8..}, {row g+8, k 2t+8..}
+//   B regs: {k 2t..2t+1, col g}, {k 2t+8..2t+9, col g}
+//   C: c0,c1 = row g, cols 2t, 2t+1;  c2,c3 = row g+8, cols 2t, 2t+1
+template <typename T> struct Mma;
+
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // the extension is built for sm_80+ only
+#endif
+  }
+};
+
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+  }
+};
+
+// ---- launch checks -----------------------------------------------------------------------
+// Return the launch error (a positive cudaError_t) from the enclosing launcher.
+#define SIMSD_CHECK_LAUNCH()                              \
+  do {                                                    \
+    const cudaError_t simsd_err_ = cudaGetLastError();    \
+    if (simsd_err_ != cudaSuccess) return (int)simsd_err_; \
+  } while (0)
+
+#define SIMSD_RETURN_IF_ERROR(expr)                    \
+  do {                                                 \
+    const int simsd_rc_ = (expr);                      \
+    if (simsd_rc_ != SIMSD_OK) return simsd_rc_;       \
+  } while (0)
+
+}  // namespace simsd

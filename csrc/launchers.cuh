@@ -1,0 +1,21 @@
+// Internal launchers behind the C ABI (simsd_attention.h); each returns SIMSD_OK or an error
+// code and checks its launches. Arguments are validated by simsd_attention_fwd.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "simsd_attention.h"
+
+namespace simsd {
+
+// Tensor-core forward (attention_mma.cuh); D in {64, 128}.
+int launch_attention_mma_f16(const simsd_attention_params& p, cudaStream_t stream);
+int launch_attention_mma_bf16(const simsd_attention_params& p, cudaStream_t stream);
+
+// Plain fp32 forward (one warp per row, no tensor cores; for tests against float64).
+int launch_attention_simple_f32(const simsd_attention_params& p, cudaStream_t stream);
+
+// LSE merge of num_splits partial results into p.out (dtype of out).
+int launch_split_merge(const simsd_attention_params& p, simsd_dtype dtype, cudaStream_t stream);
+
+}  // namespace simsd

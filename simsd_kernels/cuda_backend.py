@@ -1,0 +1,110 @@
+"""The ``cuda`` backend: the compiled extension ``simsd_kernels._C`` (sources in ``csrc/``).
+
+Importing this module loads the extension, which registers ``torch.ops.simsd_cuda.*``; it
+raises ``ImportError`` (with the reason) when the extension was not built, so
+:func:`simsd_kernels.backends.get_backend` treats the backend as absent. Building it:
+``pip install --no-build-isolation .`` with a CUDA build of torch and nvcc (``csrc/README.md``).
+
+Ops (same semantics as :func:`simsd_kernels.temporal_attention`, shapes B, Lq, Lmax, Hq, Hkv, D):
+
+* ``attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
+  rope_theta, softmax_scale, num_splits=0) -> (B, Lq, Hq, D)``: fp16/bf16 on tensor cores
+  (sm_80+), fp32 on a plain path; head_dim 64/128; ``num_splits`` 0 = heuristic, 1 = off,
+  n = split the cache into n chunks merged by log-sum-exp.
+* ``append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)``:
+  rotated k and v of the first ``num_tokens`` new tokens to slots ``cache_seqlens[b] + i``
+  (slots past the capacity are skipped).
+* ``mask_table(labels (B, L, 3) int32, mask_mode) -> (B, L, L) bool``: the C++ mirror of
+  :func:`simsd_kernels.mask_rule.allowed` (CPU and CUDA), for the mirror test.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .backends import Backend
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD_INFO_PATH = os.path.join(_HERE, "_build_info.json")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def build_info() -> dict:
+    """What setup.py recorded about the build (``{}`` when there is no record)."""
+    try:
+        with open(BUILD_INFO_PATH) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.simsd_cuda)
+except ImportError as exc:  # not built, or built against another torch
+    raise ImportError(
+        "simsd CUDA extension simsd_kernels._C is not available "
+        f"({exc}); build it with a CUDA torch and nvcc: "
+        "`pip install --no-build-isolation .` (see csrc/README.md)"
+    ) from exc
+
+ops = torch.ops.simsd_cuda
+
+
+def is_available(device) -> tuple:
+    """``(ok, reason)``: only CUDA devices whose arch the build covers (or can JIT from PTX)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the cuda backend runs on CUDA devices only, got {device}"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False"
+    major, minor = torch.cuda.get_device_capability(device)
+    sm = 10 * major + minor
+    info = build_info()
+    archs = info.get("archs")
+    if sm < 80:
+        return False, f"sm_{sm} < sm_80 (the kernels use mma.sync bf16)"
+    # a cubin runs on the same major arch with an equal or higher minor; PTX JITs forward
+    if archs and not any(a // 10 == major and a <= sm for a in archs) and sm < info.get("ptx_arch", max(archs)):
+        return False, f"built for sm {archs} (PTX {info.get('ptx_arch')}), device is sm_{sm}"
+    return True, ""
+
+
+def _check_supported(name, t):
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"cuda backend: {name} dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype} "
+                         "(use backend='torch' for float64)")
+    if t.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"cuda backend: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {t.shape[-1]}")
+
+
+def attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
+              softmax_scale, num_splits: int = 0):
+    """See :func:`simsd_kernels.temporal_attention`; ``num_splits`` 0 = heuristic, 1 = no split.
+
+    Raises:
+        ValueError: unsupported dtype or head_dim.
+        RuntimeError: from the extension's argument checks or a failed launch.
+    """
+    _check_supported("q", q)
+    return ops.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, int(mask_mode),
+                         float(rope_theta), float(softmax_scale), int(num_splits))
+
+
+def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
+    """See :func:`simsd_kernels.append_kv`. Raises ValueError on an unsupported dtype."""
+    if k.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"cuda backend: k dtype must be one of {SUPPORTED_DTYPES}, got {k.dtype}")
+    ops.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens))
+
+
+def mask_table(labels, mask_mode):
+    """``(B, L, L)`` bool from the C++ mask rule (CPU or CUDA tensor ``labels (B, L, 3)`` int32)."""
+    return ops.mask_table(labels, int(mask_mode))
+
+
+def make_backend() -> Backend:
+    """The :class:`~simsd_kernels.backends.Backend` for ``cuda`` (the import above already succeeded)."""
+    return Backend("cuda", attention, append_kv, is_available)
