@@ -5,7 +5,8 @@
 // (CUDA tensors) so a test can compare it with the Python rule over every label combination.
 //
 // Labels of a new token: kind (0 known, 1 draft D, 2 mask M), tau (1-based draft step,
-// TAU_INF = 1 << 30 when never revealed), grp (block id for block_causal, copy id for exact).
+// TAU_INF = 1 << 30 when never revealed), grp (block id for block_causal, copy id for exact;
+// -1 in exact mode = a shared prefix every token sees).
 // Modes (MaskMode): 0 bidirectional, 1 block_causal, 2 exact, 3 paper.
 //
 //   query \ key | known | D_j            | M_j
@@ -27,6 +28,8 @@ namespace simsd {
 
 enum MaskMode : int { kBidirectional = 0, kBlockCausal = 1, kExact = 2, kPaper = 3 };
 enum TokenKind : int { kKnown = 0, kDraft = 1, kMask = 2 };
+// exact mode: grp of the shared prefix that every copy sees (mask_rule.SHARED_GRP)
+constexpr int kSharedGrp = -1;
 
 // True where query token (kq, tq, gq) may attend new token (kk, tk, gk) under `mode`.
 // An unknown mode allows nothing (the bindings reject it before any launch).
@@ -37,7 +40,7 @@ SIMSD_HOST_DEVICE bool mask_allowed(int mode, int kq, int tq, int gq, int kk, in
     case kBlockCausal:
       return gk <= gq;
     case kExact:
-      return gk == gq;
+      return gk == gq || gk == kSharedGrp;
     case kPaper: {
       if (kk == kKnown) return kq == kKnown || kq == kDraft || kq == kMask;
       if (kq == kDraft) return (kk == kDraft && tk <= tq) || (kk == kMask && tk > tq);

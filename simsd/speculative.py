@@ -131,8 +131,7 @@ class SpeculativeDecoder:
         bonus = bool((draft.final == self.mask_id).any())
         if bonus:
             states.append(draft.final)
-        ids, pos, lab = exact_layout(states, self.target_runner.cached)
-        logits = self.target_runner.forward(ids, pos, lab, "exact")[0].view(len(states), states[0].shape[0], -1)
+        logits = self.target_runner.exact_logits(states)
         greedy = self.cfg.sampling.greedy
         accepted = 0
         for c in range(draft.n):
@@ -164,6 +163,7 @@ class SpeculativeDecoder:
     def verify_paper(self, block: torch.Tensor, draft: Draft):
         """Returns ``(new_block, steps_taken, accepted_tokens)``."""
         known = block != self.mask_id
+        self.target_runner.flush()  # the paper layout has no place for a folded commit
         start = self.target_runner.cached
         ids, pos, lab, m_index = paper_layout(block, known, draft.final, draft.tau.to(block.device), start,
                                               self.mask_id, self.spec.rope_copy)
@@ -247,8 +247,8 @@ class SpeculativeDecoder:
                 generated.extend(new)
                 if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
                     break
-                self.target_runner.commit(block)
-                self.draft_runner.commit(block.to(self.d.model.device))
+                self.target_runner.commit(block, fold=cfg.fold_commit)
+                self.draft_runner.commit(block.to(self.d.model.device), fold=cfg.fold_commit)
         token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)
         n = len(token_ids)
         stats = {

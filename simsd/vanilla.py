@@ -31,7 +31,6 @@ def vanilla_generate(model, prompt_ids: list, cfg: DecodeConfig, mask_id: int, s
     tail = runner.prefill(prompt_ids)
     generated: list = []
     blocks = 0
-    prev = None  # a finished block whose commit is folded into the next forward
     with Timer(model.device) as timer:
         while True:
             block = new_block(tail, B, mask_id, model.device)
@@ -39,11 +38,7 @@ def vanilla_generate(model, prompt_ids: list, cfg: DecodeConfig, mask_id: int, s
             tail = []
             step = 0
             while bool((block == mask_id).any()):
-                if prev is not None:
-                    logits = runner.commit_and_denoise(prev, block)
-                    prev = None
-                else:
-                    logits = runner.denoise_logits(block)
+                logits = runner.denoise_logits(block)
                 block, _, _ = denoise_step(logits, block, mask_id, cfg, step, generator)
                 step += 1
             blocks += 1
@@ -51,10 +46,7 @@ def vanilla_generate(model, prompt_ids: list, cfg: DecodeConfig, mask_id: int, s
             generated.extend(new)
             if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
                 break  # the last block's K/V is never read: no commit forward
-            if cfg.fold_commit:
-                prev = block
-            else:
-                runner.commit(block)
+            runner.commit(block, fold=cfg.fold_commit)
     token_ids = finish(generated, stop_ids, cfg.max_new_tokens)
     n = len(token_ids)
     stats = {

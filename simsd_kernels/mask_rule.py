@@ -16,7 +16,9 @@ attention. Query ``i`` may attend key ``j`` when (SimSD paper, DESIGN.md §4 and
 
 * ``bidirectional`` (denoise, commit): always;
 * ``block_causal`` (prefill): ``grp_j <= grp_i``;
-* ``exact`` (one block copy per verified step): ``grp_j == grp_i``;
+* ``exact`` (one block copy per verified step): ``grp_j == grp_i``, or ``grp_j == SHARED_GRP``
+  (-1): a shared prefix that every token sees and that sees only itself (used to fold the
+  previous block's commit into the verification forward);
 * ``paper`` (four-quadrant temporal mask)::
 
       query \\ key | known | D_j           | M_j
@@ -32,6 +34,9 @@ import enum
 KIND_KNOWN = 0
 KIND_DRAFT = 1
 KIND_MASK = 2
+
+#: ``grp`` of the shared prefix in ``exact`` mode (seen by every copy)
+SHARED_GRP = -1
 
 #: time label of a position that the draft did not reveal within the verified steps
 TAU_INF = 1 << 30
@@ -73,7 +78,7 @@ def allowed(mask_mode, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
     if mode == MaskMode.BLOCK_CAUSAL:
         return grp_k <= grp_q
     if mode == MaskMode.EXACT:
-        return grp_k == grp_q
+        return (grp_k == grp_q) | (grp_k == SHARED_GRP)
     # paper: four quadrants
     k_known = kind_k == KIND_KNOWN
     k_draft = kind_k == KIND_DRAFT

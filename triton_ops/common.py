@@ -24,7 +24,7 @@ def allowed(MODE: tl.constexpr, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
     elif MODE == MODE_BLOCK_CAUSAL:
         res = grp_k <= grp_q
     elif MODE == MODE_EXACT:
-        res = grp_k == grp_q
+        res = (grp_k == grp_q) | (grp_k == -1)  # -1: shared prefix (mask_rule.SHARED_GRP)
     else:
         k_known = kind_k == KIND_KNOWN
         k_draft = kind_k == KIND_DRAFT

@@ -18,8 +18,8 @@ from .cuda_helpers import load_cuda_backend
 
 
 def all_label_combinations() -> torch.Tensor:
-    """``(1, 48, 3)`` int32: one token per (kind, tau, grp) combination."""
-    combos = list(itertools.product((0, 1, 2, 3), (1, 2, 3, TAU_INF), (0, 1, 2)))
+    """``(1, 64, 3)`` int32: one token per (kind, tau, grp) combination (grp -1: shared prefix)."""
+    combos = list(itertools.product((0, 1, 2, 3), (1, 2, 3, TAU_INF), (-1, 0, 1, 2)))
     return torch.tensor(combos, dtype=torch.int32)[None]
 
 

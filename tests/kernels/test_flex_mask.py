@@ -13,8 +13,8 @@ def test_flex_mask_mod_matches_dense(mode):
     from torch.nn.attention.flex_attention import create_mask
     g = torch.Generator().manual_seed(0)
     B, Lq, cache_len = 2, 9, 5
-    # every label combination appears: kinds 0-2, taus 0-3, groups 0-2
-    combos = list(itertools.product(range(3), range(4), range(3)))
+    # label combinations: kinds 0-2, taus 0-3, groups -1 (shared prefix) to 2
+    combos = list(itertools.product(range(3), range(4), range(-1, 3)))
     labels = torch.tensor([combos[int(i)] for i in torch.randint(0, len(combos), (B * Lq,), generator=g)],
                           dtype=torch.int32).view(B, Lq, 3)
     seqlens = torch.tensor([0, 4], dtype=torch.int32)

@@ -19,11 +19,11 @@ from triton_ops.ops import temporal_attention_fwd  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _all_label_combinations(copies=4):
-    combos = list(itertools.product(range(4), (1, 2, TAU_INF), (0, 1)))  # kind 3: padding
+def _all_label_combinations(copies=3):
+    combos = list(itertools.product(range(4), (1, 2, TAU_INF), (-1, 0, 1)))  # kind 3: padding; grp -1: shared
     labels = torch.tensor(combos * copies, dtype=torch.int32)
     perm = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(0))
-    return labels[perm][None].contiguous()  # (1, 96, 3)
+    return labels[perm][None].contiguous()  # (1, 108, 3)
 
 
 @pytest.mark.parametrize("mode", list(MaskMode), ids=lambda m: m.name.lower())
