@@ -26,11 +26,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target SDAR checkpoint directory (HF format); default: the bundled tiny target")
     p.add_argument("--draft", type=Path, default=None,
                    help="draft SDAR checkpoint directory (paper/exact modes); default: the bundled tiny draft")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--draft-device", default=None, help="device of the draft model (default: --device)")
+    p.add_argument("--device", "--target-device", dest="device", default=None,
+                   help="device of the target model: cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target (only 1 for now)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(gen)
     add_decode_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--batch-size", type=int, default=1,
+                     help="decode this many prompts together (independent progress per prompt); prompt i of "
+                          "the set samples with seed + i whatever the batch size")
     bench = sub.add_parser("bench", help="run a prompt set through several modes in one process")
     add_model_args(bench)
     add_prompt_args(bench)

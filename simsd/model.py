@@ -58,7 +58,10 @@ class Attention(nn.Module):
             q, k, v, kc, vc, cache.seqlens, labels, positions,
             mask_mode=mask_mode, rope_theta=self.rope_theta, backend=backend,
         )
-        if num_write:
+        if isinstance(num_write, torch.Tensor):  # per-row counts: write all L, rows advance by their own
+            simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
+                                    num_tokens=L, backend=backend)
+        elif num_write:
             simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
                                     num_tokens=num_write, backend=backend)
         return self.o_proj(out.reshape(B, L, self.num_heads * self.head_dim))
@@ -134,6 +137,10 @@ class SDARForCausalLM(nn.Module):
             cache: the static cache; rows read ``[0, cache.seqlens[b])``.
             num_write: the first ``num_write`` tokens of every row are written into the cache
                 and ``cache.seqlens`` advances by it after the forward (0: read-only forward).
+                A ``(B,)`` int tensor gives per-row counts: then all ``L`` tokens of every row
+                are written at ``seqlens[b]..`` and row ``b`` advances by ``num_write[b]``; the
+                slots past a row's new length are never read and are overwritten by its next
+                write, but the cache needs ``L`` free slots past every row's length.
             logits_slice: which of the ``L`` tokens get logits (None: no lm_head at all).
 
         Returns:
@@ -142,7 +149,7 @@ class SDARForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, labels, mask_mode, cache, num_write, self.attention_backend)
-        if num_write:
+        if isinstance(num_write, torch.Tensor) or num_write:
             cache.advance(num_write)
         if logits_slice is None:
             return None

@@ -19,10 +19,10 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from .decoding import (DecodeConfig, GenerationResult, SequenceRunner, Timer, check_prompt, denoise_step, finish,
-                       without_mask_token)
+from .batching import BatchResult, engine_for, Fwd, Row
+from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, denoise_step, finish, without_mask_token
 from .sampling import filtered_probs
-from .vanilla import new_block
+from .vanilla import batch_stats, new_block
 from .verification import accept_token, exact_layout, paper_layout
 
 MODES = ("paper", "exact")
@@ -92,7 +92,8 @@ class Draft:
 
 
 class SpeculativeDecoder:
-    """Decodes one prompt with a draft and a target checkpoint (see module doc)."""
+    """Decodes prompts with a draft and a target checkpoint (see module doc); each prompt's
+    round state lives in its own :class:`SpecRow`, driven by a :class:`BatchEngine`."""
 
     def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig):
         check_pair(target, draft)
@@ -100,28 +101,79 @@ class SpeculativeDecoder:
         self.draft_cfg = dataclasses.replace(cfg, strategy=spec.draft_strategy or cfg.strategy)
         self.gamma = spec.gamma or cfg.block_length
         self.mask_id = target.mask_token_id
-        self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.stats = Stats()
         self.diagnostics = None  # dict: compare paper verification with exact (simsd bench)
 
+    def generate(self, prompt_ids: list) -> GenerationResult:
+        return self.generate_batch([prompt_ids]).results[0]
+
+    def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
+        """Decode ``prompts`` together with independent progress; row ``i`` samples with a
+        generator seeded ``cfg.seed + first_index + i`` (see :func:`vanilla_generate_batch`)."""
+        cfg = self.cfg
+        B = cfg.block_length
+        capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B) for p in prompts)
+        for p in prompts:
+            check_prompt(p, self.d.config, cfg.max_new_tokens, B)
+        engine = engine_for({"target": self.t.model, "draft": self.d.model}, B, len(prompts), capacity,
+                            (self.gamma + 2) * B, cuda_graphs)
+        tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
+        rows = [SpecRow(self, engine.rows[i], torch.Generator().manual_seed(cfg.seed + first_index + i))
+                for i in range(len(prompts))]
+        with Timer(self.t.model.device) as timer:
+            outs = engine.run([r.program(tail) for r, tail in zip(rows, tails)])
+        results = []
+        for r, (generated, blocks) in zip(rows, outs):
+            token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)
+            n = len(token_ids)
+            fw = r.row.forwards
+            stats = {
+                "mode": self.spec.mode,
+                "new_tokens": n,
+                "decode_seconds": timer.seconds,
+                "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
+                "target_forwards": fw["target"],
+                "draft_forwards": fw["draft"],
+                "target_forwards_per_token": fw["target"] / max(n, 1),
+                "draft_forwards_per_token": fw["draft"] / max(n, 1),
+                "prefill_forwards": r.row.prefill_forwards,
+                "blocks": blocks,
+                "gamma": self.gamma,
+                **r.stats.as_dict(),
+            }
+            if len(prompts) > 1:
+                stats["batch_size"] = len(prompts)
+            results.append(GenerationResult(token_ids, stats))
+        return BatchResult(results, batch_stats(results, timer.seconds, engine.forwards))
+
+
+class SpecRow:
+    """One request's SimSD rounds as a :mod:`simsd.batching` program: its generator, its
+    counters, and the draft / verify / commit logic. Methods that run forwards are generators
+    (``yield`` a :class:`Fwd`, receive the logits)."""
+
+    def __init__(self, dec: SpeculativeDecoder, row: Row, generator: torch.Generator):
+        self.dec, self.row, self.generator = dec, row, generator
+        self.cfg, self.mask_id = dec.cfg, dec.mask_id
+        self.stats = Stats()
+
     # -- draft ---------------------------------------------------------------------------
-    def propose(self, block: torch.Tensor, block_step: int) -> Draft:
-        dev = self.d.model.device
+    def propose(self, block: torch.Tensor, block_step: int):
+        dev = self.row.devices["draft"]
         state = block.to(dev)
         L = state.shape[0]
         tau = torch.full((L,), TAU_INF, dtype=torch.int64)
-        probs = torch.zeros(L, self.d.config.vocab_size)
+        probs = torch.zeros(L, self.dec.d.config.vocab_size)
         states = []
-        for c in range(self.gamma):
+        for c in range(self.dec.gamma):
             if not bool((state == self.mask_id).any()):
                 break
             states.append(state.to(block.device))
-            logits = self.draft_runner.denoise_logits(state)
-            state, revealed, p = denoise_step(logits, state, self.mask_id, self.draft_cfg, block_step + c,
+            logits = yield self.row.denoise("draft", state)
+            state, revealed, p = denoise_step(logits, state, self.mask_id, self.dec.draft_cfg, block_step + c,
                                               self.generator)
             rev = revealed.cpu()
             tau[rev] = c + 1
-            probs[rev] = p.cpu()[rev]
+            probs[rev] = p.cpu()[rev].to(probs.dtype)
         return Draft(states, state.to(block.device), tau, probs)
 
     # -- target verification -------------------------------------------------------------
@@ -131,8 +183,8 @@ class SpeculativeDecoder:
         bonus = bool((draft.final == self.mask_id).any())
         if bonus:
             states.append(draft.final)
-        ids, pos, lab = exact_layout(states, self.target_runner.cached)
-        logits = self.target_runner.forward(ids, pos, lab, "exact")[0].view(len(states), states[0].shape[0], -1)
+        ids, pos, lab = exact_layout(states, self.row.cached["target"])
+        logits = (yield Fwd("target", ids[0], pos[0], lab[0], "exact")).view(len(states), states[0].shape[0], -1)
         greedy = self.cfg.sampling.greedy
         accepted = 0
         for c in range(draft.n):
@@ -164,12 +216,12 @@ class SpeculativeDecoder:
     def verify_paper(self, block: torch.Tensor, draft: Draft):
         """Returns ``(new_block, steps_taken, accepted_tokens)``."""
         known = block != self.mask_id
-        start = self.target_runner.cached
+        start = self.row.cached["target"]
         ids, pos, lab, m_index = paper_layout(block, known, draft.final, draft.tau.to(block.device), start,
-                                              self.mask_id, self.spec.rope_copy)
-        logits = self.target_runner.forward(ids, pos, lab, "paper")[0]
-        if self.diagnostics is not None:
-            self.compare_with_exact(draft, logits, m_index)
+                                              self.mask_id, self.dec.spec.rope_copy)
+        logits = yield Fwd("target", ids[0], pos[0], lab[0], "paper")
+        if self.dec.diagnostics is not None:
+            yield from self.compare_with_exact(draft, logits, m_index)
         greedy = self.cfg.sampling.greedy
         new = block.clone()
         accepted = 0
@@ -191,81 +243,59 @@ class SpeculativeDecoder:
                 accepted += 1
         return new, draft.n, accepted
 
-    def compare_with_exact(self, draft: Draft, paper_logits, m_index) -> None:
+    def compare_with_exact(self, draft: Draft, paper_logits, m_index):
         """Diagnostics (``simsd bench``): paper vs exact verification distributions, untimed and
         not counted as a target forward."""
-        ids, pos, lab = exact_layout(draft.states, self.target_runner.cached)
-        runner = self.target_runner
-        exact = runner.model(ids, pos, lab, "exact", runner.cache)[0].view(draft.n, draft.final.shape[0], -1)
+        ids, pos, lab = exact_layout(draft.states, self.row.cached["target"])
+        exact = (yield Fwd("target", ids[0], pos[0], lab[0], "exact", count=False))
+        exact = exact.view(draft.n, draft.final.shape[0], -1)
+        diag = self.dec.diagnostics
         for p in torch.nonzero(draft.tau <= draft.n).flatten().tolist():
             e = torch.log_softmax(without_mask_token(exact[int(draft.tau[p]) - 1, p], self.mask_id).double(), -1)
             a = torch.log_softmax(without_mask_token(paper_logits[int(m_index[p])], self.mask_id).double(), -1)
-            self.diagnostics["agree"] += int(e.argmax() == a.argmax())
-            self.diagnostics["kl"] += float((e.exp() * (e - a)).nan_to_num().sum())
-            self.diagnostics["total"] += 1
+            diag["agree"] += int(e.argmax() == a.argmax())
+            diag["kl"] += float((e.exp() * (e - a)).nan_to_num().sum())
+            diag["total"] += 1
 
     # -- main loop -----------------------------------------------------------------------
-    def target_step(self, block: torch.Tensor, block_step: int) -> torch.Tensor:
-        logits = self.target_runner.denoise_logits(block)
+    def target_step(self, block: torch.Tensor, block_step: int):
+        logits = yield self.row.denoise("target", block)
         block, _, _ = denoise_step(logits, block, self.mask_id, self.cfg, block_step, self.generator)
         self.stats.fallback_steps += 1
         return block
 
-    def generate(self, prompt_ids: list) -> GenerationResult:
-        cfg = self.cfg
+    def program(self, tail: list):
+        """The row's decoding; returns ``(generated, blocks)``."""
+        cfg, spec, dec = self.cfg, self.dec.spec, self.dec
         B = cfg.block_length
-        capacity = check_prompt(prompt_ids, self.t.config, cfg.max_new_tokens, B)
-        check_prompt(prompt_ids, self.d.config, cfg.max_new_tokens, B)
-        self.target_runner = SequenceRunner(self.t.model, B, capacity)
-        self.draft_runner = SequenceRunner(self.d.model, B, capacity)
-        stops = set(self.t.stop_ids)
-        tail = self.target_runner.prefill(prompt_ids)
-        self.draft_runner.prefill(prompt_ids)
+        stops = set(dec.t.stop_ids)
         generated: list = []
         blocks = 0
-        device = self.t.model.device
-        with Timer(device) as timer:
-            while True:
-                block = new_block(tail, B, self.mask_id, device)
-                first_gen, tail, block_step = len(tail), [], 0
-                while bool((block == self.mask_id).any()):
-                    remaining = int((block == self.mask_id).sum())
-                    if self.spec.on_reject == "fallback" and remaining < self.gamma:
-                        block = self.target_step(block, block_step)
-                        block_step += 1
-                        continue
-                    draft = self.propose(block, block_step)
-                    self.stats.rounds += 1
-                    if self.spec.mode == "exact":
-                        block, taken, acc = self.verify_exact(draft, block_step)
-                    else:
-                        block, taken, acc = self.verify_paper(block, draft)
-                    self.stats.accepted += acc
-                    block_step += taken
-                blocks += 1
-                new = block[first_gen:].tolist()
-                generated.extend(new)
-                if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
-                    break
-                self.target_runner.commit(block)
-                self.draft_runner.commit(block.to(self.d.model.device))
-        token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)
-        n = len(token_ids)
-        stats = {
-            "mode": self.spec.mode,
-            "new_tokens": n,
-            "decode_seconds": timer.seconds,
-            "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
-            "target_forwards": self.target_runner.forwards,
-            "draft_forwards": self.draft_runner.forwards,
-            "target_forwards_per_token": self.target_runner.forwards / max(n, 1),
-            "draft_forwards_per_token": self.draft_runner.forwards / max(n, 1),
-            "prefill_forwards": self.target_runner.prefill_forwards,
-            "blocks": blocks,
-            "gamma": self.gamma,
-            **self.stats.as_dict(),
-        }
-        return GenerationResult(token_ids, stats)
+        device = self.row.devices["target"]
+        while True:
+            block = new_block(tail, B, self.mask_id, device)
+            first_gen, tail, block_step = len(tail), [], 0
+            while bool((block == self.mask_id).any()):
+                remaining = int((block == self.mask_id).sum())
+                if spec.on_reject == "fallback" and remaining < dec.gamma:
+                    block = yield from self.target_step(block, block_step)
+                    block_step += 1
+                    continue
+                draft = yield from self.propose(block, block_step)
+                self.stats.rounds += 1
+                if spec.mode == "exact":
+                    block, taken, acc = yield from self.verify_exact(draft, block_step)
+                else:
+                    block, taken, acc = yield from self.verify_paper(block, draft)
+                self.stats.accepted += acc
+                block_step += taken
+            blocks += 1
+            new = block[first_gen:].tolist()
+            generated.extend(new)
+            if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
+                return generated, blocks
+            yield self.row.commit("target", block)
+            yield self.row.commit("draft", block.to(self.row.devices["draft"]))
 
 
 def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spec: SpecConfig) -> GenerationResult:
@@ -279,3 +309,10 @@ def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spe
         ValueError: mismatched draft/target vocabularies or mask ids, bad prompt, bad config.
     """
     return SpeculativeDecoder(target, draft, cfg, spec).generate(prompt_ids)
+
+
+def speculative_generate_batch(target, draft, prompts: list, cfg: DecodeConfig, spec: SpecConfig,
+                               first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
+    """Decode ``prompts`` together with SimSD, each with independent progress (rounds,
+    acceptance, stop); see :meth:`SpeculativeDecoder.generate_batch`."""
+    return SpeculativeDecoder(target, draft, cfg, spec).generate_batch(prompts, first_index, cuda_graphs)
