@@ -69,6 +69,15 @@ class Row:
     cached: dict = field(default_factory=dict)
     forwards: dict = field(default_factory=dict)
     prefill_forwards: int = 0
+    caches: dict = field(default_factory=dict)
+
+    def truncate(self, model: str, length: int) -> None:
+        """Roll ``model``'s cache of this row back to ``length`` tokens (later slots are then
+        unread and overwritten by the next write)."""
+        if not 0 <= length <= self.cached[model]:
+            raise ValueError(f"cannot truncate row {self.index} of {model} from {self.cached[model]} to {length}")
+        self.cached[model] = length
+        self.caches[model].seqlens[self.index] = length
 
     def positions(self, model: str, n: int) -> torch.Tensor:
         c = self.cached[model]
@@ -144,8 +153,8 @@ class BatchEngine:
         for cache in self.caches.values():
             cache.reset()
         devices = {n: m.device for n, m in self.models.items()}
-        self.rows = [Row(i, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models})
-                     for i in range(self.caches[next(iter(self.caches))].batch_size)]
+        self.rows = [Row(i, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models},
+                         caches=self.caches) for i in range(self.caches[next(iter(self.caches))].batch_size)]
         self.forwards = {n: 0 for n in self.models}
 
     def prefill(self, index: int, prompt_ids: list) -> list:

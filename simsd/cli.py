@@ -59,6 +59,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-rope-copy", action="store_true",
                    help="ablation (paper mode): mask slots get fresh positions after the draft slots")
     p.add_argument("--draft-strategy", default=None, help="draft strategy (default: the target's)")
+    p.add_argument("--optimistic", default="auto", choices=["auto", "on", "off"],
+                   help="draft the next round while the target verifies, roll back on rejection "
+                        "(auto: when draft and target are on different devices)")
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:

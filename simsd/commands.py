@@ -141,7 +141,8 @@ def make_batch_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
                                                              target.stop_ids, first, cuda_graphs=graphs)
     from .speculative import SpecConfig, speculative_generate_batch
     spec = SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject, rope_copy=not args.no_rope_copy,
-                      draft_strategy=args.draft_strategy)
+                      draft_strategy=args.draft_strategy,
+                      optimistic={"auto": None, "on": True, "off": False}[getattr(args, "optimistic", "auto")])
     return lambda prompts, first: speculative_generate_batch(target, draft, prompts, cfg, spec, first,
                                                              cuda_graphs=graphs)
 

@@ -163,3 +163,13 @@ def test_batch_size_equals_one_by_one(ckdir, capsys, tmp_path, mode):
 def test_engine_flags_refused(ckdir, capsys, flags, needle):
     code, _, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6", *flags)
     assert code == 2 and needle in err
+
+
+def test_separate_draft_and_target_devices(ckdir, capsys):
+    common = ["generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", "paper", "--prompt-ids",
+              "5,6,7,8,9", "--max-new-tokens", "8", "--json"]
+    _, plain, _ = run(capsys, *common)
+    code, out, err = run(capsys, *common, "--target-device", "cpu", "--draft-device", "cpu", "--optimistic", "on")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["token_ids"] == json.loads(plain)["token_ids"] and got["stats"]["speculations"] > 0
