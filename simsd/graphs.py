@@ -34,7 +34,7 @@ def check_graphable(model) -> None:
 
 @dataclass
 class _Graph:
-    graph: object
+    replay: object
     ids: torch.Tensor
     positions: torch.Tensor
     labels: torch.Tensor
@@ -42,16 +42,55 @@ class _Graph:
     out: torch.Tensor | None
 
 
+def cuda_capture(fn, cache, device, pool):
+    """Capture ``fn()`` (a forward over static buffers) as a CUDA graph.
+
+    Warm-up runs on a side stream first (kernel compilation, workspaces); their cache writes
+    land past the rows' lengths and the lengths are restored, so the cache is unchanged; the
+    capture itself records without running. Returns ``(replay, out, pool)``: ``replay()`` reruns
+    the graph, ``out`` is its static output (None when ``fn`` returns None).
+    """
+    lengths = cache.seqlens.clone()
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            cache.seqlens.copy_(lengths)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph.replay, out, graph.pool()
+
+
+def eager_capture(fn, cache, device, pool):
+    """A stand-in for :func:`cuda_capture` that replays by running ``fn`` eagerly and copying its
+    result into the static output (tests of the buffer logic on machines without CUDA)."""
+    lengths = cache.seqlens.clone()
+    out = fn()
+    cache.seqlens.copy_(lengths)  # like a capture, leave the cache as it was
+
+    def replay():
+        res = fn()
+        if out is not None:
+            out.copy_(res)
+    return replay, out, pool
+
+
 class GraphRunner:
     """Captures and replays ``model(ids, positions, labels, mode, cache, num_write, logits)``.
 
     ``cache`` is fixed for the runner's lifetime (its buffers are baked into the graphs).
-    ``graphs`` counts captured shapes; ``replays`` counts replays.
+    ``graphs`` counts captured shapes; ``replays`` counts replays. ``capture`` defaults to
+    :func:`cuda_capture` (and then the model must pass :func:`check_graphable`).
     """
 
-    def __init__(self, model, cache):
-        check_graphable(model)
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, capture=None):
+        if capture is None:
+            check_graphable(model)
+            capture = cuda_capture
+        self.model, self.cache, self.capture = model, cache, capture
         self._graphs: dict = {}
         self._pool = None
         self.replays = 0
@@ -76,7 +115,7 @@ class GraphRunner:
         g.labels.copy_(labels)
         if writes:
             g.num_write.copy_(num_write)
-        g.graph.replay()
+        g.replay()
         self.replays += 1
         return g.out
 
@@ -86,19 +125,8 @@ class GraphRunner:
                           slice(None) if want_logits else None)
 
     def _capture(self, ids, positions, labels, mask_mode, num_write, want_logits) -> _Graph:
-        g = _Graph(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), labels.clone(),
+        g = _Graph(None, ids.clone(), positions.clone(), labels.clone(),
                    num_write.clone() if isinstance(num_write, torch.Tensor) else None, None)
-        # warm-up on a side stream (compiles kernels, allocates workspaces); its cache writes land
-        # past the rows' lengths and the lengths are restored, so the cache is unchanged
-        lengths = self.cache.seqlens.clone()
-        side = torch.cuda.Stream(device=ids.device)
-        side.wait_stream(torch.cuda.current_stream(ids.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(g, mask_mode, want_logits)
-                self.cache.seqlens.copy_(lengths)
-        torch.cuda.current_stream(ids.device).wait_stream(side)
-        with torch.cuda.graph(g.graph, pool=self._pool):
-            g.out = self._run(g, mask_mode, want_logits)  # recorded, not run: the cache is untouched
-        self._pool = g.graph.pool()
+        g.replay, g.out, self._pool = self.capture(lambda: self._run(g, mask_mode, want_logits), self.cache,
+                                                   ids.device, self._pool)
         return g

@@ -152,3 +152,28 @@ def test_cuda_graphs_refused_on_cpu(pair):
     target, _ = pair
     with pytest.raises(ValueError, match="CUDA"):
         GraphRunner(target.model, target.model.new_cache(1, 8))
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_graph_runner_buffer_logic_with_eager_capture(pair, mode, monkeypatch):
+    """The graph engine's static buffers, shape keys, per-row writes and output copies, with the
+    CUDA capture replaced by eager replay: stale buffers would change the tokens."""
+    import simsd.batching
+    import simsd.graphs
+    monkeypatch.setattr(simsd.graphs, "cuda_capture", simsd.graphs.eager_capture)
+    monkeypatch.setattr(simsd.graphs, "check_graphable", lambda model: None)
+    monkeypatch.setattr(simsd.batching, "_POOL", {})
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=14)
+    spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
+    want = [r.token_ids for r in batch(mode, target, draft, PROMPTS, cfg, spec).results]
+    for _ in range(2):  # the second call reuses the pooled engine and its captured shapes
+        if mode == "vanilla":
+            got = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids,
+                                         cuda_graphs=True)
+        else:
+            got = speculative_generate_batch(target, draft, PROMPTS, cfg, spec, cuda_graphs=True)
+        assert [r.token_ids for r in got.results] == want
+    (engine,) = simsd.batching._POOL.values()
+    runner = engine.graphs["target"]
+    assert 0 < runner.graphs <= 2 * (4 + 2) and runner.replays > 2 * runner.graphs  # a few shapes, many replays
