@@ -34,7 +34,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target (only 1 for now)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="run the target tensor-parallel over N ranks (spawned, or under torchrun)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -95,8 +96,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tp_rank_main(argv) -> None:
+    """One spawned tensor-parallel rank (see :mod:`simsd.tp`)."""
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def launch_tp(args, argv) -> int | None:
+    """For ``--tp N > 1``: join torchrun's group, or spawn the N ranks and return their status.
+
+    Returns None when this process is a rank that should run the command."""
+    import os
+    import torch
+    from .tp import init_from_env, spawn, world
+    if world()[1] > 1:
+        return None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_from_env(torch.device(device).type)
+        if world()[0] != 0:  # only rank 0 prints
+            sys.stdout = open(os.devnull, "w")
+        return None
+    try:
+        spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv))
+    except Exception as exc:  # a rank failed; it printed its own error
+        print(f"simsd: error: a tensor-parallel rank failed ({str(exc).strip().splitlines()[-1]})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tp", 1) > 1:
+        code = launch_tp(args, argv)
+        if code is not None:
+            return code
     try:
         if args.command == "generate":
             from .commands import run_generate

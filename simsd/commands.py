@@ -100,10 +100,14 @@ def decode_config(args, target_config) -> DecodeConfig:
 
 def check_engine_args(args, device: str) -> None:
     """``UsageError`` for engine options this machine or build cannot honour."""
-    if getattr(args, "tp", 1) != 1:
-        if args.tp < 1:
-            raise UsageError(f"--tp must be >= 1, got {args.tp}")
-        raise UsageError(f"--tp {args.tp}: tensor-parallel targets are not implemented yet (use --tp 1)")
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    if tp > 1:
+        from .tp import world
+        if world()[1] != tp:
+            raise UsageError(f"--tp {tp}: this process group has {world()[1]} rank(s); launch with torchrun "
+                             f"--nproc-per-node {tp} or let simsd spawn the ranks")
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if getattr(args, "cuda_graphs", False):
@@ -115,9 +119,16 @@ def check_engine_args(args, device: str) -> None:
 def load_models(args, need_draft: bool):
     from .assets import DEFAULT_DRAFT, DEFAULT_TARGET
     device, dtype = resolve_device_dtype(args)
+    tp = getattr(args, "tp", 1)
+    if tp > 1:
+        from .tp import rank_device
+        device = rank_device(args.device)
     check_engine_args(args, device)
     target = load_checkpoint(args.target or DEFAULT_TARGET, dtype=dtype, device=device)
     target.model.attention_backend = args.attention_backend
+    if tp > 1:
+        from .tp import shard_model, world
+        shard_model(target.model, world()[0], tp)
     draft = None
     if need_draft:
         draft = load_checkpoint(args.draft or DEFAULT_DRAFT, dtype=dtype, device=args.draft_device or device)

@@ -112,6 +112,9 @@ class SDARForCausalLM(nn.Module):
         self.model = SDARBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.attention_backend = "auto"
+        #: kv heads held by this process (fewer under tensor parallelism, see :mod:`simsd.tp`)
+        self.num_local_kv_heads = config.num_key_value_heads
+        self.tp = (0, 1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,7 +125,9 @@ class SDARForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device)
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch_size, max_len, self.num_local_kv_heads, c.head_dim, self.dtype,
+                       self.device)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, labels, mask_mode, cache: KVCache, num_write: int = 0,

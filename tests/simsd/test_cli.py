@@ -159,7 +159,7 @@ def test_batch_size_equals_one_by_one(ckdir, capsys, tmp_path, mode):
 
 
 @pytest.mark.parametrize("flags,needle", [(["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs CUDA"),
-                                          (["--tp", "2"], "not implemented"), (["--batch-size", "0"], "batch-size")])
+                                          (["--tp", "0"], "--tp must be"), (["--batch-size", "0"], "batch-size")])
 def test_engine_flags_refused(ckdir, capsys, flags, needle):
     code, _, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6", *flags)
     assert code == 2 and needle in err
