@@ -194,9 +194,6 @@ def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
             rows.append(dict(env, kind="latency", pair=pair, forward=name, mode=kind, mask_mode=mode, Lq=Lq,
                              block_length=B, cache_len=L, batch=1, dtype=DTYPE, ms=ms,
                              gpu_ms=gpu_time_ms(fn) if kind == "eager" else None))
-        del cache, runner
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
     return rows
 
 
