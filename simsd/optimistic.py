@@ -48,11 +48,12 @@ class Speculation:
 def assumed_outcome(draft, block_step: int, mask_id: int, block_ends_generation) -> tuple | None:
     """Next-round state ``(block, block_step, committed)`` if every draft step is accepted.
 
-    ``draft.final (L,)`` is the block after the draft's ``n`` steps. A full block starts the
-    next block (all MASK, step 0) after committing it (``committed`` = that block), unless
-    ``block_ends_generation(block)`` (a stop id or the token limit): then None.
+    ``draft.final (L,)`` is the block after the draft's ``n`` steps (its draft-device copy
+    ``draft.final_draft`` when present, so that nothing here waits for the target's device).
+    A full block starts the next block (all MASK, step 0) after committing it (``committed`` =
+    that block), unless ``block_ends_generation(block)`` (a stop id or the token limit): then None.
     """
-    final = draft.final
+    final = draft.final if getattr(draft, "final_draft", None) is None else draft.final_draft
     if bool((final == mask_id).any()):
         return final, block_step + draft.n, None
     if block_ends_generation(final):
@@ -79,4 +80,4 @@ def salvage(draft, j: int):
     """The draft's steps ``j..`` as a proposal for ``draft.states[j]`` (reveal steps renumbered)."""
     tau = draft.tau
     tau = torch.where((tau <= j) | (tau == TAU_INF), torch.full_like(tau, TAU_INF), tau - j)
-    return type(draft)(draft.states[j:], draft.final, tau, draft.probs)
+    return type(draft)(draft.states[j:], draft.final, tau, draft.probs, getattr(draft, "final_draft", None))

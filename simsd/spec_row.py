@@ -40,10 +40,16 @@ class Draft:
     final: torch.Tensor   # block after the n draft steps
     tau: torch.Tensor     # (L,) 1-based reveal step, TAU_INF where not revealed
     probs: torch.Tensor   # (L, V) the draft's sampling distribution at each position's reveal step
+    #: ``final`` on the draft's device: reading it never waits for the target's device
+    final_draft: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
         return len(self.states)
+
+    def to(self, device) -> "Draft":
+        return Draft([s.to(device) for s in self.states], self.final.to(device), self.tau, self.probs,
+                     self.final_draft)
 
 
 class SpecRow:
@@ -80,7 +86,7 @@ class SpecRow:
             rev = revealed.cpu()
             tau[rev] = c + 1
             probs[rev] = p.cpu()[rev].to(probs.dtype)
-        return Draft(states, state.to(block.device), tau, probs)
+        return Draft(states, state.to(block.device), tau, probs, state)
 
     # -- target verification -------------------------------------------------------------
     def exact_request(self, draft: Draft) -> Fwd:
@@ -201,7 +207,7 @@ class SpecRow:
         if j is None:
             return None
         self.stats.speculations_kept += 1
-        return salvage(spec.draft, j)
+        return salvage(spec.draft, j).to(block.device)
 
     def program(self, tail: list):
         """The row's decoding; returns ``(generated, blocks)``.
