@@ -28,7 +28,6 @@ def paper_agreement(target, draft, prompts, cfg, args) -> dict:
                                                             draft_strategy=args.draft_strategy))
     dec.diagnostics = {"agree": 0, "total": 0, "kl": 0.0}
     for p in prompts:
-        dec.stats.__init__()
         dec.generate(p.ids)
     d = dec.diagnostics
     return {"top1_agreement": d["agree"] / max(d["total"], 1), "mean_kl": d["kl"] / max(d["total"], 1),

@@ -25,6 +25,18 @@ class KVCache:
         return cls(config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads,
                    config.head_dim, dtype, device)
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A view of rows ``[start, stop)``: its buffers and ``seqlens`` alias this cache's, so
+        writes and ``advance`` through the view land here (no copy)."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows [{start}, {stop}) outside a cache of {self.batch_size} rows")
+        view = KVCache.__new__(KVCache)
+        view.k = [t[start:stop] for t in self.k]
+        view.v = [t[start:stop] for t in self.v]
+        view.seqlens = self.seqlens[start:stop]
+        view.max_len = self.max_len
+        return view
+
     @property
     def batch_size(self) -> int:
         return self.seqlens.shape[0]
@@ -36,9 +48,11 @@ class KVCache:
         """Add ``num_tokens`` (int or ``(B,)`` tensor) to every row's length.
 
         Raises:
-            ValueError: the cache would overflow ``max_len``.
+            ValueError: the cache would overflow ``max_len`` (not checked while a CUDA graph is
+                being captured, which allows no host read).
         """
         new = self.seqlens + torch.as_tensor(num_tokens, dtype=torch.int32, device=self.seqlens.device)
-        if int(new.max()) > self.max_len:
+        capturing = new.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(new.max()) > self.max_len:
             raise ValueError(f"KV cache overflow: length {int(new.max())} > capacity {self.max_len}")
         self.seqlens.copy_(new)

@@ -26,11 +26,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target SDAR checkpoint directory (HF format); default: the bundled tiny target")
     p.add_argument("--draft", type=Path, default=None,
                    help="draft SDAR checkpoint directory (paper/exact modes); default: the bundled tiny draft")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--draft-device", default=None, help="device of the draft model (default: --device)")
+    p.add_argument("--device", "--target-device", dest="device", default=None,
+                   help="device of the target model: cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="run the target tensor-parallel over N ranks (spawned, or under torchrun)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +60,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-rope-copy", action="store_true",
                    help="ablation (paper mode): mask slots get fresh positions after the draft slots")
     p.add_argument("--draft-strategy", default=None, help="draft strategy (default: the target's)")
+    p.add_argument("--optimistic", default="auto", choices=["auto", "on", "off"],
+                   help="draft the next round while the target verifies, roll back on rejection "
+                        "(auto: when draft and target are on different devices)")
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(gen)
     add_decode_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--batch-size", type=int, default=1,
+                     help="decode this many prompts together (independent progress per prompt); prompt i of "
+                          "the set samples with seed + i whatever the batch size")
     bench = sub.add_parser("bench", help="run a prompt set through several modes in one process")
     add_model_args(bench)
     add_prompt_args(bench)
@@ -85,8 +96,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tp_rank_main(argv) -> None:
+    """One spawned tensor-parallel rank (see :mod:`simsd.tp`)."""
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def launch_tp(args, argv) -> int | None:
+    """For ``--tp N > 1``: join torchrun's group, or spawn the N ranks and return their status.
+
+    Returns None when this process is a rank that should run the command."""
+    import os
+    import torch
+    from .tp import init_from_env, spawn, world
+    if world()[1] > 1:
+        return None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_from_env(torch.device(device).type)
+        if world()[0] != 0:  # only rank 0 prints
+            sys.stdout = open(os.devnull, "w")
+        return None
+    try:
+        spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv))
+    except Exception as exc:  # a rank failed; it printed its own error
+        print(f"simsd: error: a tensor-parallel rank failed ({str(exc).strip().splitlines()[-1]})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tp", 1) > 1:
+        code = launch_tp(args, argv)
+        if code is not None:
+            return code
     try:
         if args.command == "generate":
             from .commands import run_generate

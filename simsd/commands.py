@@ -98,11 +98,37 @@ def decode_config(args, target_config) -> DecodeConfig:
     )
 
 
+def check_engine_args(args, device: str) -> None:
+    """``UsageError`` for engine options this machine or build cannot honour."""
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    if tp > 1:
+        from .tp import world
+        if world()[1] != tp:
+            raise UsageError(f"--tp {tp}: this process group has {world()[1]} rank(s); launch with torchrun "
+                             f"--nproc-per-node {tp} or let simsd spawn the ranks")
+    if getattr(args, "batch_size", 1) < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if getattr(args, "cuda_graphs", False):
+        devices = {device, args.draft_device or device}
+        if any(torch.device(d).type != "cuda" for d in devices) or not torch.cuda.is_available():
+            raise UsageError(f"--cuda-graphs needs CUDA devices, got {', '.join(sorted(devices))}")
+
+
 def load_models(args, need_draft: bool):
     from .assets import DEFAULT_DRAFT, DEFAULT_TARGET
     device, dtype = resolve_device_dtype(args)
+    tp = getattr(args, "tp", 1)
+    if tp > 1:
+        from .tp import rank_device
+        device = rank_device(args.device)
+    check_engine_args(args, device)
     target = load_checkpoint(args.target or DEFAULT_TARGET, dtype=dtype, device=device)
     target.model.attention_backend = args.attention_backend
+    if tp > 1:
+        from .tp import shard_model, world
+        shard_model(target.model, world()[0], tp)
     draft = None
     if need_draft:
         draft = load_checkpoint(args.draft or DEFAULT_DRAFT, dtype=dtype, device=args.draft_device or device)
@@ -112,13 +138,24 @@ def load_models(args, need_draft: bool):
 
 def make_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
     """A callable ``prompt_ids -> GenerationResult`` for ``mode``."""
+    batch = make_batch_decoder(mode, args, target, draft, cfg)
+    return lambda ids: batch([ids], 0).results[0]
+
+
+def make_batch_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
+    """A callable ``(prompts, first_index) -> BatchResult`` for ``mode`` (prompt ``first_index + i``
+    of the set samples with ``cfg.seed + first_index + i``)."""
+    graphs = getattr(args, "cuda_graphs", False)
     if mode == "vanilla":
-        from .vanilla import vanilla_generate
-        return lambda ids: vanilla_generate(target.model, ids, cfg, target.mask_token_id, target.stop_ids)
-    from .speculative import SpecConfig, speculative_generate
+        from .vanilla import vanilla_generate_batch
+        return lambda prompts, first: vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
+                                                             target.stop_ids, first, cuda_graphs=graphs)
+    from .speculative import SpecConfig, speculative_generate_batch
     spec = SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject, rope_copy=not args.no_rope_copy,
-                      draft_strategy=args.draft_strategy)
-    return lambda ids: speculative_generate(target, draft, ids, cfg, spec)
+                      draft_strategy=args.draft_strategy,
+                      optimistic={"auto": None, "on": True, "off": False}[getattr(args, "optimistic", "auto")])
+    return lambda prompts, first: speculative_generate_batch(target, draft, prompts, cfg, spec, first,
+                                                             cuda_graphs=graphs)
 
 
 def summary_line(stats: dict) -> str:
@@ -143,18 +180,24 @@ def run_generate(args) -> int:
     target, draft = load_models(args, need_draft=args.mode != "vanilla")
     cfg = decode_config(args, target.config)
     prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
-    decoder = make_decoder(args.mode, args, target, draft, cfg)
-    show_progress = len(prompts) > 1
+    decoder = make_batch_decoder(args.mode, args, target, draft, cfg)
+    n = args.batch_size
+    chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
     from tqdm import tqdm
-    for prompt in tqdm(prompts, disable=not show_progress, file=sys.stderr, desc=args.mode):
-        result = decoder(prompt.ids)
-        text = decode_text(target.tokenizer, result.token_ids, target.stop_ids)
-        if args.json:
-            print(json.dumps({"prompt": prompt.text, "text": text, "token_ids": result.token_ids,
-                              "stats": result.stats}), flush=True)
-        else:
-            print(text if text is not None else " ".join(map(str, result.token_ids)))
-            print(summary_line(result.stats), flush=True)
+    for first, chunk in tqdm(chunks, disable=len(chunks) < 2, file=sys.stderr, desc=args.mode):
+        batch = decoder([p.ids for p in chunk], first)
+        for prompt, result in zip(chunk, batch.results):
+            text = decode_text(target.tokenizer, result.token_ids, target.stop_ids)
+            if args.json:
+                print(json.dumps({"prompt": prompt.text, "text": text, "token_ids": result.token_ids,
+                                  "stats": result.stats}), flush=True)
+            else:
+                print(text if text is not None else " ".join(map(str, result.token_ids)))
+                print(summary_line(result.stats), flush=True)
+        if len(chunk) > 1 and not args.json:
+            s = batch.stats
+            print(f"[batch of {s['batch_size']}] {s['new_tokens']} tokens in {s['decode_seconds']:.3f} s "
+                  f"({s['tokens_per_second']:.1f} tokens/s)", flush=True)
     return 0
 
 

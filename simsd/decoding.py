@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simsd_kernels import KIND_KNOWN, SHARED_GRP
+from simsd_kernels import KIND_KNOWN
 
 from .sampling import SamplingParams, sample
 from .strategies import parse_strategy, select_positions, transfer_schedule
-from .verification import exact_layout
 
 
 @dataclass
@@ -70,105 +69,6 @@ def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> t
     lab[..., 1] = tau
     lab[..., 2] = torch.as_tensor(grp, dtype=torch.int32, device=device)
     return lab
-
-
-class SequenceRunner:
-    """One model decoding one sequence (batch row 0) over its own static cache.
-
-    Counts the forwards it runs (``forwards``; the prefill separately in ``prefill_forwards``).
-    A finished block's commit can be *folded* (``commit(block, fold=True)``): it is then
-    computed by the next forward (denoise or exact verification), which writes the block's
-    K/V first; the K/V are the same as a separate commit forward's.
-    """
-
-    def __init__(self, model, block_length: int, capacity: int):
-        self.model = model
-        self.block_length = block_length
-        self.device = model.device
-        self.cache = model.new_cache(1, capacity)
-        self.forwards = 0
-        self.prefill_forwards = 0
-        self.pending = None  # a finished block whose commit is folded into the next forward
-
-    @property
-    def cached(self) -> int:
-        return int(self.cache.seqlens[0])
-
-    @property
-    def start(self) -> int:
-        """Absolute position of the current block's first token."""
-        return self.cached + (0 if self.pending is None else self.pending.shape[0])
-
-    def forward(self, ids, positions, labels, mask_mode, num_write=0, logits_slice=slice(None)):
-        self.forwards += 1
-        return self.model(ids, positions, labels, mask_mode, self.cache, num_write, logits_slice)
-
-    def prefill(self, prompt_ids: list) -> list:
-        """Store K/V of the block-aligned prompt part; return the unaligned tail (block-causal)."""
-        B = self.block_length
-        aligned = (len(prompt_ids) // B) * B
-        if aligned:
-            ids = torch.tensor([prompt_ids[:aligned]], device=self.device)
-            pos = torch.arange(aligned, device=self.device)[None]
-            self.model(ids, pos, labels_for(aligned, self.device, grp=pos // B), "block_causal",
-                       self.cache, num_write=aligned, logits_slice=None)
-            self.prefill_forwards += 1
-        return list(prompt_ids[aligned:])
-
-    def positions(self, start: int, n: int) -> torch.Tensor:
-        return torch.arange(start, start + n, device=self.device)[None]
-
-    def denoise_logits(self, block: torch.Tensor) -> torch.Tensor:
-        """Logits ``(L, V)`` of the block (bidirectional over cache + block), cache read-only.
-
-        With a pending commit, one block-causal forward over ``[pending | block]`` writes the
-        pending block's K/V and returns the block's logits.
-        """
-        L = block.shape[0]
-        if self.pending is None:
-            return self.forward(block[None], self.positions(self.cached, L), labels_for(L, self.device),
-                                "bidirectional")[0]
-        prev, self.pending = self.pending, None
-        P = prev.shape[0]
-        lab = labels_for(P + L, self.device, grp=(torch.arange(P + L, device=self.device) >= P).int())
-        return self.forward(torch.cat([prev, block])[None], self.positions(self.cached, P + L), lab,
-                            "block_causal", num_write=P, logits_slice=slice(P, P + L))[0]
-
-    def exact_logits(self, states: list) -> torch.Tensor:
-        """Logits ``(n, L, V)`` of the exact verification forward over block states ``states``.
-
-        A pending commit joins as the shared prefix (``grp = SHARED_GRP``) and is written.
-        """
-        n, L = len(states), states[0].shape[0]
-        ids, pos, lab = exact_layout(states, self.start)
-        P = 0
-        if self.pending is not None:
-            prev, self.pending = self.pending, None
-            P = prev.shape[0]
-            ids = torch.cat([prev[None], ids], 1)
-            pos = torch.cat([self.positions(self.cached, P), pos], 1)
-            lab = torch.cat([labels_for(P, self.device, grp=SHARED_GRP), lab], 1)
-        logits = self.forward(ids, pos, lab, "exact", num_write=P, logits_slice=slice(P, None))
-        return logits[0].view(n, L, -1)
-
-    def commit(self, block: torch.Tensor, fold: bool = False) -> None:
-        """Commit forward: store the clean block's K/V (it attends cache + whole block).
-
-        ``fold=True`` defers it to the next forward (see the class doc).
-        """
-        self.flush()
-        if fold:
-            self.pending = block
-            return
-        L = block.shape[0]
-        self.forward(block[None], self.positions(self.cached, L), labels_for(L, self.device), "bidirectional",
-                     num_write=L, logits_slice=None)
-
-    def flush(self) -> None:
-        """Run a pending commit now (before a forward that cannot fold it)."""
-        if self.pending is not None:
-            prev, self.pending = self.pending, None
-            self.commit(prev)
 
 
 def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:

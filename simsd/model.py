@@ -58,7 +58,10 @@ class Attention(nn.Module):
             q, k, v, kc, vc, cache.seqlens, labels, positions,
             mask_mode=mask_mode, rope_theta=self.rope_theta, backend=backend,
         )
-        if num_write:
+        if isinstance(num_write, torch.Tensor):  # per-row counts: write all L, rows advance by their own
+            simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
+                                    num_tokens=L, backend=backend)
+        elif num_write:
             simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
                                     num_tokens=num_write, backend=backend)
         return self.o_proj(out.reshape(B, L, self.num_heads * self.head_dim))
@@ -109,6 +112,9 @@ class SDARForCausalLM(nn.Module):
         self.model = SDARBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.attention_backend = "auto"
+        #: kv heads held by this process (fewer under tensor parallelism, see :mod:`simsd.tp`)
+        self.num_local_kv_heads = config.num_key_value_heads
+        self.tp = (0, 1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,7 +125,9 @@ class SDARForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device)
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch_size, max_len, self.num_local_kv_heads, c.head_dim, self.dtype,
+                       self.device)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, labels, mask_mode, cache: KVCache, num_write: int = 0,
@@ -134,6 +142,10 @@ class SDARForCausalLM(nn.Module):
             cache: the static cache; rows read ``[0, cache.seqlens[b])``.
             num_write: the first ``num_write`` tokens of every row are written into the cache
                 and ``cache.seqlens`` advances by it after the forward (0: read-only forward).
+                A ``(B,)`` int tensor gives per-row counts: then all ``L`` tokens of every row
+                are written at ``seqlens[b]..`` and row ``b`` advances by ``num_write[b]``; the
+                slots past a row's new length are never read and are overwritten by its next
+                write, but the cache needs ``L`` free slots past every row's length.
             logits_slice: which of the ``L`` tokens get logits (None: no lm_head at all).
 
         Returns:
@@ -142,7 +154,7 @@ class SDARForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, labels, mask_mode, cache, num_write, self.attention_backend)
-        if num_write:
+        if isinstance(num_write, torch.Tensor) or num_write:
             cache.advance(num_write)
         if logits_slice is None:
             return None

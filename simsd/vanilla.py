@@ -3,13 +3,86 @@ from __future__ import annotations
 
 import torch
 
-from .decoding import (DecodeConfig, GenerationResult, SequenceRunner, Timer, check_prompt, denoise_step,
-                       finish)
+from .batching import BatchResult, engine_for, Row
+from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, denoise_step, finish
 
 
 def new_block(tail: list, block_length: int, mask_id: int, device) -> torch.Tensor:
     ids = list(tail) + [mask_id] * (block_length - len(tail))
     return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_ids, generator):
+    """One row's block decoding as a :mod:`simsd.batching` program; returns ``(generated, blocks)``."""
+    B = cfg.block_length
+    stops = set(stop_ids)
+    generated: list = []
+    blocks = 0
+    while True:
+        block = new_block(tail, B, mask_id, row.devices["target"])
+        first_gen = len(tail)
+        tail = []
+        step = 0
+        while bool((block == mask_id).any()):
+            logits = yield row.denoise("target", block)
+            block, _, _ = denoise_step(logits, block, mask_id, cfg, step, generator)
+            step += 1
+        blocks += 1
+        new = block[first_gen:].tolist()
+        generated.extend(new)
+        if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
+            return generated, blocks  # the last block's K/V is never read: no commit forward
+        fwd = row.commit("target", block, fold=cfg.fold_commit)
+        if fwd is not None:
+            yield fwd
+
+
+def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int, stop_ids,
+                           first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
+    """Decode ``prompts`` (lists of ids) together, each with independent progress.
+
+    Row ``i`` samples with its own generator seeded ``cfg.seed + first_index + i``, so prompt
+    ``j`` of a prompt set decodes the same in any batch (and alone with ``seed + j``). Per-row
+    ``stats`` are those of :func:`vanilla_generate` (forward counts are the row's own; its
+    ``decode_seconds`` is the batch's), plus ``batch_size``. ``cuda_graphs``: replay the
+    forwards as CUDA graphs (:mod:`simsd.graphs`; token-identical to eager static shapes).
+
+    Raises:
+        ValueError: bad prompt ids, or a prompt too long for the model.
+    """
+    B = cfg.block_length
+    capacity = max(check_prompt(p, model.config, cfg.max_new_tokens, B) for p in prompts)
+    engine = engine_for({"target": model}, B, len(prompts), capacity, 2 * B, cuda_graphs)
+    tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
+    programs = [vanilla_program(engine.rows[i], tails[i], cfg, mask_id, stop_ids,
+                                torch.Generator().manual_seed(cfg.seed + first_index + i)) for i in range(len(prompts))]
+    with Timer(model.device) as timer:
+        outs = engine.run(programs)
+    results = []
+    for row, (generated, blocks) in zip(engine.rows, outs):
+        token_ids = finish(generated, stop_ids, cfg.max_new_tokens)
+        n = len(token_ids)
+        stats = {
+            "mode": "vanilla",
+            "new_tokens": n,
+            "decode_seconds": timer.seconds,
+            "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
+            "target_forwards": row.forwards["target"],
+            "target_forwards_per_token": row.forwards["target"] / max(n, 1),
+            "prefill_forwards": row.prefill_forwards,
+            "blocks": blocks,
+        }
+        if len(prompts) > 1:
+            stats["batch_size"] = len(prompts)
+        results.append(GenerationResult(token_ids, stats))
+    return BatchResult(results, batch_stats(results, timer.seconds, engine.forwards))
+
+
+def batch_stats(results: list, seconds: float, forwards: dict) -> dict:
+    n = sum(r.stats["new_tokens"] for r in results)
+    return {"batch_size": len(results), "new_tokens": n, "decode_seconds": seconds,
+            "tokens_per_second": n / seconds if seconds > 0 else float("nan"),
+            "batched_forwards": dict(forwards)}
 
 
 def vanilla_generate(model, prompt_ids: list, cfg: DecodeConfig, mask_id: int, stop_ids) -> GenerationResult:
@@ -23,40 +96,4 @@ def vanilla_generate(model, prompt_ids: list, cfg: DecodeConfig, mask_id: int, s
     Raises:
         ValueError: bad prompt ids, or a prompt too long for the model.
     """
-    B = cfg.block_length
-    capacity = check_prompt(prompt_ids, model.config, cfg.max_new_tokens, B)
-    runner = SequenceRunner(model, B, capacity)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    stops = set(stop_ids)
-    tail = runner.prefill(prompt_ids)
-    generated: list = []
-    blocks = 0
-    with Timer(model.device) as timer:
-        while True:
-            block = new_block(tail, B, mask_id, model.device)
-            first_gen = len(tail)
-            tail = []
-            step = 0
-            while bool((block == mask_id).any()):
-                logits = runner.denoise_logits(block)
-                block, _, _ = denoise_step(logits, block, mask_id, cfg, step, generator)
-                step += 1
-            blocks += 1
-            new = block[first_gen:].tolist()
-            generated.extend(new)
-            if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
-                break  # the last block's K/V is never read: no commit forward
-            runner.commit(block, fold=cfg.fold_commit)
-    token_ids = finish(generated, stop_ids, cfg.max_new_tokens)
-    n = len(token_ids)
-    stats = {
-        "mode": "vanilla",
-        "new_tokens": n,
-        "decode_seconds": timer.seconds,
-        "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
-        "target_forwards": runner.forwards,
-        "target_forwards_per_token": runner.forwards / max(n, 1),
-        "prefill_forwards": runner.prefill_forwards,
-        "blocks": blocks,
-    }
-    return GenerationResult(token_ids, stats)
+    return vanilla_generate_batch(model, [prompt_ids], cfg, mask_id, stop_ids).results[0]

@@ -143,3 +143,33 @@ def test_bench_command(ckdir, capsys, tmp_path):
     assert rows["exact"]["acceptance_rate"] == 1.0  # the target is its own draft
     assert 0.0 <= rows["paper"]["top1_agreement"] <= 1.0 and rows["paper"]["positions_compared"] > 0
     assert "tok/s" in out
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_batch_size_equals_one_by_one(ckdir, capsys, tmp_path, mode):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": ids}) for ids in ([4, 5, 6], [7, 8, 9, 10, 11], [12] * 9)))
+    args = ["generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", mode, "--prompts-file", str(f),
+            "--max-new-tokens", "6", "--temperature", "1.0", "--json"]
+    _, one, _ = run(capsys, *args)
+    code, two, err = run(capsys, *args, "--batch-size", "2")
+    assert code == 0, err
+    ids = lambda out: [json.loads(line)["token_ids"] for line in out.splitlines()]  # noqa: E731
+    assert ids(one) == ids(two) and len(ids(two)) == 3
+
+
+@pytest.mark.parametrize("flags,needle", [(["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs CUDA"),
+                                          (["--tp", "0"], "--tp must be"), (["--batch-size", "0"], "batch-size")])
+def test_engine_flags_refused(ckdir, capsys, flags, needle):
+    code, _, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6", *flags)
+    assert code == 2 and needle in err
+
+
+def test_separate_draft_and_target_devices(ckdir, capsys):
+    common = ["generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", "paper", "--prompt-ids",
+              "5,6,7,8,9", "--max-new-tokens", "8", "--json"]
+    _, plain, _ = run(capsys, *common)
+    code, out, err = run(capsys, *common, "--target-device", "cpu", "--draft-device", "cpu", "--optimistic", "on")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["token_ids"] == json.loads(plain)["token_ids"] and got["stats"]["speculations"] > 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
-from simsd.decoding import SequenceRunner, labels_for
+from simsd.decoding import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
 from simsd.verification import accept_token, exact_layout, paper_layout
 from simsd_kernels import TAU_INF
@@ -19,10 +19,28 @@ def ckpt(name, layers=2, dtype="float64", seed=0, vocab=V, std=0.2):
     return load_checkpoint(path, dtype=dtype, with_tokenizer=False)
 
 
+class Runner:
+    """One sequence over its own cache: block-causal prefill, then read-only forwards."""
+
+    def __init__(self, model, prompt, B=4):
+        self.model, self.cache = model, model.new_cache(1, 64)
+        aligned = len(prompt) // B * B
+        pos = torch.arange(aligned)[None]
+        model(torch.tensor([prompt[:aligned]]), pos, labels_for(aligned, "cpu", grp=pos // B), "block_causal",
+              self.cache, num_write=aligned, logits_slice=None)
+        self.cached = aligned
+
+    def forward(self, ids, pos, lab, mode):
+        return self.model(ids, pos, lab, mode, self.cache)
+
+    def denoise_logits(self, block):
+        L = block.shape[0]
+        return self.forward(block[None], torch.arange(self.cached, self.cached + L)[None], labels_for(L, "cpu"),
+                            "bidirectional")[0]
+
+
 def prefilled(model, prompt, B=4):
-    runner = SequenceRunner(model, B, 64)
-    runner.prefill(prompt)
-    return runner
+    return Runner(model, prompt, B)
 
 
 def sequential_states(block, drafted, tau, mask_id, n):

@@ -1,0 +1,350 @@
+"""End-to-end engine benchmark on one GPU: per-forward latencies, decoding tokens/s, modelled tokens/s.
+
+    python bench/bench_e2e.py [--quick] [--target DIR --draft DIR] [--cache-len 1024] [--acceptance 3.61]
+
+1. **Per-forward latency** (batch 1, bf16, a cache of ``--cache-len`` tokens) of the forwards a
+   decoder runs, eager and replayed as CUDA graphs (:mod:`simsd.graphs`): ``draft_step`` (draft,
+   B tokens, bidirectional), ``vanilla_step`` (target, B tokens), ``verify_paper`` (target, 2B
+   tokens ``D|M``, four-quadrant mask), ``verify_exact`` (target, B copies of the block, B*B
+   tokens), ``commit`` / ``draft_commit`` (B tokens written; the timed function also resets the
+   cache length, one tiny kernel). Median of ``triton.testing.do_bench``. ``gpu_ms`` is the sum
+   of the kernels' device time from the profiler (the "pure GPU time" of one forward).
+   Models: ``--target/--draft`` checkpoints, or random weights with the SDAR-8B / SDAR-1.7B
+   shapes built directly on the GPU (nothing written to disk).
+2. **Modelled tokens/s** from those latencies at a stated acceptance ``a`` (tokens committed
+   per verify round; the paper: 3.61 of 4), block length B, gamma = B, static strategy:
+   vanilla ``B / (B * t_vanilla_step + t_commit)``;
+   SimSD ``a / (B * t_draft_step + t_verify + (a / B) * (t_commit + t_draft_commit))``.
+   These rows say ``"modelled": true``; they are not measurements of decoding.
+3. **Measured tokens/s** (prefill excluded, after one warm-up prompt, CUDA-synchronised) of
+   vanilla, vanilla+graphs, paper, paper+graphs, exact, exact+graphs on the bundled tiny pair
+   (``simsd/assets``; skipped when absent) and on the large pair with synthetic prompts (random
+   weights make its acceptance meaningless: the acceptance is reported with each row).
+   ``graphs_equal_eager`` says whether the graph variant produced the eager tokens (graphs run
+   static padded shapes, so in bf16 a rare tie may legitimately differ; the GPU test
+   ``tests/simsd/test_graphs.py`` checks replay against eager with the same shapes).
+
+Rows (JSON lines, with GPU name, versions and git sha) are appended to ``--out``
+(default ``bench/results/e2e.jsonl``). Without CUDA the script says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "e2e.jsonl")
+#: (hidden, intermediate, layers, q heads, kv heads) of the SDAR checkpoints (head_dim 128, vocab 151936)
+SHAPES = {"8b": (4096, 12288, 36, 32, 8), "1.7b": (2048, 6144, 28, 16, 8)}
+#: ``--cpu-smoke``: tiny shapes, float32 on the CPU, CUDA capture replaced by eager replay and
+#: do_bench by a wall-clock median: it only checks that this script's code paths run
+SMOKE = {"8b": (64, 128, 2, 4, 2), "1.7b": (64, 128, 1, 4, 2)}
+DEV, DTYPE = "cuda", "bfloat16"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (device script)")
+    p.add_argument("--target", default=None, help="target checkpoint directory (default: random SDAR-8B shapes)")
+    p.add_argument("--draft", default=None, help="draft checkpoint directory (default: random SDAR-1.7B shapes)")
+    p.add_argument("--block-length", type=int, default=4)
+    p.add_argument("--cache-len", type=int, default=1024, help="cached tokens for the latency rows")
+    p.add_argument("--acceptance", type=float, default=3.61, help="tokens per verify round for the modelled rows")
+    p.add_argument("--prompts", type=int, default=8, help="prompts for the measured tokens/s rows")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens = 2, 48
+    return args
+
+
+def environment() -> dict:
+    import torch
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=HERE).stdout.strip()
+    except OSError:
+        sha = ""
+    gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu-smoke"
+    return dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda,
+                triton=triton_version, python=platform.python_version(), git_sha=sha,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def random_model(shape: str, block_length: int):
+    """A bf16 SDAR model with random weights on the GPU (std 0.02 linears, unit norms)."""
+    import torch
+    from simsd.config import ModelConfig
+    from simsd.model import SDARForCausalLM
+    from simsd.testing import config_dict
+    smoke = DEV == "cpu"
+    H, inter, layers, hq, hkv = (SMOKE if smoke else SHAPES)[shape]
+    cfg = ModelConfig.from_dict(config_dict(vocab_size=151936, hidden_size=H, intermediate_size=inter,
+                                            num_hidden_layers=layers, num_attention_heads=hq,
+                                            num_key_value_heads=hkv, head_dim=64 if smoke else 128,
+                                            block_size=block_length, mask_token_id=151669,
+                                            max_position_embeddings=40960))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, DTYPE))
+    try:
+        with torch.device(DEV):
+            model = SDARForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def forward_cases(B: int, L: int):
+    """name -> (model role, mask mode, labels (1, Lq, 3) int32, num_write, logits?)."""
+    import torch
+    from simsd_kernels import KIND_DRAFT, KIND_MASK
+    zeros = lambda n: torch.zeros(1, n, 3, dtype=torch.int32, device=DEV)  # noqa: E731
+    paper = zeros(2 * B)
+    paper[0, :B, 0], paper[0, B:, 0] = KIND_DRAFT, KIND_MASK
+    paper[0, :B, 1] = paper[0, B:, 1] = torch.arange(1, B + 1, dtype=torch.int32)
+    exact = zeros(B * B)
+    exact[0, :, 2] = torch.arange(B, dtype=torch.int32).repeat_interleave(B)
+    return {"draft_step": ("draft", "bidirectional", zeros(B), 0, True),
+            "vanilla_step": ("target", "bidirectional", zeros(B), 0, True),
+            "verify_paper": ("target", "paper", paper, 0, True),
+            "verify_exact": ("target", "exact", exact, 0, True),
+            "commit": ("target", "bidirectional", zeros(B), B, False),
+            "draft_commit": ("draft", "bidirectional", zeros(B), B, False)}
+
+
+def gpu_time_ms(fn, iters: int = 5):
+    """Sum of device kernel time per call of ``fn`` (profiler), or None when unavailable."""
+    import torch
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        if DEV != "cuda":
+            return None
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        total_us = sum(evt.time_range.elapsed_us() for evt in prof.events()
+                       if str(getattr(evt, "device_type", "")).endswith("CUDA"))
+        return total_us / iters / 1e3 if total_us else None
+    except Exception:  # the profiler is a diagnostic: never fail the benchmark on it
+        return None
+
+
+def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
+    import torch
+    from simsd.graphs import GraphRunner, eager_capture
+    if DEV == "cuda":
+        from triton.testing import do_bench
+    else:
+        def do_bench(fn, warmup, rep, return_mode):
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return sorted(times)[2]
+    rows = []
+    for name, (role, mode, labels, nw, want) in forward_cases(B, L).items():
+        model = models[role]
+        Lq = labels.shape[1]
+        cache = model.new_cache(1, L + Lq + 8)
+        for t in cache.k + cache.v:
+            t.normal_()
+        cache.seqlens.fill_(L)
+        ids = torch.randint(0, model.config.vocab_size - 1, (1, Lq), device=DEV)
+        pos = (L + torch.arange(Lq, device=DEV) % B)[None]
+        nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
+        runner = GraphRunner(model, cache, capture=None if DEV == "cuda" else eager_capture)
+        sl = slice(None) if want else None
+
+        def eager():
+            model(ids, pos, labels, mode, cache, nw, sl)
+            if nw:
+                cache.seqlens.fill_(L)
+
+        def graph():
+            runner(ids, pos, labels, mode, nw_t if nw else 0, want)
+            if nw:
+                cache.seqlens.fill_(L)
+        for kind, fn in (("eager", eager), ("graphs", graph)):
+            ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+            rows.append(dict(env, kind="latency", pair=pair, forward=name, mode=kind, mask_mode=mode, Lq=Lq,
+                             block_length=B, cache_len=L, batch=1, dtype=DTYPE, ms=ms,
+                             gpu_ms=gpu_time_ms(fn) if kind == "eager" else None))
+    return rows
+
+
+def modelled_rows(lat: list, B: int, a: float, env: dict, pair: str) -> list:
+    rows = []
+    for kind in ("eager", "graphs"):
+        t = {r["forward"]: r["ms"] / 1e3 for r in lat if r["mode"] == kind}
+        van = B / (B * t["vanilla_step"] + t["commit"])
+        rows.append(dict(env, kind="modelled", modelled=True, pair=pair, mode=f"vanilla/{kind}", block_length=B,
+                         tokens_per_second=van, formula="B / (B*t_vanilla_step + t_commit)"))
+        for verify in ("paper", "exact"):
+            tps = a / (B * t["draft_step"] + t[f"verify_{verify}"] + a / B * (t["commit"] + t["draft_commit"]))
+            rows.append(dict(env, kind="modelled", modelled=True, pair=pair, mode=f"{verify}/{kind}",
+                             block_length=B, acceptance_tokens_per_round=a, tokens_per_second=tps,
+                             formula="a / (B*t_draft_step + t_verify + a/B*(t_commit + t_draft_commit))"))
+    base = next(r["tokens_per_second"] for r in rows if r["mode"] == "vanilla/graphs")
+    for r in rows:
+        r["speedup_vs_vanilla_graphs"] = r["tokens_per_second"] / base
+    return rows
+
+
+def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> list:
+    """Tokens/s of the six engine variants on ``prompts`` (lists of ids), one warm-up prompt each."""
+    from simsd import DecodeConfig
+    from simsd.speculative import SpecConfig, speculative_generate_batch
+    from simsd.vanilla import vanilla_generate_batch
+    cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens)
+    rows, outputs = [], {}
+    for mode in ("vanilla", "paper", "exact"):
+        for graphs in (False, True):
+            def run(p, i):
+                if mode == "vanilla":
+                    return vanilla_generate_batch(target.model, [p], cfg, target.mask_token_id, target.stop_ids,
+                                                  i, cuda_graphs=graphs).results[0]
+                return speculative_generate_batch(target, draft, [p], cfg, SpecConfig(mode=mode), i,
+                                                  cuda_graphs=graphs).results[0]
+            run(prompts[0], 0)
+            res = [run(p, i) for i, p in enumerate(prompts)]
+            tok = sum(r.stats["new_tokens"] for r in res)
+            sec = sum(r.stats["decode_seconds"] for r in res)
+            label = mode + ("+graphs" if graphs else "")
+            outputs[label] = [r.token_ids for r in res]
+            s = lambda k: sum(r.stats.get(k, 0) for r in res)  # noqa: E731
+            rows.append(dict(env, kind="tokens_per_second", pair=pair, mode=label, prompts=len(prompts),
+                             block_length=args.block_length, max_new_tokens=args.max_new_tokens, new_tokens=tok,
+                             decode_seconds=sec, tokens_per_second=tok / sec,
+                             target_forwards_per_token=s("target_forwards") / max(tok, 1),
+                             acceptance_rate=s("accepted") / s("proposed") if s("proposed") else None,
+                             identical_to_vanilla=sum(a == b for a, b in zip(outputs[label], outputs["vanilla"])),
+                             graphs_equal_eager=(outputs[label] == outputs[mode]) if graphs else None))
+    return rows
+
+
+def bundled_pair_rows(args, env) -> list:
+    from simsd import load_checkpoint
+    from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET, HELDOUT_PROMPTS
+    from simsd.commands import encode
+    if not (DEFAULT_TARGET / "config.json").is_file() or not (DEFAULT_DRAFT / "config.json").is_file():
+        print(f"bench_e2e: bundled pair not found under {DEFAULT_TARGET.parent}: measured rows skipped")
+        return []
+    t = load_checkpoint(DEFAULT_TARGET, dtype=DTYPE, device=DEV)
+    d = load_checkpoint(DEFAULT_DRAFT, dtype=DTYPE, device=DEV)
+    lines = HELDOUT_PROMPTS.read_text().splitlines() if HELDOUT_PROMPTS.is_file() else []
+    texts = [json.loads(x)["prompt"] for x in lines if x.strip()][: args.prompts] or ["def add(a, b):"]
+    prompts = [encode(t.tokenizer, x, raw=False) for x in texts]
+    return measured_rows(t, d, prompts, args, env, "bundled-tiny")
+
+
+def goal_lines(rows: list) -> list:
+    """The issue's goals, from the latency and modelled rows of each pair."""
+    out = []
+    for pair in dict.fromkeys(r["pair"] for r in rows if r["kind"] == "latency"):
+        lat = {(r["forward"], r["mode"]): r for r in rows if r["kind"] == "latency" and r["pair"] == pair}
+        van = lat[("vanilla_step", "graphs")]["ms"]
+        for v in ("paper", "exact"):
+            ratio = lat[(f"verify_{v}", "graphs")]["ms"] / van
+            out.append(f"goal      {pair:12} verify_{v}/vanilla_step (graphs) {ratio:.2f} (goal <= 1.15)")
+        gpu = lat[("draft_step", "eager")].get("gpu_ms")
+        if gpu:
+            out.append(f"goal      {pair:12} draft_step graphs / pure GPU time {lat[('draft_step', 'graphs')]['ms'] / gpu:.2f}"
+                       " (goal <= 1.2)")
+        for r in rows:
+            if r["kind"] == "modelled" and r["pair"] == pair and r["mode"] in ("paper/graphs", "exact/graphs"):
+                out.append(f"goal      {pair:12} modelled {r['mode']} / vanilla/graphs "
+                           f"{r['speedup_vs_vanilla_graphs']:.2f} (goal >= 1.6)")
+    return out
+
+
+def print_table(rows: list) -> None:
+    print("\n# e2e summary (ms per forward; tokens/s; modelled rows are not measurements)")
+    for r in rows:
+        if r["kind"] == "latency":
+            gpu = f" gpu {r['gpu_ms']:.3f}" if r.get("gpu_ms") else ""
+            print(f"latency   {r['pair']:12} {r['forward']:13} {r['mode']:7} {r['ms']:8.3f} ms{gpu}")
+        elif r["kind"] == "modelled":
+            print(f"modelled  {r['pair']:12} {r['mode']:15} {r['tokens_per_second']:9.1f} tok/s "
+                  f"x{r['speedup_vs_vanilla_graphs']:.2f} vs vanilla/graphs")
+        else:
+            acc = f" accept {r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else ""
+            print(f"measured  {r['pair']:12} {r['mode']:15} {r['tokens_per_second']:9.1f} tok/s "
+                  f"fwd/tok {r['target_forwards_per_token']:.3f}{acc} same-as-vanilla {r['identical_to_vanilla']}"
+                  f"/{r['prompts']}")
+    for line in goal_lines(rows):
+        print(line)
+
+
+def main(argv=None) -> int:
+    global DEV, DTYPE
+    args = parse_args(argv)
+    import torch
+    if args.cpu_smoke:
+        DEV, DTYPE = "cpu", "float32"
+        args.cache_len, args.prompts, args.max_new_tokens = 16, 2, 8
+        import simsd.graphs
+        simsd.graphs.cuda_capture = simsd.graphs.eager_capture
+        simsd.graphs.check_graphable = lambda model: None
+    elif not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device; nothing to measure (this benchmark needs a GPU).")
+        return 0
+    from simsd import load_checkpoint
+    env = environment()
+    print(f"# {env['gpu']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  sha {env['git_sha']}")
+    B = args.block_length
+    if args.target:
+        t = load_checkpoint(args.target, dtype=DTYPE, device=DEV)
+        d = load_checkpoint(args.draft or args.target, dtype=DTYPE, device=DEV)
+        pair = os.path.basename(os.path.normpath(args.target))
+    else:
+        from pathlib import Path
+        from simsd.loading import Checkpoint
+        stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
+        t = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)
+        d = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
+        pair = "random-8b/1.7b"
+    rows = latency_rows({"target": t.model, "draft": d.model}, B, args.cache_len, env, pair)
+    rows += modelled_rows(rows, B, args.acceptance, env, pair)
+    prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
+    rows += measured_rows(t, d, prompts, args, env, pair)
+    import simsd.batching
+    simsd.batching._POOL.clear()  # pooled graph engines hold the models
+    del t, d
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    rows += bundled_pair_rows(args, env)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Batched decoding with independent per-row progress (DESIGN.md §6).
+
+Each request (batch row) runs its decoding logic as a Python generator (a *program*) that
+yields :class:`Fwd` requests — "run these query tokens of mine through model X over my cache"
+— and receives the logits back. :class:`BatchEngine` collects the pending requests of all
+rows, runs the requests that can share a forward as **one batched forward** over a static
+cache with per-row lengths, and sends each row its own logits. A single run is the same
+program driven by a one-row engine, so a row's tokens never depend on its neighbours.
+
+Requests of different lengths share a forward through padding slots that no real token can
+see under the forward's mask mode (``mask_rule.allowed``):
+
+* ``exact``: pad ``grp = 2**30`` (real copies have ``0 <= grp < 2**30``; ``grp = -1`` is the
+  shared prefix that holds a folded commit);
+* ``paper``: pad = M slot with ``tau = 0`` (D and M slots have ``tau >= 1``, known slots see
+  known slots only);
+* ``block_causal``: pad ``grp = 2**30`` (after every real group);
+* ``bidirectional`` requests carry all-zero labels, which mean "everything visible" under
+  every mode, so they join a forward of any mode (and one that needs padding runs as
+  ``exact``).
+
+Rows that have no request in a forward but sit between rows that do get a dummy read-only
+query; the forward covers the contiguous row range of its requests (a view of the cache).
+Per-row cache writes use ``num_write`` as a ``(B,)`` tensor (see :meth:`SDARForCausalLM.forward`),
+so the caches have a margin of the longest query past their capacity.
+
+``static_shapes`` (implied by ``cuda_graphs``): every forward covers all rows and query lengths
+are rounded up to a multiple of the block length, so a few shapes serve a whole run; with
+``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.graphs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from simsd_kernels import KIND_MASK, SHARED_GRP
+
+from .decoding import labels_for
+
+PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
+             "block_causal": (0, 0, 1 << 30)}
+
+
+@dataclass
+class Fwd:
+    """One row's forward request.
+
+    ``ids, positions (L,) int64``, ``labels (L, 3) int32`` (see :mod:`simsd_kernels.mask_rule`),
+    ``mask_mode``; the first ``num_write`` tokens are written to the row's cache. ``logits``: which
+    tokens' logits to return (a slice, or None for none). ``count``: counted as a forward of the
+    row (diagnostic forwards are not).
+    """
+    model: str
+    ids: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    mask_mode: str
+    num_write: int = 0
+    logits: slice | None = field(default_factory=lambda: slice(None))
+    count: bool = True
+
+
+@dataclass
+class Row:
+    """Host-side view of one batch row: its cached length and forward count per model.
+
+    A finished block's commit may be *folded* (``commit(model, block, fold=True)`` returns None
+    and keeps the block in ``pending``): the model's next denoise or exact-verification request
+    then writes the block's K/V first (the same K/V as a separate commit forward's).
+    """
+    index: int
+    devices: dict
+    block_length: int
+    cached: dict = field(default_factory=dict)
+    forwards: dict = field(default_factory=dict)
+    prefill_forwards: int = 0
+    caches: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)
+
+    def start(self, model: str) -> int:
+        """Absolute position of the current block of ``model`` (after a pending commit)."""
+        prev = self.pending.get(model)
+        return self.cached[model] + (0 if prev is None else prev.shape[0])
+
+    def truncate(self, model: str, length: int) -> None:
+        """Roll ``model``'s cache of this row back to ``length`` tokens (later slots are then
+        unread and overwritten by the next write)."""
+        if not 0 <= length <= self.cached[model]:
+            raise ValueError(f"cannot truncate row {self.index} of {model} from {self.cached[model]} to {length}")
+        self.cached[model] = length
+        self.caches[model].seqlens[self.index] = length
+
+    def positions(self, model: str, n: int) -> torch.Tensor:
+        c = self.cached[model]
+        return torch.arange(c, c + n, device=self.devices[model])
+
+    def denoise(self, model: str, block: torch.Tensor) -> Fwd:
+        """Denoise forward of ``block (L,)``: bidirectional over the cache and the block, read-only
+        (with a pending commit: :meth:`commit_and_denoise`)."""
+        prev = self.pending.pop(model, None)
+        if prev is not None:
+            return self.commit_and_denoise(model, prev, block)
+        L = block.shape[0]
+        return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional")
+
+    def exact(self, model: str, states: list) -> Fwd:
+        """Exact verification forward over the block ``states`` (one copy each, see
+        :func:`simsd.verification.exact_layout`); a pending commit joins as the shared prefix
+        (``grp = SHARED_GRP``) and is written. The logits are those of the copies."""
+        from .verification import exact_layout
+        dev = self.devices[model]
+        ids, pos, lab = exact_layout(states, self.start(model))
+        prev = self.pending.pop(model, None)
+        if prev is None:
+            return Fwd(model, ids[0], pos[0], lab[0], "exact")
+        P = prev.shape[0]
+        return Fwd(model, torch.cat([prev, ids[0]]), torch.cat([self.positions(model, P), pos[0]]),
+                   torch.cat([labels_for(P, dev, grp=SHARED_GRP)[0], lab[0]]), "exact", num_write=P,
+                   logits=slice(P, None))
+
+    def commit(self, model: str, block: torch.Tensor, fold: bool = False) -> Fwd | None:
+        """Commit forward: the clean block's K/V are stored (no logits). ``fold``: defer it to
+        the model's next request and return None. Raises if another commit is pending."""
+        if model in self.pending:
+            raise RuntimeError(f"row {self.index}: a commit of {model} is already pending")
+        if fold:
+            self.pending[model] = block
+            return None
+        L = block.shape[0]
+        return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional",
+                   num_write=L, logits=None)
+
+    def flush(self, model: str) -> Fwd | None:
+        """The pending commit of ``model`` as its own forward (for requests that cannot fold it)."""
+        prev = self.pending.pop(model, None)
+        return None if prev is None else self.commit(model, prev)
+
+    def commit_and_denoise(self, model: str, block: torch.Tensor, next_block: torch.Tensor) -> Fwd:
+        """The commit of ``block`` folded into the first denoise forward of ``next_block``
+        (block-causal over the pair); the logits are those of ``next_block``."""
+        L = block.shape[0]
+        dev = self.devices[model]
+        grp = (torch.arange(2 * L, device=dev) >= L).int()
+        return Fwd(model, torch.cat([block, next_block]), self.positions(model, 2 * L),
+                   labels_for(2 * L, dev, grp=grp)[0], "block_causal", num_write=L, logits=slice(L, 2 * L))
+
+
+def _aligned_prefill(model, cache, prompt_ids: list, B: int) -> tuple[list, int]:
+    aligned = (len(prompt_ids) // B) * B
+    if aligned:
+        dev = model.device
+        ids = torch.tensor([prompt_ids[:aligned]], device=dev)
+        pos = torch.arange(aligned, device=dev)[None]
+        model(ids, pos, labels_for(aligned, dev, grp=pos // B), "block_causal", cache, num_write=aligned,
+              logits_slice=None)
+    return list(prompt_ids[aligned:]), aligned
+
+
+class BatchEngine:
+    """Drives row programs over one static cache per model.
+
+    Args:
+        models: name -> :class:`SDARForCausalLM` (e.g. ``{"target": t, "draft": d}``).
+        block_length: B.
+        batch_size: rows.
+        capacity: tokens a row may commit (see :func:`simsd.decoding.check_prompt`).
+        margin: the longest query a forward may carry (the per-row write margin).
+
+        cuda_graphs: replay forwards as CUDA graphs (CUDA devices, triton/cuda backend).
+        static_shapes: fixed forward shapes (default: ``cuda_graphs``); an eager engine with
+            static shapes runs exactly the computation the graphs replay.
+
+    ``forwards[name]`` counts the batched forwards run per model (prefill excluded).
+
+    Raises:
+        ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.graphs`).
+    """
+
+    def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
+                 cuda_graphs: bool = False, static_shapes: bool | None = None):
+        self.models = models
+        self.B = block_length
+        self.capacity = capacity
+        self.static = cuda_graphs if static_shapes is None else static_shapes
+        self.caches = {n: m.new_cache(batch_size, capacity + margin) for n, m in models.items()}
+        self.graphs = {}
+        if cuda_graphs:
+            from .graphs import GraphRunner
+            self.graphs = {n: GraphRunner(m, self.caches[n]) for n, m in models.items()}
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the caches and the row counters (captured graphs stay valid)."""
+        for cache in self.caches.values():
+            cache.reset()
+        devices = {n: m.device for n, m in self.models.items()}
+        self.rows = [Row(i, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models},
+                         caches=self.caches) for i in range(self.caches[next(iter(self.caches))].batch_size)]
+        self.forwards = {n: 0 for n in self.models}
+
+    def prefill(self, index: int, prompt_ids: list) -> list:
+        """Prefill row ``index`` in every model (separately per row); returns the prompt tail."""
+        row = self.rows[index]
+        tail = prompt_ids
+        for name, model in self.models.items():
+            tail, aligned = _aligned_prefill(model, self.caches[name].rows(index, index + 1), prompt_ids, self.B)
+            row.cached[name] = aligned
+        row.prefill_forwards = 1 if len(prompt_ids) >= self.B else 0
+        return tail
+
+    def run(self, programs: list) -> list:
+        """Run one program per row (``programs[i]`` for row ``i``) until all return; returns
+        their return values. Draft forwards run before target ones so that the target's
+        forwards batch as many rows as possible."""
+        pending, results = {}, [None] * len(programs)
+        for i, prog in enumerate(programs):
+            self._advance(i, prog, None, pending, results)
+        while pending:
+            groups = self._groups(pending)
+            name, mode, rows = max(groups, key=lambda g: (g[0] != "target", len(g[2])))
+            outs = self._forward(name, mode, {i: pending[i][1] for i in rows})
+            for i in rows:
+                self._advance(i, pending.pop(i)[0], outs[i], pending, results)
+        return results
+
+    @staticmethod
+    def _advance(i, prog, value, pending, results):
+        try:
+            pending[i] = (prog, prog.send(value))
+        except StopIteration as stop:
+            results[i] = stop.value
+
+    @staticmethod
+    def _groups(pending) -> list:
+        """``(model, mode, rows)`` of requests that can share a forward."""
+        groups: dict = {}
+        for i, (_, req) in sorted(pending.items()):
+            groups.setdefault((req.model, req.mask_mode), []).append(i)
+        for (name, mode) in list(groups):  # bidirectional requests join the model's other group
+            if mode == "bidirectional":
+                other = next((k for k in groups if k[0] == name and k[1] != "bidirectional"), None)
+                if other is not None:
+                    groups[other] = sorted(groups[other] + groups.pop((name, mode)))
+        return [(n, m, rows) for (n, m), rows in groups.items()]
+
+    def _forward(self, name: str, mode: str, reqs: dict) -> dict:
+        model, dev = self.models[name], self.models[name].device
+        a, b = min(reqs), max(reqs) + 1
+        Lq = max(r.ids.shape[0] for r in reqs.values())
+        if self.static:
+            a, b = 0, len(self.rows)
+            Lq = -(-Lq // self.B) * self.B
+        if mode == "bidirectional" and any(r.ids.shape[0] != Lq for r in reqs.values()):
+            mode = "exact"
+        ids = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
+        pos = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
+        labels = torch.tensor(PAD_LABEL[mode], dtype=torch.int32, device=dev).repeat(b - a, Lq, 1)
+        nw = [0] * (b - a)
+        for i, r in reqs.items():
+            L = r.ids.shape[0]
+            ids[i - a, :L] = r.ids
+            pos[i - a, :L] = r.positions
+            pos[i - a, L:] = r.positions[-1]
+            labels[i - a, :L] = r.labels
+            nw[i - a] = r.num_write
+        per_row = len(set(nw)) > 1 or (self.static and any(nw))
+        num_write = torch.tensor(nw, dtype=torch.int32, device=dev) if per_row else nw[0]
+        want = any(r.logits is not None for r in reqs.values())
+        if name in self.graphs:
+            logits = self.graphs[name](ids, pos, labels, mode, num_write, want)
+        else:
+            logits = model(ids, pos, labels, mode, self.caches[name].rows(a, b), num_write,
+                           slice(None) if want else None)
+        self.forwards[name] += 1
+        outs = {}
+        for i, r in reqs.items():
+            row = self.rows[i]
+            row.cached[name] += r.num_write
+            row.forwards[name] += int(r.count)
+            if r.logits is not None:
+                out = logits[i - a, : r.ids.shape[0]][r.logits]
+                outs[i] = out.clone() if self.graphs else out  # graph outputs are overwritten by replays
+            else:
+                outs[i] = None
+        return outs
+
+
+_POOL: dict = {}
+
+
+def engine_for(models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
+               cuda_graphs: bool = False) -> BatchEngine:
+    """A :class:`BatchEngine` for these arguments. Without graphs a fresh one; with graphs one
+    kept per ``(models, block_length, batch_size, margin)`` and reset, so that its captured
+    graphs are reused across calls (replaced by a larger one when ``capacity`` grows; capacities
+    are rounded up to a multiple of 256 tokens)."""
+    if not cuda_graphs:
+        return BatchEngine(models, block_length, batch_size, capacity, margin)
+    key = (tuple((n, id(m)) for n, m in sorted(models.items())), block_length, batch_size, margin)
+    engine = _POOL.get(key)
+    if engine is None or engine.capacity < capacity:
+        _POOL.pop(key, None)
+        engine = _POOL[key] = BatchEngine(models, block_length, batch_size, -(-capacity // 256) * 256, margin,
+                                          cuda_graphs=True)
+    engine.reset()
+    return engine
+
+
+@dataclass
+class BatchResult:
+    """``results[i]``: the :class:`~simsd.decoding.GenerationResult` of prompt ``i``; ``stats``:
+    ``batch_size, new_tokens, decode_seconds, tokens_per_second`` (all rows' tokens over the
+    batch's decode time, prefill excluded) and ``batched_forwards`` per model."""
+    results: list
+    stats: dict

@@ -1,0 +1,136 @@
+"""Tensor-parallel target over ``torch.distributed`` (DESIGN.md §6).
+
+Megatron-style sharding of the SDAR decoder across ``world`` ranks: each rank keeps
+``Hq / world`` query heads and ``Hkv / world`` kv heads (their q/k/v projection rows and
+``o_proj`` columns) and ``intermediate / world`` MLP channels (``gate/up`` rows, ``down``
+columns); ``o_proj`` and ``down_proj`` outputs are summed with one all-reduce each per layer.
+Embedding, norms and ``lm_head`` are replicated, so every rank ends a forward with the same
+logits and runs the same decoding program (SPMD): identical seeds give identical decisions
+without any further communication. Each rank's KV cache holds its own kv heads.
+
+Launch: ``torchrun --nproc-per-node N -m simsd.cli generate --tp N ...`` or plain
+``simsd generate --tp N ...``, which spawns the N ranks itself (NCCL on CUDA, one GPU per
+rank: ``cuda:<rank>``; gloo on CPU). Only rank 0 prints.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class AllReduceLinear(nn.Module):
+    """A row-parallel linear: the local matmul, then the sum over the tensor-parallel group."""
+
+    def __init__(self, linear: nn.Linear, group=None):
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    @property
+    def weight(self):
+        return self.linear.weight
+
+    def forward(self, x):
+        y = self.linear(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
+    w = linear.weight.data[start:stop].clone()
+    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    out.weight.data = w
+    return out
+
+
+def _cols(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
+    w = linear.weight.data[:, start:stop].contiguous()
+    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    out.weight.data = w
+    return out
+
+
+def check_tp(config, world: int) -> None:
+    """Raise ``ValueError`` unless heads and MLP channels divide by ``world``."""
+    c = config
+    for name, n in (("num_attention_heads", c.num_attention_heads), ("num_key_value_heads", c.num_key_value_heads),
+                    ("intermediate_size", c.intermediate_size)):
+        if n % world:
+            raise ValueError(f"--tp {world}: {name} = {n} is not a multiple of {world}")
+
+
+def shard_model(model, rank: int, world: int, group=None):
+    """Turn a full :class:`SDARForCausalLM` into rank ``rank``'s shard, in place; returns it.
+
+    Raises:
+        ValueError: see :func:`check_tp`.
+    """
+    check_tp(model.config, world)
+    if world == 1:
+        return model
+    D = model.config.head_dim
+    for layer in model.model.layers:
+        att = layer.self_attn
+        hq, hkv = att.num_heads // world, att.num_kv_heads // world
+        att.q_proj = _rows(att.q_proj, rank * hq * D, (rank + 1) * hq * D)
+        att.k_proj = _rows(att.k_proj, rank * hkv * D, (rank + 1) * hkv * D)
+        att.v_proj = _rows(att.v_proj, rank * hkv * D, (rank + 1) * hkv * D)
+        att.o_proj = AllReduceLinear(_cols(att.o_proj, rank * hq * D, (rank + 1) * hq * D), group)
+        att.num_heads, att.num_kv_heads = hq, hkv
+        mlp = layer.mlp
+        i = mlp.gate_proj.weight.shape[0] // world
+        mlp.gate_proj = _rows(mlp.gate_proj, rank * i, (rank + 1) * i)
+        mlp.up_proj = _rows(mlp.up_proj, rank * i, (rank + 1) * i)
+        mlp.down_proj = AllReduceLinear(_cols(mlp.down_proj, rank * i, (rank + 1) * i), group)
+    model.num_local_kv_heads = model.config.num_key_value_heads // world
+    model.tp = (rank, world)
+    return model
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised process group, ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_device(device: str | None) -> str:
+    """The device of this rank: ``cuda:<local rank>`` for a CUDA run, else ``device``."""
+    if device is not None and torch.device(device).type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        return device or "cpu"
+    local = int(os.environ.get("LOCAL_RANK", world()[0]))
+    return f"cuda:{local}"
+
+
+def init_from_env(device_type: str) -> None:
+    """Join the group described by torchrun's environment (``RANK``, ``WORLD_SIZE``, ...)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    fn(*args)
+
+
+def spawn(fn, world_size: int, *args) -> None:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes with torchrun-like environments.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank failed.
+    """
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

@@ -1,0 +1,181 @@
+"""Batched decoding: a batch of N prompts equals N single runs, in every mode (DESIGN.md §6)."""
+import dataclasses
+
+import pytest
+import torch
+
+from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
+from simsd.cache import KVCache
+from simsd.decoding import labels_for
+from simsd.speculative import SpecConfig, speculative_generate, speculative_generate_batch
+from simsd.vanilla import vanilla_generate_batch
+from tests.helpers import random_checkpoint
+
+V = 96
+# lengths: shorter than a block, multiples of B, and not
+PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 6)]
+
+
+def ckpt(name, layers=2, seed=0):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2)
+    return load_checkpoint(path, dtype="float64", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return ckpt("target"), ckpt("poor-draft", layers=1, seed=11)
+
+
+def with_stop(c, decode):
+    """``c`` with a stop id taken from prompt 1's free output, so that rows stop at different points."""
+    free = decode(c, PROMPTS[1])
+    return dataclasses.replace(c, stop_ids=[free[5]])
+
+
+def single(mode, target, draft, prompt, cfg, spec):
+    if mode == "vanilla":
+        return vanilla_generate(target.model, prompt, cfg, target.mask_token_id, target.stop_ids)
+    return speculative_generate(target, draft, prompt, cfg, spec)
+
+
+def batch(mode, target, draft, prompts, cfg, spec):
+    if mode == "vanilla":
+        return vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id, target.stop_ids)
+    return speculative_generate_batch(target, draft, prompts, cfg, spec)
+
+
+COUNTERS = ("new_tokens", "target_forwards", "draft_forwards", "blocks", "proposed", "accepted", "rounds",
+            "fallback_steps", "prefill_forwards")
+
+
+@pytest.mark.parametrize("mode,on_reject,fold", [("vanilla", "redraft", False), ("vanilla", "redraft", True),
+                                                 ("paper", "redraft", False), ("paper", "fallback", False),
+                                                 ("exact", "redraft", False), ("exact", "redraft", True),
+                                                 ("paper", "redraft", True)])
+def test_greedy_batch_equals_single_runs(pair, mode, on_reject, fold):
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=14, fold_commit=fold)
+    spec = SpecConfig(mode=mode if mode != "vanilla" else "exact", on_reject=on_reject)
+    target = with_stop(target, lambda c, p: single(mode, c, draft, p, cfg, spec).token_ids)
+    singles = [single(mode, target, draft, p, cfg, spec) for p in PROMPTS]
+    got = batch(mode, target, draft, PROMPTS, cfg, spec)
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in singles]
+    assert len({len(r.token_ids) for r in singles}) > 1  # rows stop at different points
+    for b, s in zip(got.results, singles):
+        assert {k: b.stats.get(k) for k in COUNTERS} == {k: s.stats.get(k) for k in COUNTERS}
+    assert got.stats["new_tokens"] == sum(len(r.token_ids) for r in singles)
+    # batching shares forwards between rows
+    assert got.stats["batched_forwards"]["target"] < sum(s.stats["target_forwards"] for s in singles)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_sampling_batch_equals_seeded_single_runs(pair, mode):
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, max_new_tokens=10, seed=5, sampling=SamplingParams(temperature=4.0, top_k=40))
+    spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
+    got = batch(mode, target, draft, PROMPTS[:3], cfg, spec)
+    for i, p in enumerate(PROMPTS[:3]):
+        want = single(mode, target, draft, p, dataclasses.replace(cfg, seed=cfg.seed + i), spec)
+        assert got.results[i].token_ids == want.token_ids
+    # the rows do not share a random stream: the same prompt in two rows samples differently
+    twice = batch(mode, target, draft, [PROMPTS[2], PROMPTS[2]], cfg, spec)
+    assert twice.results[0].token_ids != twice.results[1].token_ids
+
+
+def test_exact_batch_equals_vanilla_target(pair):
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
+    want = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids)
+    got = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode="exact"))
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+
+
+def test_per_row_num_write_and_row_views():
+    c = ckpt("target")
+    m = c.model
+    cache = m.new_cache(3, 32)
+    cache.seqlens.copy_(torch.tensor([0, 4, 8], dtype=torch.int32))
+    ids = torch.randint(0, V - 2, (3, 4), generator=torch.Generator().manual_seed(0))
+    pos = cache.seqlens.long()[:, None] + torch.arange(4)[None]
+    lab = labels_for(4, "cpu").repeat(3, 1, 1)
+    ref = [KVCache.for_model(m.config, 1, 32, m.dtype, "cpu") for _ in range(3)]
+    m(ids, pos, lab, "bidirectional", cache, torch.tensor([4, 0, 2], dtype=torch.int32), None)
+    assert cache.seqlens.tolist() == [4, 4, 10]
+    for b, n in enumerate([4, 0, 2]):
+        view = cache.rows(b, b + 1)
+        ref[b].seqlens.fill_(int(pos[b, 0]))
+        m(ids[b:b + 1], pos[b:b + 1], lab[:1], "bidirectional", ref[b], n, None)
+        got = [t[0, : int(view.seqlens[0])] for t in view.k]
+        want = [t[0, : int(ref[b].seqlens[0])] for t in ref[b].k]
+        assert all(torch.equal(g[int(pos[b, 0]):], w[int(pos[b, 0]):]) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="rows"):
+        cache.rows(2, 4)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_static_shapes_equal_dynamic(pair, mode, fold, monkeypatch):
+    """The fixed shapes that CUDA graphs replay (all rows, padded queries) give the same tokens."""
+    import simsd.speculative
+    import simsd.vanilla
+    from simsd.batching import BatchEngine
+    static = lambda models, B, n, cap, margin, graphs: BatchEngine(models, B, n, cap, margin,  # noqa: E731
+                                                                   static_shapes=True)
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=10, fold_commit=fold)
+    spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
+    want = batch(mode, target, draft, PROMPTS, cfg, spec)
+    monkeypatch.setattr(simsd.vanilla, "engine_for", static)
+    monkeypatch.setattr(simsd.speculative, "engine_for", static)
+    got = batch(mode, target, draft, PROMPTS, cfg, spec)
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+
+
+def test_triton_batch_equals_single_runs():
+    """Padded batched forwards through the (interpreted on CPU) Triton kernels."""
+    pytest.importorskip("triton")
+    from simsd_kernels.backends import resolve_backend
+    path = random_checkpoint("target", tokenizer=False, vocab_size=V, num_hidden_layers=2, seed=0, std=0.2)
+    t = load_checkpoint(path, dtype="float32", with_tokenizer=False)
+    try:
+        resolve_backend("triton", t.model.device)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    t.model.attention_backend = "triton"
+    cfg = DecodeConfig(block_length=4, max_new_tokens=4)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10]]
+    got = speculative_generate_batch(t, t, prompts, cfg, SpecConfig(mode="paper"))
+    want = [speculative_generate(t, t, p, cfg, SpecConfig(mode="paper")).token_ids for p in prompts]
+    assert [r.token_ids for r in got.results] == want
+
+
+def test_cuda_graphs_refused_on_cpu(pair):
+    from simsd.graphs import GraphRunner
+    target, _ = pair
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphRunner(target.model, target.model.new_cache(1, 8))
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_graph_runner_buffer_logic_with_eager_capture(pair, mode, monkeypatch):
+    """The graph engine's static buffers, shape keys, per-row writes and output copies, with the
+    CUDA capture replaced by eager replay: stale buffers would change the tokens."""
+    import simsd.batching
+    import simsd.graphs
+    monkeypatch.setattr(simsd.graphs, "cuda_capture", simsd.graphs.eager_capture)
+    monkeypatch.setattr(simsd.graphs, "check_graphable", lambda model: None)
+    monkeypatch.setattr(simsd.batching, "_POOL", {})
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=14)
+    spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
+    want = [r.token_ids for r in batch(mode, target, draft, PROMPTS, cfg, spec).results]
+    for _ in range(2):  # the second call reuses the pooled engine and its captured shapes
+        if mode == "vanilla":
+            got = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids,
+                                         cuda_graphs=True)
+        else:
+            got = speculative_generate_batch(target, draft, PROMPTS, cfg, spec, cuda_graphs=True)
+        assert [r.token_ids for r in got.results] == want
+    (engine,) = simsd.batching._POOL.values()
+    runner = engine.graphs["target"]
+    assert 0 < runner.graphs <= 2 * (4 + 2) and runner.replays > 2 * runner.graphs  # a few shapes, many replays

@@ -1,0 +1,69 @@
+"""Tensor-parallel target on CPU (gloo): the sharded model and TP decoding equal the unsharded ones."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from simsd import DecodeConfig, load_checkpoint, vanilla_generate
+from simsd.speculative import SpecConfig, speculative_generate
+from simsd.tp import spawn
+from tests.helpers import random_checkpoint
+
+V = 96
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ckpt_path(name="tp-target", layers=2, seed=0):
+    return random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2,
+                             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _rank(path, draft_path, out):
+    import torch.distributed as dist
+    from simsd.tp import shard_model
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = load_checkpoint(path, dtype="float64", with_tokenizer=False)
+    t.model.attention_backend = "torch"
+    shard_model(t.model, rank, world)
+    d = load_checkpoint(draft_path, dtype="float64", with_tokenizer=False)
+    d.model.attention_backend = "torch"
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
+    res = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
+           "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
+           "kv_heads": t.model.new_cache(1, 4).k[0].shape[2]}
+    Path(f"{out}.{rank}").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def test_tp2_decoding_equals_single_process(tmp_path):
+    path, draft = ckpt_path(), ckpt_path("tp-draft", layers=1, seed=3)
+    t = load_checkpoint(path, dtype="float64", with_tokenizer=False)
+    d = load_checkpoint(draft, dtype="float64", with_tokenizer=False)
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
+    want = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
+            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids}
+    spawn(_rank, 2, str(path), str(draft), str(tmp_path / "res"))
+    for rank in range(2):
+        got = json.loads((tmp_path / f"res.{rank}").read_text())
+        assert got["kv_heads"] == 1  # each rank caches its own kv head
+        assert {k: got[k] for k in want} == want
+
+
+def test_cli_tp2_spawns_ranks():
+    path = ckpt_path()
+    common = [sys.executable, "-m", "simsd.cli", "generate", "--target", str(path), "--prompt-ids", "5,6,7,8,9",
+              "--max-new-tokens", "8", "--json", "--device", "cpu", "--attention-backend", "torch"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    two = subprocess.run(common + ["--tp", "2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert len(two.stdout.splitlines()) == 1  # rank 0 prints, rank 1 does not
+    t = load_checkpoint(path, dtype="float32", with_tokenizer=False)
+    t.model.attention_backend = "torch"
+    want = vanilla_generate(t.model, [5, 6, 7, 8, 9], DecodeConfig(max_new_tokens=8), t.mask_token_id, t.stop_ids)
+    assert json.loads(two.stdout)["token_ids"] == want.token_ids
