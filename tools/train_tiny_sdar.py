@@ -26,7 +26,9 @@ mask; at start (and on the saved bf16 checkpoint) it is checked against
 ``SDARForCausalLM.forward`` (prefill + denoise over the KV cache), so the trained weights mean
 the same at inference.
 
-Results of the shipped pair: see ``tools/TRAINING.md``.
+Shipped pair (defaults: 700 steps x 8 x 256 tokens, lr 3e-3; target ``--threads 2``, draft
+``--threads 1``): target 28 min, held-out loss 4.636; draft 18 min, 4.581 (bf16 weights, on a
+shared 2-core CPU). Corpus, split, samples and draft/target agreement: ``tools/TRAINING.md``.
 """
 from __future__ import annotations
 
@@ -307,12 +309,12 @@ def main(argv=None) -> None:
     t.add_argument("--vocab-size", type=int, default=6144)
     r = sub.add_parser("train")
     r.add_argument("--model", choices=sorted(MODELS), required=True)
-    r.add_argument("--steps", type=int, default=2000)
-    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--steps", type=int, default=700)
+    r.add_argument("--batch", type=int, default=8)
     r.add_argument("--seq-len", type=int, default=256)
     r.add_argument("--block", type=int, default=4)
-    r.add_argument("--lr", type=float, default=2e-3)
-    r.add_argument("--warmup", type=int, default=100)
+    r.add_argument("--lr", type=float, default=3e-3)
+    r.add_argument("--warmup", type=int, default=30)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--max-positions", type=int, default=2048)
