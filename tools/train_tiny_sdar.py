@@ -289,6 +289,7 @@ def stage_train(args) -> None:
     out = Path(args.out or ASSETS / f"tiny-sdar-{args.model}")
     save_checkpoint(out, cfg, {k: v.detach() for k, v in model.state_dict().items()}, tok, dtype=torch.bfloat16,
                     stop_ids=stops)
+    portable_files(out)
     from simsd.loading import load_checkpoint
 
     ck = load_checkpoint(out, dtype="float64")
@@ -300,6 +301,22 @@ def stage_train(args) -> None:
                "heldout_loss_bf16": hl_saved, "saved_check_rel_diff": err_saved, "log": log}
     (WORK / f"summary-{args.model}.json").write_text(json.dumps(summary, indent=1))
     print(f"saved {out}: heldout loss (bf16 weights) {hl_saved:.3f}, check {err_saved:.1e}, {seconds:.0f}s")
+
+
+def portable_files(out: Path) -> None:
+    """bf16 in config.json; a tokenizer_config.json that transformers 4.x and 5.x both load
+    (``PreTrainedTokenizerFast``, chat template inline as well as in chat_template.jinja)."""
+    from simsd.testing import CHAT_TEMPLATE
+
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    for k in ("is_local", "local_files_only", "backend"):
+        tc.pop(k, None)
+    tc.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=cfg["max_position_embeddings"],
+              chat_template=CHAT_TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
 
 
 def main(argv=None) -> None:

@@ -39,8 +39,9 @@ def test_target_continues_a_heldout_prompt():
     ck = load_checkpoint(PAIR[0], dtype="float32")
     ck.model.attention_backend = "torch"
     p = bundled_prompts()[0]
-    ids = ck.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                           tokenize=True)["input_ids"]
+    out = ck.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                           tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
     res = vanilla_generate(ck.model, list(ids), DecodeConfig(max_new_tokens=16), ck.mask_token_id, ck.stop_ids)
     assert 1 <= len(res.token_ids) <= 16
     assert ck.mask_token_id not in res.token_ids
