@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from simsd.decoding import DecodeConfig, SequenceRunner, check_prompt, denoise_step  # noqa: E402
+from simsd.batching import engine_for  # noqa: E402
+from simsd.decoding import DecodeConfig, check_prompt, denoise_step  # noqa: E402
 from simsd.loading import load_checkpoint  # noqa: E402
 from simsd.prompts import bundled_prompts  # noqa: E402
 from simsd.vanilla import new_block, vanilla_generate  # noqa: E402
@@ -55,35 +56,41 @@ def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
 
 
 def agreement(target, draft, prompt_ids: list, cfg: DecodeConfig) -> dict:
-    """Greedy vanilla target decoding; compare the draft's argmax on the same block states."""
+    """Greedy vanilla target decoding; compare the draft's argmax on the same block states (one
+    :mod:`simsd.batching` row holding both models' caches of the same committed tokens)."""
     B = cfg.block_length
     cap = check_prompt(prompt_ids, target.model.config, cfg.max_new_tokens, B)
-    rt, rd = SequenceRunner(target.model, B, cap), SequenceRunner(draft.model, B, cap)
-    tail = rt.prefill(prompt_ids)
-    rd.prefill(prompt_ids)
-    stops, generated = set(target.stop_ids), []
-    same = total = same_all = total_all = 0
-    while True:
-        block = new_block(tail, B, target.mask_token_id, target.model.device)
-        first, tail, step = len(block) - int((block == target.mask_token_id).sum()), [], 0
-        while bool((block == target.mask_token_id).any()):
-            t_logits, d_logits = rt.denoise_logits(block), rd.denoise_logits(block)
-            masked = block == target.mask_token_id
-            block, revealed, _ = denoise_step(t_logits, block, target.mask_token_id, cfg, step, None)
-            d_arg, t_arg = d_logits.argmax(-1), t_logits.argmax(-1)
-            same += int((d_arg[revealed] == block[revealed]).sum())
-            total += int(revealed.sum())
-            same_all += int((d_arg[masked] == t_arg[masked]).sum())
-            total_all += int(masked.sum())
-            step += 1
-        new = block[first:].tolist()
-        generated.extend(new)
-        if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
-            break
-        rt.commit(block)
-        rd.commit(block)
-    return {"same": same, "total": total, "same_all_masked": same_all, "total_all_masked": total_all,
-            "tokens": generated}
+    engine = engine_for({"target": target.model, "draft": draft.model}, B, 1, cap, 2 * B)
+    tail = engine.prefill(0, prompt_ids)
+    mask_id, stops = target.mask_token_id, set(target.stop_ids)
+    c = {"same": 0, "total": 0, "same_all_masked": 0, "total_all_masked": 0}
+
+    def program(row):
+        nonlocal tail
+        generated = []
+        while True:
+            block = new_block(tail, B, mask_id, target.model.device)
+            first, tail, step = len(block) - int((block == mask_id).sum()), [], 0
+            while bool((block == mask_id).any()):
+                t_logits = yield row.denoise("target", block)
+                d_logits = yield row.denoise("draft", block)
+                masked = block == mask_id
+                block, revealed, _ = denoise_step(t_logits, block, mask_id, cfg, step, None)
+                d_arg, t_arg = d_logits.argmax(-1), t_logits.argmax(-1)
+                c["same"] += int((d_arg[revealed] == block[revealed]).sum())
+                c["total"] += int(revealed.sum())
+                c["same_all_masked"] += int((d_arg[masked] == t_arg[masked]).sum())
+                c["total_all_masked"] += int(masked.sum())
+                step += 1
+            new = block[first:].tolist()
+            generated.extend(new)
+            if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
+                return generated
+            yield row.commit("target", block)
+            yield row.commit("draft", block)
+
+    generated = engine.run([program(engine.rows[0])])[0]
+    return dict(c, tokens=generated)
 
 
 def main(argv=None) -> dict:
