@@ -79,11 +79,24 @@ def bench_modes(args) -> int:
         meta = {"block_length": cfg.block_length, "strategy": cfg.strategy, "steps": cfg.steps,
                 "gamma": args.gamma or cfg.block_length, "dtype": str(target.model.dtype),
                 "device": str(target.model.device), "torch": torch.__version__, "python": platform.python_version(),
-                "machine": platform.processor() or platform.machine(), "target": str(target.path),
+                "machine": platform.processor() or platform.machine(), "git_sha": git_sha(),
+                "target": str(target.path),
                 "draft": str(draft.path) if draft else None}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return 0
+
+
+def git_sha() -> str:
+    """The short git sha of the checkout simsd runs from ('' outside a git checkout)."""
+    import subprocess
+    from pathlib import Path
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def print_table(rows, cfg, args) -> None:
