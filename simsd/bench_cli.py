@@ -39,6 +39,12 @@ def bench_modes(args) -> int:
     bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
     if bad:
         raise ValueError(f"unknown mode(s) in --modes: {', '.join(bad)}")
+    if not modes:
+        raise ValueError("--modes names no mode (choose from vanilla, paper, exact)")
+    if args.json is not None and args.json.is_dir():
+        raise ValueError(f"--json {args.json} is a directory; give a file path")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     target, draft = load_models(args, need_draft=any(m != "vanilla" for m in modes))
     cfg = decode_config(args, target.config)
     if args.limit is None and args.prompts_file is None and args.prompt is None and args.prompt_ids is None:
@@ -71,9 +77,10 @@ def bench_modes(args) -> int:
         rows.append(row)
     base = next((r for r in rows if r["mode"] == "vanilla"), None)
     for r in rows:
-        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base else float("nan")
+        ok = base is not None and base["tokens_per_second"] > 0 and base["target_forwards_per_token"] > 0
+        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if ok else float("nan")
         r["forwards_ratio_vs_vanilla"] = (r["target_forwards_per_token"] / base["target_forwards_per_token"]
-                                          if base else float("nan"))
+                                          if ok else float("nan"))
     print_table(rows, cfg, args)
     if args.json:
         meta = {"block_length": cfg.block_length, "strategy": cfg.strategy, "steps": cfg.steps,

@@ -52,7 +52,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fold-commit", action="store_true",
                    help="fold each block's commit forward into the next block's first forward")
-    p.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"])
+    p.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"],
+                   help="vanilla SDAR decoding with the target; paper: SimSD as published; exact: SimSD with "
+                        "output identical to vanilla (greedy)")
     p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
     p.add_argument("--on-reject", default="redraft", choices=["redraft", "fallback"],
                    help="after a partial acceptance: re-draft the rest, or (paper's fallback) finish with "
@@ -121,6 +123,10 @@ def launch_tp(args, argv) -> int | None:
         if world()[0] != 0:  # only rank 0 prints
             sys.stdout = open(os.devnull, "w")
         return None
+    from .assets import DEFAULT_TARGET
+    from .config import ModelConfig
+    from .tp import check_tp
+    check_tp(ModelConfig.from_dir(args.target or DEFAULT_TARGET), args.tp)  # before any rank starts
     try:
         spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv))
     except Exception as exc:  # a rank failed; it printed its own error
@@ -131,11 +137,11 @@ def launch_tp(args, argv) -> int | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "tp", 1) > 1:
-        code = launch_tp(args, argv)
-        if code is not None:
-            return code
     try:
+        if getattr(args, "tp", 1) > 1:
+            code = launch_tp(args, argv)
+            if code is not None:
+                return code
         if args.command == "generate":
             from .commands import run_generate
             return run_generate(args)

@@ -36,6 +36,8 @@ def collect_prompts(args, tokenizer, vocab_size: int) -> list:
     them, the first bundled held-out prompt. Texts get the chat template unless ``--raw``.
     """
     from .prompts import Prompt, load_prompts, read_jsonl
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.prompt_ids is not None:
         prompts = [Prompt(ids=parse_ids(args.prompt_ids))]
     elif args.prompt is not None:
@@ -59,14 +61,36 @@ def collect_prompts(args, tokenizer, vocab_size: int) -> list:
     return prompts
 
 
+def check_device(name: str, device: str) -> torch.device:
+    """``torch.device`` of a ``--device``-style option; ``UsageError`` if unknown or absent here."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise UsageError(f"{name} {device!r} is not a device name (cpu, cuda, cuda:1, ...)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"{name} {device}: no CUDA device is available (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{name} {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise UsageError(f"{name} {device}: only cpu and cuda devices are supported")
+    return dev
+
+
 def resolve_device_dtype(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device("--device", device)
+    if getattr(args, "draft_device", None):
+        check_device("--draft-device", args.draft_device)
     dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
     return device, dtype
 
 
 def decode_config(args, target_config) -> DecodeConfig:
-    B = args.block_length or target_config.block_size or 4
+    B = args.block_length if args.block_length is not None else (target_config.block_size or 4)
+    if args.block_length is not None and args.block_length != target_config.block_size:
+        print(f"simsd: warning: --block-length {args.block_length} differs from the checkpoint's block_size "
+              f"{target_config.block_size} (SDAR checkpoints are trained for one block length)", file=sys.stderr)
     return DecodeConfig(
         block_length=B, steps=args.steps, strategy=args.strategy, threshold=args.threshold,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),

@@ -41,6 +41,10 @@ class DecodeConfig:
         if self.steps is None:
             self.steps = self.block_length
         self.strategy = parse_strategy(self.strategy)
+        if self.strategy == "dynamic" and self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"--threshold of the dynamic strategy is a confidence in [0, 1], got {self.threshold}")
+        if self.strategy == "entropy" and self.threshold is not None and self.threshold < 0:
+            raise ValueError(f"--threshold of the entropy strategy is an entropy bound >= 0, got {self.threshold}")
         self.schedule = transfer_schedule(self.block_length, self.steps)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

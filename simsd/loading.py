@@ -57,16 +57,20 @@ def load_model(path, dtype="float32", device="cpu") -> SDARForCausalLM:
     expected = {k: v.shape for k, v in model.state_dict().items()}
     state = {}
     for f in weight_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
+        try:
+            handle_cm = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error type for damaged files
+            raise CheckpointError(f"{f}: not a readable safetensors file ({exc})") from exc
+        with handle_cm as handle:
             for name in handle.keys():
                 if name not in expected:
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
-                    raise CheckpointError(f"{f.name}: unexpected tensor {name!r}")
+                    raise CheckpointError(f"{f}: unexpected tensor {name!r}")
                 t = handle.get_tensor(name)
                 if tuple(t.shape) != tuple(expected[name]):
                     raise CheckpointError(
-                        f"{f.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
+                        f"{f}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
                     )
                 state[name] = t.to(device=device, dtype=dtype)
     tied = "lm_head.weight" not in state

