@@ -34,3 +34,15 @@ def make_inputs(seed, B, Lq, Hq, Hkv, D, cache_lens, dtype=torch.float32, lmax=N
 
 def max_err(a, b):
     return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item()
+
+
+def available_backends(device) -> list:
+    """Backend names that can run on ``device``: ``torch``, plus ``triton`` when it can."""
+    from simsd_kernels.backends import resolve_backend
+    names = ["torch"]
+    try:
+        resolve_backend("triton", torch.device(device))
+        names.append("triton")
+    except ValueError:
+        pass
+    return names

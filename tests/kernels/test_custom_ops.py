@@ -5,19 +5,13 @@ import torch
 import simsd_kernels as sk
 from simsd_kernels.backends import resolve_backend
 from simsd_kernels.custom_ops import append_kv_op, temporal_attention_op
-from tests.kernels.helpers import make_inputs
+from tests.kernels.helpers import available_backends, make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _backends():
-    names = ["torch"]
-    try:
-        resolve_backend("triton", torch.device(DEVICE))
-        names.append("triton")
-    except ValueError:
-        pass
-    return names
+    return available_backends(DEVICE)
 
 
 @pytest.mark.parametrize("backend", _backends())

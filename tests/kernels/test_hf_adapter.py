@@ -4,21 +4,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from simsd_kernels.backends import resolve_backend  # noqa: E402
 from simsd_kernels.hf_adapter import register  # noqa: E402
 from simsd_kernels.mask_rule import TAU_INF, MaskMode, dense_new_token_mask  # noqa: E402
+from tests.kernels.helpers import available_backends  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _backends():
-    names = ["torch"]
-    try:
-        resolve_backend("triton", torch.device(DEVICE))
-        names.append("triton")
-    except ValueError:
-        pass
-    return names
+    return available_backends(DEVICE)
 
 
 def _model(seed):
