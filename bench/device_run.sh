@@ -36,6 +36,8 @@ step() {  # step NAME LIMIT_SECONDS CMD...
 if [ "${SIMSD_SKIP_INSTALL:-0}" = 1 ]; then  # a dry run elsewhere: leave that environment alone
     echo "install skipped (SIMSD_SKIP_INSTALL=1)" > "$OUT/install.log"; echo "install skipped 0 150" >> "$OUT/steps.txt"
 else
+    # H200 = sm_90: build that arch only, with the machine's 16 cores
+    export SIMSD_CUDA_ARCHS=${SIMSD_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16}
     step install 150 $PY -m pip install --no-build-isolation --no-deps --no-cache-dir -e .
 fi
 step gpu-tests 150 $PY -m pytest -m gpu tests -q -p no:cacheprovider -o addopts=""
