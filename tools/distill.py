@@ -67,17 +67,8 @@ def tokenized_corpus(tok) -> dict:
     f = T.WORK / "corpus.pt"
     if f.is_file():
         return torch.load(f)
-    eot = tok.eos_token_id
     sp = corpus.split()
-
-    def encode(docs):
-        ids, starts = [], []
-        for d in docs:
-            starts.append(len(ids))
-            ids.extend(tok(d, add_special_tokens=False)["input_ids"] + [eot])
-        return {"ids": torch.tensor(ids, dtype=torch.int32), "starts": torch.tensor(starts, dtype=torch.int64)}
-
-    data = {w: {k: encode(v) for k, v in corpus.documents(w, sp).items()} for w in ("train", "heldout")}
+    data = {w: {k: T.encode_docs(tok, v) for k, v in corpus.documents(w, sp).items()} for w in ("train", "heldout")}
     T.WORK.mkdir(parents=True, exist_ok=True)
     torch.save(data, f)
     return data

@@ -74,6 +74,15 @@ MODELS = {
 
 
 # ----------------------------------------------------------------------------- data
+def encode_docs(tok, docs) -> dict:
+    """Token stream of ``docs``, each followed by ``<|endoftext|>``: ``{"ids": int32, "starts": int64}``."""
+    ids, starts = [], []
+    for d in docs:
+        starts.append(len(ids))
+        ids.extend(tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+    return {"ids": torch.tensor(ids, dtype=torch.int32), "starts": torch.tensor(starts, dtype=torch.int64)}
+
+
 def stage_tokenizer(args) -> None:
     import corpus
 
@@ -92,16 +101,8 @@ def stage_tokenizer(args) -> None:
     tok = build_tokenizer(texts, vocab_size=args.vocab_size)
     WORK.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(WORK / "tokenizer"))
-    eot = tok.eos_token_id
-
-    def encode(docs):
-        ids, starts = [], []
-        for d in docs:
-            starts.append(len(ids))
-            ids.extend(tok(d, add_special_tokens=False)["input_ids"] + [eot])
-        return {"ids": torch.tensor(ids, dtype=torch.int32), "starts": torch.tensor(starts, dtype=torch.int64)}
-
-    data = {"train": {k: encode(v) for k, v in train.items()}, "heldout": {k: encode(v) for k, v in held.items()}}
+    data = {"train": {k: encode_docs(tok, v) for k, v in train.items()},
+            "heldout": {k: encode_docs(tok, v) for k, v in held.items()}}
     torch.save(data, WORK / "corpus.pt")
     stats = {w: {k: int(v["ids"].numel()) for k, v in d.items()} for w, d in data.items()}
     print(f"tokenizer: {len(tok)} tokens ({time.time() - t0:.0f}s); corpus tokens {json.dumps(stats)}")
