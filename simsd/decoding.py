@@ -14,6 +14,7 @@ import torch
 
 from simsd_kernels import KIND_KNOWN
 
+from .host_sync import to_device
 from .sampling import SamplingParams, sample
 from .strategies import parse_strategy, select_positions, transfer_schedule
 
@@ -34,6 +35,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     seed: int = 0
     fold_commit: bool = False
+    _schedules: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.block_length < 1:
@@ -49,9 +51,15 @@ class DecodeConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
-    def tokens_for_step(self, step: int) -> int:
-        """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats)."""
-        return self.schedule[min(step, len(self.schedule) - 1)]
+    def tokens_for_step(self, step):
+        """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats):
+        an int for an int step, a tensor for a tensor of steps (on its device, no host read)."""
+        if not isinstance(step, torch.Tensor):
+            return self.schedule[min(step, len(self.schedule) - 1)]
+        table = self._schedules.get(step.device)
+        if table is None:
+            table = self._schedules[step.device] = to_device(self.schedule, step.device)
+        return table[step.clamp(max=len(self.schedule) - 1)]
 
 
 @dataclass
@@ -68,10 +76,12 @@ def synchronize(device) -> None:
 
 
 def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> torch.Tensor:
+    """Mask labels ``(1, n, 3)`` int32 ``(kind, tau, grp)``; ``grp``: an int or an ``(n,)``
+    tensor on ``device`` (ints are filled in place: no host-to-device copy)."""
     lab = torch.zeros(1, n, 3, dtype=torch.int32, device=device)
     lab[..., 0] = kind
     lab[..., 1] = tau
-    lab[..., 2] = torch.as_tensor(grp, dtype=torch.int32, device=device)
+    lab[..., 2] = grp
     return lab
 
 
@@ -82,12 +92,14 @@ def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     return out
 
 
-def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step: int,
+def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step,
                  generator: torch.Generator | None):
-    """One denoising step on ``block (L,)`` from ``logits (L, V)``.
+    """One denoising step on ``block (L,)`` from ``logits (L, V)``, or on a batch of blocks
+    ``(C, L)`` from ``(C, L, V)`` with ``step`` a ``(C,)`` tensor of their 0-based steps.
 
-    The MASK token is excluded from sampling. Returns ``(new_block, revealed (L,) bool,
-    probs (L, V))``: ``probs`` is the distribution each position's token was drawn from.
+    The MASK token is excluded from sampling. Runs on the logits' device without host reads
+    (``generator`` lives there too). Returns ``(new_block, revealed bool, probs (..., L, V))``:
+    ``probs`` is the distribution each position's token was drawn from.
     """
     masked = block == mask_id
     logits = without_mask_token(logits, mask_id)

@@ -31,7 +31,7 @@ class SamplingParams:
 
 
 def scaled_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits (N, V)`` at the sampling temperature (1 when greedy), float32."""
+    """Softmax of ``logits (..., V)`` at the sampling temperature (1 when greedy), float32."""
     t = params.temperature if params.temperature > 0 else 1.0
     return torch.softmax(logits.float() / t, dim=-1)
 
@@ -39,7 +39,7 @@ def scaled_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution tokens are drawn from: temperature, then top-k, then top-p, renormalised.
 
-    Greedy gives a one-hot at the argmax. Shape ``(N, V)`` float32.
+    Greedy gives a one-hot at the argmax. Shape ``(..., V)`` float32.
     """
     if params.greedy:
         out = torch.zeros_like(logits, dtype=torch.float32)
@@ -57,10 +57,21 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(scores, dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
-    """Draw one token per row of ``logits (N, V)``.
+def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of ``weights (..., V)`` (non-negative, not all zero), drawn with
+    probability proportional to the weight, on the weights' device and without host reads:
+    ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. (the exponential race; the index of the first
+    of independent exponential clocks with rates ``w`` is distributed as ``w / sum(w)``).
+    ``generator`` must be on the weights' device. Returns int64 ``(...)``."""
+    e = torch.empty(weights.shape, dtype=torch.float32, device=weights.device).exponential_(generator=generator)
+    return (weights.float() / e.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
 
-    Returns ``(tokens (N,) int64, confidence (N,) float32, entropy (N,) float32, probs (N, V))``
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+    """Draw one token per row of ``logits (..., V)`` on their device (no host reads; the
+    generator must be on that device).
+
+    Returns ``(tokens (...) int64, confidence (...) float32, entropy (...) float32, probs (..., V))``
     where ``probs`` is the filtered distribution the token was drawn from (used by rejection
     sampling) and confidence/entropy come from the unfiltered temperature-scaled distribution.
     """
@@ -69,7 +80,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         tokens = logits.argmax(-1)
     else:
-        tokens = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-    confidence = base.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens = draw(probs, generator)
+    confidence = base.gather(-1, tokens[..., None]).squeeze(-1)
     entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1)
     return tokens, confidence, entropy, probs

@@ -1,8 +1,9 @@
 """Which masked positions a denoising step reveals (SDAR remasking strategies, DESIGN.md §3.5).
 
-All functions take 1-D tensors over the block positions and return a bool tensor of the
-positions to reveal; a step never reveals more positions than are still masked and always
-reveals at least one while any is masked.
+:func:`select_positions` takes tensors over the block positions (a leading batch of blocks is
+allowed) and returns a bool tensor of the positions to reveal; a step never reveals more
+positions than are still masked and always reveals at least one while any is masked. It runs
+on the device without host reads, so a denoising step never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -34,56 +35,54 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-def _top(scores: torch.Tensor, masked: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
-    """The k masked positions with the largest (or smallest) score; ties go to the lower index."""
-    fill = float("-inf") if largest else float("inf")
-    s = scores.double().masked_fill(~masked, fill)
-    order = torch.sort(s, descending=largest, stable=True).indices[:k]
-    out = torch.zeros_like(masked)
-    out[order] = True
-    return out
+def stable_rank(scores: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Rank of each entry of ``scores (..., L)`` in a stable sort along the last dim (ties keep
+    the lower index first)."""
+    order = torch.sort(scores, dim=-1, descending=descending, stable=True).indices
+    ar = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ar)
 
 
 def select_positions(strategy: str, masked: torch.Tensor, confidence: torch.Tensor,
-                     entropy: torch.Tensor, k: int, threshold: float | None = None) -> torch.Tensor:
-    """Positions to reveal in one step.
+                     entropy: torch.Tensor, k, threshold: float | None = None) -> torch.Tensor:
+    """Positions to reveal in one step, for one block or a batch of blocks, on the device and
+    without reading anything on the host.
 
     Args:
         strategy: ``sequential | static | dynamic | entropy``.
-        masked: ``(L,)`` bool, positions still MASK.
-        confidence: ``(L,)`` probability of each position's sampled token.
-        entropy: ``(L,)`` entropy (nats) of each position's distribution.
-        k: tokens the schedule asks for in this step (clipped to the masked count).
+        masked: ``(..., L)`` bool, positions still MASK.
+        confidence: ``(..., L)`` probability of each position's sampled token.
+        entropy: ``(..., L)`` entropy (nats) of each position's distribution.
+        k: tokens the schedule asks for in this step: an int or a ``(...)`` int tensor per block
+            (clipped to ``[1, masked count]``).
         threshold: confidence threshold (``dynamic``, strict ``>``) or entropy bound
             (``entropy``); defaults from ``DEFAULT_THRESHOLD``.
 
     Returns:
-        ``(L,)`` bool, a subset of ``masked`` with at least one position when any is masked.
+        ``(..., L)`` bool, a subset of ``masked`` with at least one position per block that has
+        a masked one. Ties go to the lower index (SDAR's ``topk`` on a stable order).
+
+    Raises:
+        ValueError: unknown strategy.
     """
-    n_masked = int(masked.sum())
-    if n_masked == 0:
-        return torch.zeros_like(masked)
-    k = max(1, min(int(k), n_masked))
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}")
     if threshold is None:
         threshold = DEFAULT_THRESHOLD.get(strategy)
+    n_masked = masked.sum(-1, keepdim=True)
+    if isinstance(k, torch.Tensor):
+        k = torch.minimum(k.reshape(n_masked.shape).clamp_min(1), n_masked)
+    else:  # a host int: no host-to-device copy
+        k = n_masked.clamp(max=max(1, int(k)))
     if strategy == "sequential":
-        idx = torch.nonzero(masked).flatten()[:k]
-        out = torch.zeros_like(masked)
-        out[idx] = True
-        return out
+        return masked & (masked.long().cumsum(-1) <= k)
+    top = masked & (stable_rank(confidence.double().masked_fill(~masked, float("-inf")), True) < k)
     if strategy == "static":
-        return _top(confidence, masked, k, largest=True)
+        return top
     if strategy == "dynamic":
         above = masked & (confidence > threshold)
-        if int(above.sum()) >= k:
-            return above
-        return _top(confidence, masked, k, largest=True)
-    if strategy == "entropy":
-        ent = entropy.double().masked_fill(~masked, float("inf"))
-        order = torch.sort(ent, stable=True).indices[:n_masked]
-        cum = torch.cumsum(ent[order], 0)
-        n = max(1, int((cum <= threshold).sum()))
-        out = torch.zeros_like(masked)
-        out[order[:n]] = True
-        return out
-    raise ValueError(f"unknown strategy {strategy!r}")
+        return torch.where(above.sum(-1, keepdim=True) >= k, above, top)
+    ent = entropy.double().masked_fill(~masked, float("inf"))
+    ranked = torch.sort(ent, dim=-1, stable=True).values
+    n = ((ranked.cumsum(-1) <= threshold).sum(-1, keepdim=True)).clamp_min(1)
+    return masked & (stable_rank(ent, False) < n)

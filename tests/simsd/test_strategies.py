@@ -76,3 +76,51 @@ def test_confidence_is_unfiltered_probability():
     torch.testing.assert_close(p[0, 2:], torch.zeros(2))
     p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert (p[0] > 0).tolist() == [True, False, False, False]
+
+
+def reference_select(strategy, masked, confidence, entropy, k, threshold):
+    """One block, written the plain way (loops and host reads): the semantics that the batched,
+    sync-free :func:`select_positions` must reproduce."""
+    n_masked = int(masked.sum())
+    out = [False] * masked.shape[0]
+    if n_masked == 0:
+        return out
+    k = max(1, min(int(k), n_masked))
+    idx = [i for i in range(masked.shape[0]) if masked[i]]
+    if strategy == "sequential":
+        chosen = idx[:k]
+    elif strategy == "entropy":
+        by_ent = sorted(idx, key=lambda i: (float(entropy[i]), i))
+        total, chosen = 0.0, []
+        for i in by_ent:
+            total += float(entropy[i])
+            if total > threshold:
+                break
+            chosen.append(i)
+        chosen = chosen or by_ent[:1]
+    else:
+        top = sorted(idx, key=lambda i: (-float(confidence[i]), i))[:k]
+        above = [i for i in idx if float(confidence[i]) > threshold] if strategy == "dynamic" else []
+        chosen = above if len(above) >= k else top
+    for i in chosen:
+        out[i] = True
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "static", "dynamic", "entropy"])
+def test_batched_selection_equals_reference(strategy):
+    g = torch.Generator().manual_seed(0)
+    N, L = 400, 8
+    masked = torch.rand(N, L, generator=g) < 0.6
+    # coarse values so that ties and exact threshold hits occur
+    conf = (torch.randint(0, 10, (N, L), generator=g) / 10).float()
+    ent = (torch.randint(0, 8, (N, L), generator=g) / 10).float()
+    k = torch.randint(0, L + 2, (N,), generator=g)
+    thr = 0.5 if strategy == "dynamic" else 0.45 if strategy == "entropy" else None
+    got = select_positions(strategy, masked, conf, ent, k, thr)
+    for i in range(N):
+        want = reference_select(strategy, masked[i], conf[i], ent[i], int(k[i]), thr)
+        assert got[i].tolist() == want, (i, masked[i], conf[i], ent[i], int(k[i]))
+    for kk in (0, 1, 3):  # a host int k gives the same as a tensor of it
+        same = select_positions(strategy, masked, conf, ent, torch.full((N,), kk), thr)
+        assert torch.equal(select_positions(strategy, masked, conf, ent, kk, thr), same)
