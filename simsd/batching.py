@@ -37,6 +37,7 @@ import torch
 from simsd_kernels import KIND_MASK, SHARED_GRP
 
 from .decoding import labels_for
+from .host_sync import to_device
 
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
@@ -150,7 +151,7 @@ def _aligned_prefill(model, cache, prompt_ids: list, B: int) -> tuple[list, int]
     aligned = (len(prompt_ids) // B) * B
     if aligned:
         dev = model.device
-        ids = torch.tensor([prompt_ids[:aligned]], device=dev)
+        ids = to_device([prompt_ids[:aligned]], dev)
         pos = torch.arange(aligned, device=dev)[None]
         model(ids, pos, labels_for(aligned, dev, grp=pos // B), "block_causal", cache, num_write=aligned,
               logits_slice=None)
@@ -184,6 +185,8 @@ class BatchEngine:
         self.capacity = capacity
         self.static = cuda_graphs if static_shapes is None else static_shapes
         self.caches = {n: m.new_cache(batch_size, capacity + margin) for n, m in models.items()}
+        for cache in self.caches.values():
+            cache.check_lengths = False  # the engine checks lengths on the host (no device read)
         self.graphs = {}
         if cuda_graphs:
             from .graphs import GraphRunner
@@ -255,7 +258,9 @@ class BatchEngine:
             mode = "exact"
         ids = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
         pos = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
-        labels = torch.tensor(PAD_LABEL[mode], dtype=torch.int32, device=dev).repeat(b - a, Lq, 1)
+        labels = torch.empty(b - a, Lq, 3, dtype=torch.int32, device=dev)
+        for channel, value in enumerate(PAD_LABEL[mode]):  # scalar fills: no host-to-device copy
+            labels[..., channel] = value
         nw = [0] * (b - a)
         for i, r in reqs.items():
             L = r.ids.shape[0]
@@ -265,7 +270,13 @@ class BatchEngine:
             labels[i - a, :L] = r.labels
             nw[i - a] = r.num_write
         per_row = len(set(nw)) > 1 or (self.static and any(nw))
-        num_write = torch.tensor(nw, dtype=torch.int32, device=dev) if per_row else nw[0]
+        if any(nw):  # writes land at every row's length: check on the host, where the lengths are known
+            for i in range(a, b):
+                room = self.caches[name].max_len - self.rows[i].cached[name]
+                if (Lq if per_row else nw[0]) > room:
+                    raise ValueError(f"KV cache overflow in row {i} of {name}: {Lq} tokens written, "
+                                     f"{room} free slots")
+        num_write = to_device(nw, dev, torch.int32) if per_row else nw[0]
         want = any(r.logits is not None for r in reqs.values())
         if name in self.graphs:
             logits = self.graphs[name](ids, pos, labels, mode, num_write, want)

@@ -1,7 +1,8 @@
 """``simsd bench``: a prompt set through several decoding modes in one process.
 
 Per mode: tokens/s (sum of generated tokens / sum of decode seconds, prefill excluded,
-warm-up prompts excluded), speedup over vanilla, acceptance rate, target and draft forwards
+warm-up prompts excluded; with ``--batch-size N`` the prompts run in batches of N and a
+batch's decode time counts once), speedup over vanilla, acceptance rate, target and draft forwards
 per token, accepted tokens per round, whether the output equals vanilla's token for token;
 for ``paper`` also the top-1 agreement and mean KL(exact || paper) of its verification
 distributions against the exact ones (the approximation of DESIGN.md §4.1), measured in a
@@ -15,7 +16,7 @@ import sys
 
 import torch
 
-from .commands import collect_prompts, decode_config, load_models, make_decoder
+from .commands import collect_prompts, decode_config, load_models, make_batch_decoder
 
 
 def paper_agreement(target, draft, prompts, cfg, args) -> dict:
@@ -53,15 +54,23 @@ def bench_modes(args) -> int:
     prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
     rows, outputs = [], {}
     from tqdm import tqdm
+    n = args.batch_size
+    chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
     for mode in modes:
-        decode = make_decoder(mode, args, target, draft, cfg)
-        for p in prompts[: args.warmup]:
-            decode(p.ids)
-        results = [decode(p.ids) for p in tqdm(prompts, desc=mode, file=sys.stderr)]
+        decode = make_batch_decoder(mode, args, target, draft, cfg)
+        warm = prompts[: args.warmup]
+        if warm:  # batches of the timed size (with CUDA graphs: the same captured shapes)
+            decode([warm[i % len(warm)].ids for i in range(min(n, len(prompts)))], 0)
+        results, seconds = [], 0.0
+        for first, chunk in tqdm(chunks, desc=mode, file=sys.stderr):
+            batch = decode([p.ids for p in chunk], first)
+            results += batch.results
+            seconds += batch.stats["decode_seconds"]  # a batch's rows share its decode time
         outputs[mode] = [r.token_ids for r in results]
         tot = lambda key: sum(r.stats.get(key, 0) for r in results)  # noqa: E731
-        tokens, seconds = tot("new_tokens"), tot("decode_seconds")
-        row = {"mode": mode, "prompts": len(prompts), "new_tokens": tokens, "decode_seconds": seconds,
+        tokens = tot("new_tokens")
+        row = {"mode": mode, "prompts": len(prompts), "batch_size": n, "new_tokens": tokens,
+               "decode_seconds": seconds,
                "tokens_per_second": tokens / seconds if seconds else float("nan"),
                "target_forwards_per_token": tot("target_forwards") / max(tokens, 1),
                "draft_forwards_per_token": tot("draft_forwards") / max(tokens, 1)}
@@ -116,6 +125,6 @@ def print_table(rows, cfg, args) -> None:
     table = [heads] + [[fmt.format(r[k]) if k in r else "-" for k, fmt in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(heads))]
     print(f"# B={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} gamma={args.gamma or cfg.block_length} "
-          f"prompts={rows[0]['prompts']}")
+          f"prompts={rows[0]['prompts']} batch_size={rows[0]['batch_size']}")
     for row in table:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))

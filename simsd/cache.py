@@ -19,6 +19,8 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.max_len = max_len
+        #: check for overflow in :meth:`advance` (a host read; off where the caller tracks lengths)
+        self.check_lengths = True
 
     @classmethod
     def for_model(cls, config, batch_size: int, max_len: int, dtype, device) -> "KVCache":
@@ -35,6 +37,7 @@ class KVCache:
         view.v = [t[start:stop] for t in self.v]
         view.seqlens = self.seqlens[start:stop]
         view.max_len = self.max_len
+        view.check_lengths = self.check_lengths
         return view
 
     @property
@@ -48,11 +51,11 @@ class KVCache:
         """Add ``num_tokens`` (int or ``(B,)`` tensor) to every row's length.
 
         Raises:
-            ValueError: the cache would overflow ``max_len`` (not checked while a CUDA graph is
-                being captured, which allows no host read).
+            ValueError: the cache would overflow ``max_len`` (checked with a host read unless
+                ``check_lengths`` is off or a CUDA graph is being captured).
         """
-        new = self.seqlens + torch.as_tensor(num_tokens, dtype=torch.int32, device=self.seqlens.device)
+        new = self.seqlens + num_tokens  # an int or a device tensor: no host-to-device copy
         capturing = new.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and int(new.max()) > self.max_len:
+        if self.check_lengths and not capturing and int(new.max()) > self.max_len:
             raise ValueError(f"KV cache overflow: length {int(new.max())} > capacity {self.max_len}")
         self.seqlens.copy_(new)

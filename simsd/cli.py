@@ -88,9 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(gen)
     add_decode_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    gen.add_argument("--batch-size", type=int, default=1,
-                     help="decode this many prompts together (independent progress per prompt); prompt i of "
-                          "the set samples with seed + i whatever the batch size")
     bench = sub.add_parser("bench", help="run a prompt set through several modes in one process")
     add_model_args(bench)
     add_prompt_args(bench)
@@ -98,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="vanilla,paper,exact", help="comma-separated modes")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
+    for p in (gen, bench):
+        p.add_argument("--batch-size", type=int, default=1,
+                       help="decode this many prompts together (independent progress per prompt); prompt i of "
+                            "the set samples with seed + i whatever the batch size")
     return parser
 
 

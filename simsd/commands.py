@@ -136,12 +136,6 @@ def load_models(args, need_draft: bool):
     return target, draft
 
 
-def make_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
-    """A callable ``prompt_ids -> GenerationResult`` for ``mode``."""
-    batch = make_batch_decoder(mode, args, target, draft, cfg)
-    return lambda ids: batch([ids], 0).results[0]
-
-
 def make_batch_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
     """A callable ``(prompts, first_index) -> BatchResult`` for ``mode`` (prompt ``first_index + i``
     of the set samples with ``cfg.seed + first_index + i``)."""

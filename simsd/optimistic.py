@@ -16,6 +16,9 @@ still valid:
   bonus step equals the draft's first speculative step), or None: discard and draft again;
 * :func:`salvage` — the speculative draft from step ``j`` on, as a proposal for the actual state.
 
+Their host reads touch the draft's device only (speculative states and blocks live there), so
+they never wait for the target's verify forward.
+
 Greedy decoding with speculation is token-identical to decoding without it (a kept
 speculation is exactly the draft the row would have computed); with sampling the
 speculative draft draws from its own generator, so the output distribution is unchanged.
@@ -49,35 +52,44 @@ def assumed_outcome(draft, block_step: int, mask_id: int, block_ends_generation)
     """Next-round state ``(block, block_step, committed)`` if every draft step is accepted.
 
     ``draft.final (L,)`` is the block after the draft's ``n`` steps (its draft-device copy
-    ``draft.final_draft`` when present, so that nothing here waits for the target's device).
-    A full block starts the next block (all MASK, step 0) after committing it (``committed`` =
-    that block), unless ``block_ends_generation(block)`` (a stop id or the token limit): then None.
+    ``draft.final_draft`` when present, so that nothing here waits for the target's device);
+    ``draft.remaining`` its MASK count (host int). A full block starts the next block (all MASK,
+    step 0) after committing it (``committed`` = that block), unless
+    ``block_ends_generation(block)`` (a stop id or the token limit): then None.
     """
     final = draft.final if getattr(draft, "final_draft", None) is None else draft.final_draft
-    if bool((final == mask_id).any()):
+    if draft.remaining:
         return final, block_step + draft.n, None
     if block_ends_generation(final):
         return None
     return torch.full_like(final, mask_id), 0, final
 
 
-def keep_commit(spec: Speculation, finished_block: torch.Tensor) -> bool:
-    """True when the speculation's committed block equals the block the target finished."""
-    return spec.committed is not None and torch.equal(spec.committed.to(finished_block.device), finished_block)
+def _host(x) -> list:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
-def reconcile(spec: Speculation, block: torch.Tensor, block_step: int) -> int | None:
+def keep_commit(spec: Speculation, finished_block) -> bool:
+    """True when the speculation's committed block equals the block the target finished
+    (``finished_block``: a host list or a tensor; the committed block is read from the draft's
+    device)."""
+    return spec.committed is not None and spec.committed.tolist() == _host(finished_block)
+
+
+def reconcile(spec: Speculation, block, block_step: int) -> int | None:
     """Index ``j`` with ``spec.draft.states[j] == block`` and ``spec.block_step + j == block_step``
-    (the speculative draft's steps ``j..`` are valid proposals for the actual state), else None."""
+    (the speculative draft's steps ``j..`` are valid proposals for the actual state), else None.
+    ``block``: a host list or a tensor; the speculative state is read from the draft's device."""
     j = block_step - spec.block_step
     states = spec.draft.states
     if not 0 <= j < len(states):
         return None
-    return j if torch.equal(states[j].to(block.device), block) else None
+    return j if states[j].tolist() == _host(block) else None
 
 
 def salvage(draft, j: int):
     """The draft's steps ``j..`` as a proposal for ``draft.states[j]`` (reveal steps renumbered)."""
     tau = draft.tau
     tau = torch.where((tau <= j) | (tau == TAU_INF), torch.full_like(tau, TAU_INF), tau - j)
-    return type(draft)(draft.states[j:], draft.final, tau, draft.probs, getattr(draft, "final_draft", None))
+    return type(draft)(draft.states[j:], draft.final, tau, draft.probs, draft.remaining,
+                       getattr(draft, "final_draft", None))

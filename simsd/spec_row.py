@@ -13,9 +13,8 @@ from simsd_kernels import TAU_INF
 from .batching import Fwd, Row
 from .decoding import denoise_step, without_mask_token
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
-from .sampling import filtered_probs
 from .vanilla import new_block
-from .verification import accept_token, exact_layout, paper_layout
+from .verification import accept_in_order, exact_greedy_verdict, exact_layout, paper_layout, token_verdicts
 
 
 class Stats:
@@ -35,11 +34,19 @@ class Stats:
 
 @dataclass
 class Draft:
-    """One draft proposal: block states before each step, the final state, reveal steps, probs."""
-    states: list          # states[c]: block before draft step c (c = 0..n-1)
-    final: torch.Tensor   # block after the n draft steps
-    tau: torch.Tensor     # (L,) 1-based reveal step, TAU_INF where not revealed
-    probs: torch.Tensor   # (L, V) the draft's sampling distribution at each position's reveal step
+    """One draft proposal, on the draft's device until :meth:`to` moves it.
+
+    ``states[c] (L,)``: the block before draft step ``c`` (``c = 0..n-1``); ``final (L,)``: after
+    the ``n`` steps; ``tau (L,)`` int64: 1-based reveal step, ``TAU_INF`` where not revealed;
+    ``probs (L, V)``: the draft's sampling distribution at each position's reveal step (None
+    when greedy); ``remaining``: MASK positions left in ``final`` (a host int, known without
+    reading the device for the schedule strategies).
+    """
+    states: list
+    final: torch.Tensor
+    tau: torch.Tensor
+    probs: torch.Tensor | None
+    remaining: int
     #: ``final`` on the draft's device: reading it never waits for the target's device
     final_draft: torch.Tensor | None = None
 
@@ -48,120 +55,119 @@ class Draft:
         return len(self.states)
 
     def to(self, device) -> "Draft":
-        return Draft([s.to(device) for s in self.states], self.final.to(device), self.tau, self.probs,
-                     self.final_draft)
+        probs = None if self.probs is None else self.probs.to(device)
+        return Draft([s.to(device) for s in self.states], self.final.to(device), self.tau.to(device), probs,
+                     self.remaining, self.final_draft)
 
 
 class SpecRow:
     """One request's SimSD rounds as a :mod:`simsd.batching` program: its generator, its
     counters, and the draft / verify / commit logic. Methods that run forwards are generators
-    (``yield`` a :class:`Fwd`, receive the logits)."""
+    (``yield`` a :class:`Fwd`, receive the logits).
+
+    Host reads: one per round, the accept decision (new block and counters, see
+    :meth:`decide`); the ``dynamic`` and ``entropy`` draft strategies add one per draft step
+    (how many positions are still masked: their reveal counts depend on the data); a fallback
+    target step reads its new block. Everything else stays on the devices.
+    """
 
     def __init__(self, dec, row: Row, generator: torch.Generator, optimistic: bool = False,
                  draft_generator: torch.Generator | None = None):
         self.dec, self.row, self.generator = dec, row, generator
         self.cfg, self.mask_id = dec.cfg, dec.mask_id
         self.optimistic = optimistic
-        # with speculation the draft samples from its own stream (its draws may run before the
-        # target's acceptance draws); without it, one stream as in the reference decoder
-        self.draft_generator = draft_generator if optimistic else generator
+        # the draft samples from its own stream, on its own device (with speculation its draws
+        # may run before the target's acceptance draws)
+        self.draft_generator = draft_generator
         self.stats = Stats()
 
     # -- draft ---------------------------------------------------------------------------
-    def propose(self, block: torch.Tensor, block_step: int):
-        """Draft up to gamma steps from ``block``; returns a :class:`Draft`."""
+    def propose(self, block: torch.Tensor, block_step: int, masks: int):
+        """Draft up to gamma steps from ``block`` (``masks`` MASK positions); returns a :class:`Draft`."""
         dev = self.row.devices["draft"]
+        dcfg = self.dec.draft_cfg
         state = block.to(dev)
         L = state.shape[0]
-        tau = torch.full((L,), TAU_INF, dtype=torch.int64)
-        probs = torch.zeros(L, self.dec.d.config.vocab_size)
+        tau = torch.full((L,), TAU_INF, dtype=torch.int64, device=dev)
+        probs = None if dcfg.sampling.greedy else torch.zeros(L, self.dec.d.config.vocab_size, device=dev)
         states = []
+        counts_known = dcfg.strategy in ("sequential", "static")
         for c in range(self.dec.gamma):
-            if not bool((state == self.mask_id).any()):
+            if masks == 0:
                 break
-            states.append(state.to(block.device))
+            states.append(state)
             logits = yield self.row.denoise("draft", state)
-            state, revealed, p = denoise_step(logits, state, self.mask_id, self.dec.draft_cfg, block_step + c,
+            state, revealed, p = denoise_step(logits, state, self.mask_id, dcfg, block_step + c,
                                               self.draft_generator)
-            rev = revealed.cpu()
-            tau[rev] = c + 1
-            probs[rev] = p.cpu()[rev].to(probs.dtype)
-        return Draft(states, state.to(block.device), tau, probs, state)
+            tau = torch.where(revealed, c + 1, tau)
+            if probs is not None:
+                probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
+            if counts_known:
+                masks -= min(max(1, dcfg.tokens_for_step(block_step + c)), masks)
+            else:
+                masks = int((state == self.mask_id).sum())  # data-dependent reveal count
+        return Draft(states, state, tau, probs, masks, state)
 
     # -- target verification -------------------------------------------------------------
     def exact_request(self, draft: Draft) -> Fwd:
         """The exact verify forward: one copy per draft step, plus a bonus copy of the draft's
         final state when it still has MASK."""
         states = list(draft.states)
-        if bool((draft.final == self.mask_id).any()):
+        if draft.remaining:
             states.append(draft.final)
         return self.row.exact("target", states)
 
     def judge_exact(self, draft: Draft, logits: torch.Tensor, block_step: int):
-        """Returns ``(new_block, steps_taken, accepted_tokens)`` from the verify logits."""
-        states = list(draft.states)
-        bonus = bool((draft.final == self.mask_id).any())
-        if bonus:
-            states.append(draft.final)
-        logits = logits.view(len(states), states[0].shape[0], -1)
-        greedy = self.cfg.sampling.greedy
-        accepted = 0
-        for c in range(draft.n):
-            before = states[c]
-            after = states[c + 1] if c + 1 < draft.n else draft.final
-            step_pos = torch.nonzero(draft.tau == c + 1).flatten().tolist()
-            self.stats.proposed += len(step_pos)
-            if greedy:
-                mine, _, _ = denoise_step(logits[c], before, self.mask_id, self.cfg, block_step + c, None)
-                if torch.equal(mine, after):
-                    accepted += len(step_pos)
-                    continue
-                return mine, c + 1, accepted
-            p_t = filtered_probs(without_mask_token(logits[c], self.mask_id), self.cfg.sampling)
-            new = before.clone()
-            for p in step_pos:
-                ok, tok = accept_token(int(after[p]), p_t[p], draft.probs[p].to(p_t.device), self.generator)
-                new[p] = tok
-                if not ok:
-                    return new, c + 1, accepted
-                accepted += 1
-        # every draft step accepted: the bonus copy gives the target's own next step
-        if bonus:
-            mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg,
-                                      block_step + draft.n, self.generator)
-            return mine, draft.n + 1, accepted
-        return draft.final, draft.n, accepted
+        """``(new_block, steps_taken, accepted, proposed)`` from the exact verify logits, as
+        device tensors (the decision, read by :meth:`decide`)."""
+        bonus = draft.remaining > 0
+        states = torch.stack(draft.states)
+        verified = torch.cat([states, draft.final[None]]) if bonus else states
+        C, L = verified.shape
+        logits = logits.view(C, L, -1)
+        if self.cfg.sampling.greedy:
+            steps = block_step + torch.arange(C, device=logits.device)
+            mine, _, _ = denoise_step(logits, verified, self.mask_id, self.cfg, steps, None)
+            return exact_greedy_verdict(mine, states, draft.final, draft.tau, bonus)
+        # each proposal is judged by the copy of the state it was revealed from
+        at = logits[(draft.tau - 1).clamp(0, draft.n - 1), torch.arange(L, device=logits.device)]
+        ok, repl = token_verdicts(without_mask_token(at, self.mask_id), draft.final, draft.probs,
+                                  self.cfg.sampling, self.generator)
+        new, rejected, taken, acc, prop = accept_in_order(states[0], draft.final, draft.tau, draft.n, ok, repl)
+        if bonus:  # every draft step accepted: the bonus copy gives the target's own next step
+            mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg, block_step + draft.n,
+                                      self.generator)
+            new = torch.where(rejected, new, mine)
+            taken = torch.where(rejected, taken, draft.n + 1)
+        return new, taken, acc, prop
 
-    def paper_request(self, block: torch.Tensor, draft: Draft):
+    def paper_request(self, block: torch.Tensor, block_host: list, draft: Draft):
         """The paper verify forward ``[leftover | D | M]`` and ``m_index`` (see :func:`paper_layout`)."""
-        known = block != self.mask_id
+        known = [t != self.mask_id for t in block_host]
         start = self.row.cached["target"]
-        ids, pos, lab, m_index = paper_layout(block, known, draft.final, draft.tau.to(block.device), start,
+        ids, pos, lab, m_index = paper_layout(block, known, draft.final, draft.tau, start,
                                               self.mask_id, self.dec.spec.rope_copy)
         return Fwd("target", ids[0], pos[0], lab[0], "paper"), m_index
 
     def judge_paper(self, block: torch.Tensor, draft: Draft, logits: torch.Tensor, m_index):
-        """Returns ``(new_block, steps_taken, accepted_tokens)`` from the verify logits."""
-        greedy = self.cfg.sampling.greedy
-        new = block.clone()
-        accepted = 0
-        for c in range(draft.n):
-            step_pos = torch.nonzero(draft.tau == c + 1).flatten().tolist()
-            self.stats.proposed += len(step_pos)
-            for p in step_pos:
-                lg = without_mask_token(logits[int(m_index[p])], self.mask_id)
-                x = int(draft.final[p])
-                if greedy:
-                    best = int(lg.argmax())
-                    ok, tok = best == x, best
-                else:
-                    p_t = filtered_probs(lg[None], self.cfg.sampling)[0]
-                    ok, tok = accept_token(x, p_t, draft.probs[p].to(p_t.device), self.generator)
-                new[p] = tok
-                if not ok:
-                    return new, c + 1, accepted
-                accepted += 1
-        return new, draft.n, accepted
+        """``(new_block, steps_taken, accepted, proposed)`` from the paper verify logits (each
+        proposal judged at its M slot), as device tensors."""
+        at = logits[m_index.clamp_min(0)]
+        ok, repl = token_verdicts(without_mask_token(at, self.mask_id), draft.final, draft.probs,
+                                  self.cfg.sampling, self.generator)
+        new, _, taken, acc, prop = accept_in_order(block, draft.final, draft.tau, draft.n, ok, repl)
+        return new, taken, acc, prop
+
+    def decide(self, verdict) -> tuple:
+        """Read a round's decision on the host, in one transfer: ``(block, block_host, taken)``
+        with ``block`` the device tensor and ``block_host`` its list; the counters go to
+        ``stats``."""
+        new, taken, acc, prop = verdict
+        host = torch.cat([new, torch.stack([taken, acc, prop]).to(new.dtype)]).tolist()
+        L = new.shape[0]
+        self.stats.accepted += host[L + 1]
+        self.stats.proposed += host[L + 2]
+        return new, host[:L], host[L]
 
     def compare_with_exact(self, draft: Draft, paper_logits, m_index):
         """Diagnostics (``simsd bench``): paper vs exact verification distributions, untimed and
@@ -179,10 +185,11 @@ class SpecRow:
 
     # -- main loop -----------------------------------------------------------------------
     def target_step(self, block: torch.Tensor, block_step: int):
+        """One vanilla target step (fallback); returns ``(block, block_host)`` (one host read)."""
         logits = yield self.row.denoise("target", block)
         block, _, _ = denoise_step(logits, block, self.mask_id, self.cfg, block_step, self.generator)
         self.stats.fallback_steps += 1
-        return block
+        return block, block.tolist()
 
     def speculate(self, draft: Draft, block_step: int, ends):
         """Draft the next round from the assumed outcome of this one (see :mod:`simsd.optimistic`);
@@ -194,25 +201,26 @@ class SpecRow:
         cached = self.row.cached["draft"]
         if committed is not None:
             yield self.row.commit("draft", committed.to(self.row.devices["draft"]))
-        proposal = yield from self.propose(block, step)
+        masks = draft.remaining if committed is None else block.shape[0]
+        proposal = yield from self.propose(block, step, masks)
         self.stats.speculations += 1
         return Speculation(block, step, proposal, cached, committed)
 
-    def take(self, spec: Speculation | None, block: torch.Tensor, block_step: int) -> Draft | None:
+    def take(self, spec: Speculation | None, block_host: list, block_step: int, device) -> Draft | None:
         """The part of a speculation that is valid for the actual round start, if any."""
         if spec is None:
             return None
-        j = reconcile(spec, block, block_step)
+        j = reconcile(spec, block_host, block_step)
         if j is None:
             return None
         self.stats.speculations_kept += 1
-        return salvage(spec.draft, j).to(block.device)
+        return salvage(spec.draft, j).to(device)
 
     def program(self, tail: list):
         """The row's decoding; returns ``(generated, blocks)``.
 
         With ``optimistic``, the next round's draft runs between launching the verify forward
-        and reading its logits (on another device it overlaps the target's forward).
+        and reading its decision (on another device it overlaps the target's forward).
         """
         cfg, spec, dec = self.cfg, self.dec.spec, self.dec
         B = cfg.block_length
@@ -222,6 +230,7 @@ class SpecRow:
         device = self.row.devices["target"]
         carried = None  # a Speculation for the next round
         while True:
+            block_host = list(tail) + [self.mask_id] * (B - len(tail))
             block = new_block(tail, B, self.mask_id, device)
             first_gen, tail, block_step = len(tail), [], 0
 
@@ -229,17 +238,17 @@ class SpecRow:
                 new = full[first_gen:].tolist()
                 return bool(stops.intersection(new)) or len(generated) + len(new) >= cfg.max_new_tokens
 
-            while bool((block == self.mask_id).any()):
-                remaining = int((block == self.mask_id).sum())
-                if spec.on_reject == "fallback" and remaining < dec.gamma:
+            while self.mask_id in block_host:
+                masks = block_host.count(self.mask_id)
+                if spec.on_reject == "fallback" and masks < dec.gamma:
                     carried = None
-                    block = yield from self.target_step(block, block_step)
+                    block, block_host = yield from self.target_step(block, block_step)
                     block_step += 1
                     continue
-                draft = self.take(carried, block, block_step)
+                draft = self.take(carried, block_host, block_step, device)
                 carried = None
                 if draft is None:
-                    draft = yield from self.propose(block, block_step)
+                    draft = (yield from self.propose(block, block_step, masks)).to(device)
                 self.stats.rounds += 1
                 if spec.mode == "exact":
                     logits = yield self.exact_request(draft)
@@ -247,23 +256,23 @@ class SpecRow:
                     flush = self.row.flush("target")  # the paper layout has no place for it
                     if flush is not None:
                         yield flush
-                    fwd, m_index = self.paper_request(block, draft)
+                    fwd, m_index = self.paper_request(block, block_host, draft)
                     logits = yield fwd
                     if self.dec.diagnostics is not None:
                         yield from self.compare_with_exact(draft, logits, m_index)
-                if self.optimistic:  # before the verdict is read (the first host read of the logits)
+                if self.optimistic:  # before the decision is read
                     carried = yield from self.speculate(draft, block_step, ends)
                 if spec.mode == "exact":
-                    block, taken, acc = self.judge_exact(draft, logits, block_step)
+                    verdict = self.judge_exact(draft, logits, block_step)
                 else:
-                    block, taken, acc = self.judge_paper(block, draft, logits, m_index)
-                self.stats.accepted += acc
+                    verdict = self.judge_paper(block, draft, logits, m_index)
+                block, block_host, taken = self.decide(verdict)
                 block_step += taken
-                if carried is not None and carried.committed is not None and not keep_commit(carried, block):
+                if carried is not None and carried.committed is not None and not keep_commit(carried, block_host):
                     self.row.truncate("draft", carried.draft_cached)  # roll back the speculative commit
                     carried = None
             blocks += 1
-            new = block[first_gen:].tolist()
+            new = block_host[first_gen:]
             generated.extend(new)
             if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
                 return generated, blocks

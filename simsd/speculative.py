@@ -23,7 +23,7 @@ from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
 from .vanilla import batch_stats
 
 MODES = ("paper", "exact")
-#: an optimistic row's draft generator is seeded ``seed + DRAFT_SEED_OFFSET``
+#: a row's draft generator (on the draft's device) is seeded ``seed + DRAFT_SEED_OFFSET``
 DRAFT_SEED_OFFSET = 1 << 20
 
 
@@ -83,8 +83,9 @@ class SpeculativeDecoder:
         return self.generate_batch([prompt_ids]).results[0]
 
     def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
-        """Decode ``prompts`` together with independent progress; row ``i`` samples with a
-        generator seeded ``cfg.seed + first_index + i`` (see :func:`vanilla_generate_batch`)."""
+        """Decode ``prompts`` together with independent progress; row ``i`` samples with
+        generators seeded ``cfg.seed + first_index + i`` (target, on its device; see
+        :func:`vanilla_generate_batch`) and that plus ``DRAFT_SEED_OFFSET`` (draft)."""
         cfg = self.cfg
         B = cfg.block_length
         capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B) for p in prompts)
@@ -99,8 +100,8 @@ class SpeculativeDecoder:
         rows = []
         for i in range(len(prompts)):
             seed = cfg.seed + first_index + i
-            rows.append(SpecRow(self, engine.rows[i], torch.Generator().manual_seed(seed), optimistic,
-                                torch.Generator().manual_seed(seed + DRAFT_SEED_OFFSET)))
+            rows.append(SpecRow(self, engine.rows[i], torch.Generator(self.t.model.device).manual_seed(seed), optimistic,
+                                torch.Generator(self.d.model.device).manual_seed(seed + DRAFT_SEED_OFFSET)))
         with Timer(self.t.model.device) as timer:
             outs = engine.run([r.program(tail) for r, tail in zip(rows, tails)])
         results = []

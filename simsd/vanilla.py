@@ -5,30 +5,34 @@ import torch
 
 from .batching import BatchResult, engine_for, Row
 from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, denoise_step, finish
+from .host_sync import to_device
 
 
 def new_block(tail: list, block_length: int, mask_id: int, device) -> torch.Tensor:
-    ids = list(tail) + [mask_id] * (block_length - len(tail))
-    return torch.tensor(ids, dtype=torch.int64, device=device)
+    """A fresh block ``(block_length,)``: the prompt ``tail`` then MASK (copied asynchronously)."""
+    return to_device(list(tail) + [mask_id] * (block_length - len(tail)), device)
 
 
 def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_ids, generator):
-    """One row's block decoding as a :mod:`simsd.batching` program; returns ``(generated, blocks)``."""
+    """One row's block decoding as a :mod:`simsd.batching` program; returns ``(generated, blocks)``.
+    One host read per step: the new block (the step's decision)."""
     B = cfg.block_length
     stops = set(stop_ids)
     generated: list = []
     blocks = 0
     while True:
         block = new_block(tail, B, mask_id, row.devices["target"])
+        block_host = list(tail) + [mask_id] * (B - len(tail))
         first_gen = len(tail)
         tail = []
         step = 0
-        while bool((block == mask_id).any()):
+        while mask_id in block_host:
             logits = yield row.denoise("target", block)
             block, _, _ = denoise_step(logits, block, mask_id, cfg, step, generator)
+            block_host = block.tolist()
             step += 1
         blocks += 1
-        new = block[first_gen:].tolist()
+        new = block_host[first_gen:]
         generated.extend(new)
         if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
             return generated, blocks  # the last block's K/V is never read: no commit forward
@@ -41,7 +45,8 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
                            first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
     """Decode ``prompts`` (lists of ids) together, each with independent progress.
 
-    Row ``i`` samples with its own generator seeded ``cfg.seed + first_index + i``, so prompt
+    Row ``i`` samples with its own generator (on the model's device) seeded
+    ``cfg.seed + first_index + i``, so prompt
     ``j`` of a prompt set decodes the same in any batch (and alone with ``seed + j``). Per-row
     ``stats`` are those of :func:`vanilla_generate` (forward counts are the row's own; its
     ``decode_seconds`` is the batch's), plus ``batch_size``. ``cuda_graphs``: replay the
@@ -55,7 +60,8 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
     engine = engine_for({"target": model}, B, len(prompts), capacity, 2 * B, cuda_graphs)
     tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
     programs = [vanilla_program(engine.rows[i], tails[i], cfg, mask_id, stop_ids,
-                                torch.Generator().manual_seed(cfg.seed + first_index + i)) for i in range(len(prompts))]
+                                torch.Generator(model.device).manual_seed(cfg.seed + first_index + i))
+                for i in range(len(prompts))]
     with Timer(model.device) as timer:
         outs = engine.run(programs)
     results = []

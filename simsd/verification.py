@@ -3,7 +3,10 @@
 * :func:`paper_layout`: ``[leftover | D_1..D_n | M_1..M_n]`` with the RoPE copy and the
   four-quadrant temporal mask labels (paper mode).
 * :func:`exact_layout`: one copy of the block per verified draft step (exact mode).
-* :func:`accept_token`: speculative rejection sampling of one draft token.
+* :func:`token_verdicts`, :func:`accept_in_order`: greedy matching or speculative rejection
+  sampling of the draft tokens in the draft's temporal order; :func:`exact_greedy_verdict`:
+  exact mode's greedy step comparison. All three run on the device without host reads: a
+  round's decision is read once, by the caller.
 """
 from __future__ import annotations
 
@@ -11,14 +14,20 @@ import torch
 
 from simsd_kernels import KIND_DRAFT, KIND_KNOWN, KIND_MASK, TAU_INF
 
+from .host_sync import to_device
+from .sampling import draw, filtered_probs
+from .strategies import stable_rank
 
-def paper_layout(block: torch.Tensor, known: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor,
+
+def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.Tensor,
                  start: int, mask_id: int, rope_copy: bool = True):
     """Query tokens of the paper's verification forward for one block.
 
     Args:
         block: ``(L,)`` block tokens before this round (MASK at unknown positions).
-        known: ``(L,)`` bool, positions known before the round (the leftover).
+        known: ``L`` bools (a host list, or a tensor that is read once), positions known before
+            the round (the leftover). The layout's index arithmetic runs on the host from it
+            and travels to the device in one asynchronous copy.
         drafted: ``(L,)`` the draft's block after its steps (MASK where not revealed).
         tau: ``(L,)`` int, the step (1-based) at which the draft revealed each position,
             ``TAU_INF`` where it did not.
@@ -31,22 +40,25 @@ def paper_layout(block: torch.Tensor, known: torch.Tensor, drafted: torch.Tensor
         Layout: leftover in block order, then D and M over the unknown positions.
     """
     device = block.device
-    L = block.shape[0]
-    pos = torch.arange(start, start + L, device=device)
-    left = torch.nonzero(known).flatten()
-    unk = torch.nonzero(~known).flatten()
-    n = unk.numel()
-    ids = torch.cat([block[left], drafted[unk], torch.full((n,), mask_id, device=device, dtype=block.dtype)])
-    m_pos = pos[unk] if rope_copy else start + L + torch.arange(n, device=device)
-    positions = torch.cat([pos[left], pos[unk], m_pos])
-    kind = torch.cat([torch.full((left.numel(),), KIND_KNOWN), torch.full((n,), KIND_DRAFT),
-                      torch.full((n,), KIND_MASK)]).to(device)
-    t = tau[unk].to(torch.int64).clamp(max=TAU_INF)
-    taus = torch.cat([torch.zeros(left.numel(), dtype=torch.int64, device=device), t, t])
-    labels = torch.stack([kind.to(torch.int64), taus, torch.zeros_like(taus)], -1).to(torch.int32)
-    m_index = torch.full((L,), -1, dtype=torch.int64, device=device)
-    m_index[unk] = left.numel() + n + torch.arange(n, device=device)
-    return ids[None], positions[None], labels[None], m_index
+    known = known.tolist() if isinstance(known, torch.Tensor) else list(known)
+    L = len(known)
+    left = [i for i in range(L) if known[i]]
+    unk = [i for i in range(L) if not known[i]]
+    n, nl = len(unk), len(left)
+    m_pos = [start + i for i in unk] if rope_copy else [start + L + j for j in range(n)]
+    positions = [start + i for i in left] + [start + i for i in unk] + m_pos
+    kinds = [KIND_KNOWN] * nl + [KIND_DRAFT] * n + [KIND_MASK] * n
+    m_index = [-1] * L
+    for j, i in enumerate(unk):
+        m_index[i] = nl + n + j
+    host = to_device(left + unk + positions + kinds + m_index, device)
+    left_t, unk_t = host[:nl], host[nl:nl + n]
+    positions_t, kinds_t, m_index_t = host[nl + n:].split([nl + 2 * n, nl + 2 * n, L])
+    ids = torch.cat([block[left_t], drafted[unk_t], torch.full((n,), mask_id, device=device, dtype=block.dtype)])
+    t = tau.to(device)[unk_t].to(torch.int64).clamp(max=TAU_INF)
+    taus = torch.cat([torch.zeros(nl, dtype=torch.int64, device=device), t, t])
+    labels = torch.stack([kinds_t, taus, torch.zeros_like(taus)], -1).to(torch.int32)
+    return ids[None], positions_t[None], labels[None], m_index_t
 
 
 def exact_layout(states: list, start: int):
@@ -65,18 +77,100 @@ def exact_layout(states: list, start: int):
     return ids, positions, labels
 
 
-def accept_token(x: int, p_target: torch.Tensor, p_draft: torch.Tensor, generator: torch.Generator):
-    """Speculative rejection sampling of draft token ``x``.
+def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: torch.Tensor | None,
+                   params, generator: torch.Generator | None):
+    """Per-position verdicts on draft tokens, on the device and without host reads.
 
-    Accept with probability ``min(1, p_target[x] / p_draft[x])``; on rejection draw from
-    ``normalize(max(0, p_target - p_draft))`` (``p_target`` itself if that is all zero).
-    Returns ``(accepted: bool, token: int)``. ``p_target, p_draft``: ``(V,)`` probabilities.
+    Args:
+        logits: ``(L, V)`` the target's logits at each position's verification slot (MASK
+            token already removed).
+        drafted: ``(L,)`` the draft's token per position.
+        draft_probs: ``(L, V)`` the draft's sampling distribution per position (unused when
+            greedy).
+        params: :class:`~simsd.sampling.SamplingParams` (shared by draft and target).
+        generator: on the logits' device (sampling only).
+
+    Returns:
+        ``ok (L,) bool`` and ``replacement (L,) int64``. Greedy: accept iff the draft token is
+        the target's argmax; the replacement is the argmax. Sampling (speculative rejection
+        sampling, Leviathan et al. 2023): accept with probability
+        ``min(1, p_t(x) / p_d(x))``; the replacement is drawn from ``normalize(max(0, p_t - p_d))``
+        (``p_t`` where that is all zero), so a committed token follows ``p_t``.
     """
-    pt, pd = float(p_target[x]), float(p_draft[x])
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    if pd > 0 and u < min(1.0, pt / pd):
-        return True, x
-    residual = (p_target.double() - p_draft.double()).clamp_min(0).cpu()
-    if float(residual.sum()) <= 0:
-        residual = p_target.double().cpu()
-    return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    if params.greedy:
+        best = logits.argmax(-1)
+        return best == drafted, best
+    p_t = filtered_probs(logits, params)
+    p_d = draft_probs.to(p_t.dtype)
+    x = drafted[:, None]
+    pt_x, pd_x = p_t.gather(-1, x)[:, 0], p_d.gather(-1, x)[:, 0]
+    u = torch.rand(pt_x.shape, generator=generator, device=pt_x.device, dtype=torch.float64)
+    ok = (pd_x > 0) & (u * pd_x.double() < pt_x.double())
+    residual = (p_t - p_d).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_t)
+    return ok, draw(residual, generator)
+
+
+def accept_in_order(block: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor, n: int,
+                    ok: torch.Tensor, replacement: torch.Tensor):
+    """Accept the longest prefix of draft proposals in the draft's temporal order.
+
+    Proposals are the positions with ``tau <= n``, ordered by reveal step, then position. They
+    are accepted in that order until the first one with ``ok`` False, which takes its
+    ``replacement`` token; later proposals (the rest of that step and later steps) stay MASK.
+
+    Args:
+        block: ``(L,)`` the block at the round start.
+        drafted: ``(L,)`` the draft's block after its ``n`` steps.
+        tau: ``(L,)`` int64 1-based reveal step, ``TAU_INF`` where not revealed.
+        ok, replacement: ``(L,)`` per-position verdicts (:func:`token_verdicts`).
+
+    Returns:
+        ``(new_block (L,), rejected, steps_taken, accepted, proposed)``, all on the device
+        (0-d tensors; no host reads): ``steps_taken`` is the rejected proposal's step or ``n``;
+        ``proposed`` counts the proposals of the steps taken.
+    """
+    L = block.shape[0]
+    prop = tau <= n
+    big = (n + 2) * L
+    key = torch.where(prop, tau * L + torch.arange(L, device=tau.device), big)
+    rank = stable_rank(key, descending=False)
+    n_prop = prop.sum()
+    first_bad = torch.where(prop & ~ok, rank, big).min()
+    r = torch.minimum(first_bad, n_prop)
+    rejected = r < n_prop
+    at_r = prop & (rank == r)
+    taken = torch.where(rejected, torch.where(at_r, tau, 0).max(), n)
+    new = torch.where(prop & (rank < r), drafted, block)
+    new = torch.where(at_r, replacement, new)
+    return new, rejected, taken, r, (prop & (tau <= taken)).sum()
+
+
+def exact_greedy_verdict(mine: torch.Tensor, states: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor,
+                         bonus: bool):
+    """Greedy exact verification: draft step ``c`` is accepted iff the target's own step on
+    ``states[c]`` (``mine[c]``: same positions, same tokens) equals the draft's next state.
+
+    Args:
+        mine: ``(n + bonus, L)`` the target's own denoising step on each verified state
+            (``mine[n]``: on ``drafted``, the bonus copy).
+        states: ``(n, L)`` the block before each draft step; ``drafted (L,)`` after the last.
+        tau: ``(L,)`` 1-based reveal steps.
+
+    Returns:
+        ``(new_block (L,), steps_taken, accepted, proposed)`` on the device (0-d tensors): the
+        target's step at the first mismatch, else its bonus step (or ``drafted`` without one).
+    """
+    n = states.shape[0]
+    after = torch.cat([states[1:], drafted[None]])
+    ok_prefix = (mine[:n] == after).all(-1).long().cumprod(0)
+    n_ok = ok_prefix.sum()
+    steps = torch.arange(1, n + 1, device=tau.device)
+    counts = (tau[None] == steps[:, None]).sum(-1)
+    accepted = (counts * ok_prefix).sum()
+    proposed = (counts * (steps <= n_ok + 1)).sum()
+    last = mine[n] if bonus else drafted
+    candidates = torch.cat([mine[:n], last[None]])
+    new = torch.index_select(candidates, 0, n_ok.view(1))[0]
+    taken = (n_ok + 1).clamp(max=n + int(bonus))
+    return new, taken, accepted, proposed

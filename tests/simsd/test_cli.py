@@ -143,6 +143,17 @@ def test_bench_command(ckdir, capsys, tmp_path):
     assert rows["exact"]["acceptance_rate"] == 1.0  # the target is its own draft
     assert 0.0 <= rows["paper"]["top1_agreement"] <= 1.0 and rows["paper"]["positions_compared"] > 0
     assert "tok/s" in out
+    # batches of 2: the same tokens per prompt, the batch size recorded
+    batched = tmp_path / "rows2.json"
+    code, out, err = run(capsys, "bench", "--target", str(ckdir), "--draft", str(ckdir), "--prompts-file", str(f),
+                         "--max-new-tokens", "8", "--modes", "vanilla,exact", "--batch-size", "2", "--json",
+                         str(batched))
+    assert code == 0, err
+    rows2 = {r["mode"]: r for r in json.loads(batched.read_text())["rows"]}
+    assert rows2["exact"]["batch_size"] == 2 and "batch_size=2" in out
+    assert rows2["exact"]["identical_to_vanilla"] == 3
+    for key in ("new_tokens", "target_forwards_per_token", "accepted_per_round"):
+        assert rows2["exact"][key] == rows["exact"][key]
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "exact"])

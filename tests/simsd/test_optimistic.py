@@ -24,7 +24,7 @@ def draft_of(start, steps):
         states.append(state.clone())
         state[p] = tok
         tau[p] = c + 1
-    return Draft(states, state, tau, torch.zeros(len(start), 4))
+    return Draft(states, state, tau, torch.zeros(len(start), 4), int((state == M).sum()))
 
 
 def never(_):

@@ -7,7 +7,7 @@ import torch
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
 from simsd.decoding import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
-from simsd.verification import accept_token, exact_layout, paper_layout
+from simsd.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
 from simsd_kernels import TAU_INF
 from tests.helpers import random_checkpoint
 
@@ -173,19 +173,55 @@ def test_mismatched_pair_is_rejected():
         speculative_generate(target, other, [1, 2, 3, 4], DecodeConfig(), SpecConfig())
 
 
-def test_accept_token_keeps_target_distribution():
+def test_token_verdicts_keep_target_distribution():
+    """Rejection sampling of N independent draft draws at once: the committed token (the draft's
+    if accepted, else the replacement) follows p_t (chi-square); a zero-probability token never
+    comes out."""
     from scipy.stats import chisquare
     g = torch.Generator().manual_seed(0)
     p_t = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
     p_d = torch.tensor([0.1, 0.1, 0.3, 0.3, 0.2])
     N = 20000
-    counts = torch.zeros(5)
-    for _ in range(N):
-        x = int(torch.multinomial(p_d, 1, generator=g))
-        _, tok = accept_token(x, p_t, p_d, g)
-        counts[tok] += 1
+    x = torch.multinomial(p_d, N, replacement=True, generator=g)
+    logits = p_t.log().expand(N, 5)
+    ok, repl = token_verdicts(logits, x, p_d.expand(N, 5), SamplingParams(temperature=1.0), g)
+    committed = torch.where(ok, x, repl)
+    counts = torch.bincount(committed, minlength=5).double()
     assert counts[4] == 0
-    assert chisquare(counts[:4].numpy(), (p_t[:4] * N).numpy()).pvalue > 1e-3
+    assert chisquare(counts[:4].numpy(), (p_t[:4] * N).double().numpy()).pvalue > 1e-3
+    # acceptance probability of each draft token is min(1, p_t / p_d)
+    rate = torch.tensor([float(ok[x == t].double().mean()) for t in range(4)])
+    torch.testing.assert_close(rate, torch.minimum(p_t[:4] / p_d[:4], torch.ones(4)), atol=0.03, rtol=0)
+
+
+def reference_accept(block, drafted, tau, n, ok, repl):
+    """accept_in_order written as a loop over steps and positions."""
+    new, prop = list(block), 0
+    for c in range(1, n + 1):
+        step = [p for p in range(len(block)) if tau[p] == c]
+        prop += len(step)
+        for j, p in enumerate(step):
+            if not ok[p]:
+                new[p] = repl[p]
+                return new, True, c, sum(1 for q in range(len(block)) if tau[q] < c) + j, prop
+            new[p] = drafted[p]
+    return new, False, n, prop, prop
+
+
+def test_accept_in_order_equals_loop():
+    g = torch.Generator().manual_seed(1)
+    L = 6
+    for trial in range(300):
+        n = int(torch.randint(1, 5, (1,), generator=g))
+        tau = torch.randint(1, n + 3, (L,), generator=g)
+        tau = torch.where(tau > n, TAU_INF, tau)
+        block = torch.where(tau <= n, 99, torch.randint(0, 9, (L,), generator=g))
+        drafted = torch.where(tau <= n, torch.randint(10, 20, (L,), generator=g), block)
+        ok = torch.rand(L, generator=g) < 0.8
+        repl = torch.randint(20, 30, (L,), generator=g)
+        new, rejected, taken, acc, prop = accept_in_order(block, drafted, tau, n, ok, repl)
+        want = reference_accept(block.tolist(), drafted.tolist(), tau.tolist(), n, ok.tolist(), repl.tolist())
+        assert (new.tolist(), bool(rejected), int(taken), int(acc), int(prop)) == want, trial
 
 
 @pytest.mark.parametrize("mode", ["paper", "exact"])

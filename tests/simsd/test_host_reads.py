@@ -1,0 +1,108 @@
+"""The decoding loop reads device data on the host once per round: the accept decision
+(DESIGN.md §6). On a GPU every such read waits for the stream; here they are counted on the CPU
+with :class:`simsd.host_sync.HostReads`, and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.host_sync import HostReads, to_device
+from simsd.speculative import SpecConfig, speculative_generate_batch
+from simsd.vanilla import vanilla_generate_batch
+from tests.helpers import random_checkpoint
+
+V = 96
+PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13)]
+
+
+def ckpt(name, layers, seed, device="cpu", dtype="float64"):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2)
+    c = load_checkpoint(path, dtype=dtype, device=device, with_tokenizer=False)
+    return dataclasses.replace(c, stop_ids=[])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return ckpt("target", 2, 0), ckpt("poor-draft", 1, 11)
+
+
+def totals(batch, key):
+    return sum(r.stats[key] for r in batch.results)
+
+
+@pytest.mark.parametrize("mode", ["exact", "paper"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("strategy,fold", [("static", False), ("sequential", True)])
+def test_one_read_per_round(pair, mode, temperature, strategy, fold):
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy=strategy, max_new_tokens=24, fold_commit=fold,
+                       sampling=SamplingParams(temperature=temperature))
+    with HostReads(trace=True) as reads:
+        out = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode))
+    rounds = totals(out, "rounds")
+    assert rounds > len(PROMPTS) * 6
+    assert reads.count == rounds, [w for _, w in reads.where[:3]]
+
+
+def test_fallback_step_reads_its_block(pair):
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, max_new_tokens=24)
+    with HostReads() as reads:
+        out = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode="paper", on_reject="fallback"))
+    assert totals(out, "fallback_steps") > 0
+    assert reads.count == totals(out, "rounds") + totals(out, "fallback_steps")
+
+
+def test_dynamic_draft_reads_its_mask_count_per_step(pair):
+    """Data-dependent reveal counts: one more read per draft denoise step."""
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, strategy="dynamic", threshold=0.05, max_new_tokens=24)
+    with HostReads() as reads:
+        out = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode="exact"))
+    draft_steps = totals(out, "draft_forwards") - sum(r.stats["blocks"] - 1 for r in out.results)
+    assert reads.count == totals(out, "rounds") + draft_steps
+
+
+def test_vanilla_reads_one_block_per_step(pair):
+    target, _ = pair
+    cfg = DecodeConfig(block_length=4, max_new_tokens=24, sampling=SamplingParams(temperature=1.0))
+    with HostReads() as reads:
+        out = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, [])
+    steps = totals(out, "target_forwards") - sum(r.stats["blocks"] - 1 for r in out.results)
+    assert reads.count == steps
+
+
+def test_counter_sees_the_usual_reads():
+    x = torch.arange(4)
+    with HostReads() as reads:
+        bool(x.any())
+        x.tolist()
+        int(x[1])
+        torch.nonzero(x)
+        to_device([1, 2], "cpu")
+    assert reads.count == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "paper"])
+def test_gpu_syncs_equal_rounds(mode):
+    """On a GPU: the synchronising operations torch reports during decoding (eager, triton or
+    cuda attention) are the decisions, one per round."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    target, draft = ckpt("target", 2, 0, "cuda", "bfloat16"), ckpt("poor-draft", 1, 11, "cuda", "bfloat16")
+    cfg = DecodeConfig(block_length=4, max_new_tokens=24, sampling=SamplingParams(temperature=1.0))
+    speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode))  # warm-up (compilation)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # the timer synchronises twice around the decode
+    assert len(syncs) <= totals(out, "rounds") + 2, [str(w.message) for w in syncs[:5]]
