@@ -36,11 +36,25 @@ import torch
 
 from simsd_kernels import KIND_MASK, SHARED_GRP
 
-from .decoding import labels_for
+from .decoding import denoise_step, labels_for
 from .host_sync import to_device
+from .sampling import exponential_noise
 
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
+
+
+@dataclass
+class Step:
+    """A denoising step to apply to a request's logits (:func:`simsd.decoding.denoise_step`):
+    the engine runs the steps of all rows of a forward that share ``cfg`` as one batched step
+    (each row's noise drawn from its own ``generator``), and sends the row
+    ``(new_block, revealed, probs)`` instead of the logits."""
+    block: torch.Tensor
+    index: int
+    cfg: object
+    mask_id: int
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -50,7 +64,8 @@ class Fwd:
     ``ids, positions (L,) int64``, ``labels (L, 3) int32`` (see :mod:`simsd_kernels.mask_rule`),
     ``mask_mode``; the first ``num_write`` tokens are written to the row's cache. ``logits``: which
     tokens' logits to return (a slice, or None for none). ``count``: counted as a forward of the
-    row (diagnostic forwards are not).
+    row (diagnostic forwards are not). ``step``: apply this denoising step to the logits and
+    return its result instead (see :class:`Step`).
     """
     model: str
     ids: torch.Tensor
@@ -60,6 +75,7 @@ class Fwd:
     num_write: int = 0
     logits: slice | None = field(default_factory=lambda: slice(None))
     count: bool = True
+    step: Step | None = None
 
 
 @dataclass
@@ -96,14 +112,15 @@ class Row:
         c = self.cached[model]
         return torch.arange(c, c + n, device=self.devices[model])
 
-    def denoise(self, model: str, block: torch.Tensor) -> Fwd:
+    def denoise(self, model: str, block: torch.Tensor, step: Step | None = None) -> Fwd:
         """Denoise forward of ``block (L,)``: bidirectional over the cache and the block, read-only
-        (with a pending commit: :meth:`commit_and_denoise`)."""
+        (with a pending commit: :meth:`commit_and_denoise`). ``step``: see :class:`Fwd`."""
         prev = self.pending.pop(model, None)
         if prev is not None:
-            return self.commit_and_denoise(model, prev, block)
+            return self.commit_and_denoise(model, prev, block, step)
         L = block.shape[0]
-        return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional")
+        return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional",
+                   step=step)
 
     def exact(self, model: str, states: list) -> Fwd:
         """Exact verification forward over the block ``states`` (one copy each, see
@@ -137,14 +154,16 @@ class Row:
         prev = self.pending.pop(model, None)
         return None if prev is None else self.commit(model, prev)
 
-    def commit_and_denoise(self, model: str, block: torch.Tensor, next_block: torch.Tensor) -> Fwd:
+    def commit_and_denoise(self, model: str, block: torch.Tensor, next_block: torch.Tensor,
+                           step: Step | None = None) -> Fwd:
         """The commit of ``block`` folded into the first denoise forward of ``next_block``
         (block-causal over the pair); the logits are those of ``next_block``."""
         L = block.shape[0]
         dev = self.devices[model]
         grp = (torch.arange(2 * L, device=dev) >= L).int()
         return Fwd(model, torch.cat([block, next_block]), self.positions(model, 2 * L),
-                   labels_for(2 * L, dev, grp=grp)[0], "block_causal", num_write=L, logits=slice(L, 2 * L))
+                   labels_for(2 * L, dev, grp=grp)[0], "block_causal", num_write=L, logits=slice(L, 2 * L),
+                   step=step)
 
 
 def _aligned_prefill(model, cache, prompt_ids: list, B: int) -> tuple[list, int]:
@@ -294,7 +313,30 @@ class BatchEngine:
                 outs[i] = out.clone() if self.graphs else out  # graph outputs are overwritten by replays
             else:
                 outs[i] = None
+        self._steps(reqs, outs)
         return outs
+
+    @staticmethod
+    def _steps(reqs: dict, outs: dict) -> None:
+        """Replace the logits of requests with a :class:`Step` by the step's result, one batched
+        :func:`~simsd.decoding.denoise_step` per step configuration."""
+        groups: dict = {}
+        for i, r in reqs.items():
+            if r.step is not None:
+                groups.setdefault((id(r.step.cfg), r.step.mask_id), []).append(i)
+        for rows in groups.values():
+            first = reqs[rows[0]].step
+            logits = torch.stack([outs[i] for i in rows])
+            blocks = torch.stack([reqs[i].step.block for i in rows])
+            index = [reqs[i].step.index for i in rows]
+            steps = index[0] if len(set(index)) == 1 else to_device(index, logits.device)
+            noise = None
+            if not first.cfg.sampling.greedy:  # each row's own stream: a row decodes as it would alone
+                noise = torch.stack([exponential_noise(logits.shape[1:], logits.device, reqs[i].step.generator)
+                                     for i in rows])
+            new, revealed, probs = denoise_step(logits, blocks, first.mask_id, first.cfg, steps, None, noise)
+            for j, i in enumerate(rows):
+                outs[i] = (new[j], revealed[j], None if probs is None else probs[j])
 
 
 _POOL: dict = {}

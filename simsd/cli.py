@@ -5,7 +5,6 @@ Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the pr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

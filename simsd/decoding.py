@@ -93,17 +93,19 @@ def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
 
 
 def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step,
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, noise: torch.Tensor | None = None):
     """One denoising step on ``block (L,)`` from ``logits (L, V)``, or on a batch of blocks
-    ``(C, L)`` from ``(C, L, V)`` with ``step`` a ``(C,)`` tensor of their 0-based steps.
+    ``(C, L)`` from ``(C, L, V)`` with ``step`` an int or a ``(C,)`` tensor of their 0-based steps.
 
     The MASK token is excluded from sampling. Runs on the logits' device without host reads
-    (``generator`` lives there too). Returns ``(new_block, revealed bool, probs (..., L, V))``:
-    ``probs`` is the distribution each position's token was drawn from.
+    (``generator``, or the precomputed exponential ``noise`` of :func:`simsd.sampling.draw`,
+    lives there too). Returns ``(new_block, revealed bool, probs (..., L, V) or None)``:
+    ``probs`` is the distribution each position's token was drawn from (None when greedy).
     """
     masked = block == mask_id
     logits = without_mask_token(logits, mask_id)
-    tokens, conf, ent, probs = sample(logits, cfg.sampling, generator)
+    tokens, conf, ent, probs = sample(logits, cfg.sampling, generator, noise, with_probs=False,
+                                      with_entropy=cfg.strategy == "entropy")
     revealed = select_positions(cfg.strategy, masked, conf, ent, cfg.tokens_for_step(step), cfg.threshold)
     return torch.where(revealed, tokens, block), revealed, probs
 

@@ -57,30 +57,44 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(scores, dim=-1)
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def exponential_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``Exp(1)`` draws (float32, on ``device`` with ``generator`` there) for :func:`draw`."""
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None = None,
+         noise: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row of ``weights (..., V)`` (non-negative, not all zero), drawn with
     probability proportional to the weight, on the weights' device and without host reads:
     ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. (the exponential race; the index of the first
     of independent exponential clocks with rates ``w`` is distributed as ``w / sum(w)``).
-    ``generator`` must be on the weights' device. Returns int64 ``(...)``."""
-    e = torch.empty(weights.shape, dtype=torch.float32, device=weights.device).exponential_(generator=generator)
-    return (weights.float() / e.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
+    ``noise``: the ``E`` (:func:`exponential_noise`), else drawn from ``generator`` (on the
+    weights' device). Returns int64 ``(...)``."""
+    if noise is None:
+        noise = exponential_noise(weights.shape, weights.device, generator)
+    return (weights.float() / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           noise: torch.Tensor | None = None, with_probs: bool = True, with_entropy: bool = True):
     """Draw one token per row of ``logits (..., V)`` on their device (no host reads; the
-    generator must be on that device).
+    generator, or the precomputed ``noise`` of :func:`draw`, lives on that device).
 
     Returns ``(tokens (...) int64, confidence (...) float32, entropy (...) float32, probs (..., V))``
     where ``probs`` is the filtered distribution the token was drawn from (used by rejection
     sampling) and confidence/entropy come from the unfiltered temperature-scaled distribution.
+    ``with_probs`` / ``with_entropy`` False: None in their place for greedy decoding (nothing
+    to compute) and the entropy (only the ``entropy`` strategy reads it).
     """
     base = scaled_probs(logits, params)
-    probs = filtered_probs(logits, params)
+    probs = None
     if params.greedy:
         tokens = logits.argmax(-1)
+        if with_probs:
+            probs = filtered_probs(logits, params)
     else:
-        tokens = draw(probs, generator)
+        probs = filtered_probs(logits, params)
+        tokens = draw(probs, generator, noise)
     confidence = base.gather(-1, tokens[..., None]).squeeze(-1)
-    entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1)
+    entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1) if with_entropy else None
     return tokens, confidence, entropy, probs

@@ -10,7 +10,7 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from .batching import Fwd, Row
+from .batching import Fwd, Row, Step
 from .decoding import denoise_step, without_mask_token
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
 from .vanilla import new_block
@@ -96,9 +96,8 @@ class SpecRow:
             if masks == 0:
                 break
             states.append(state)
-            logits = yield self.row.denoise("draft", state)
-            state, revealed, p = denoise_step(logits, state, self.mask_id, dcfg, block_step + c,
-                                              self.draft_generator)
+            state, revealed, p = yield self.row.denoise(
+                "draft", state, Step(state, block_step + c, dcfg, self.mask_id, self.draft_generator))
             tau = torch.where(revealed, c + 1, tau)
             if probs is not None:
                 probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
@@ -186,8 +185,8 @@ class SpecRow:
     # -- main loop -----------------------------------------------------------------------
     def target_step(self, block: torch.Tensor, block_step: int):
         """One vanilla target step (fallback); returns ``(block, block_host)`` (one host read)."""
-        logits = yield self.row.denoise("target", block)
-        block, _, _ = denoise_step(logits, block, self.mask_id, self.cfg, block_step, self.generator)
+        block, _, _ = yield self.row.denoise("target", block,
+                                             Step(block, block_step, self.cfg, self.mask_id, self.generator))
         self.stats.fallback_steps += 1
         return block, block.tolist()
 

@@ -76,10 +76,10 @@ def select_positions(strategy: str, masked: torch.Tensor, confidence: torch.Tens
         k = n_masked.clamp(max=max(1, int(k)))
     if strategy == "sequential":
         return masked & (masked.long().cumsum(-1) <= k)
-    top = masked & (stable_rank(confidence.double().masked_fill(~masked, float("-inf")), True) < k)
-    if strategy == "static":
-        return top
-    if strategy == "dynamic":
+    if strategy in ("static", "dynamic"):
+        top = masked & (stable_rank(confidence.double().masked_fill(~masked, float("-inf")), True) < k)
+        if strategy == "static":
+            return top
         above = masked & (confidence > threshold)
         return torch.where(above.sum(-1, keepdim=True) >= k, above, top)
     ent = entropy.double().masked_fill(~masked, float("inf"))

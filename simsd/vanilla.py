@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .batching import BatchResult, engine_for, Row
-from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, denoise_step, finish
+from .batching import BatchResult, Row, Step, engine_for
+from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, finish
 from .host_sync import to_device
 
 
@@ -27,8 +27,7 @@ def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_
         tail = []
         step = 0
         while mask_id in block_host:
-            logits = yield row.denoise("target", block)
-            block, _, _ = denoise_step(logits, block, mask_id, cfg, step, generator)
+            block, _, _ = yield row.denoise("target", block, Step(block, step, cfg, mask_id, generator))
             block_host = block.tolist()
             step += 1
         blocks += 1
