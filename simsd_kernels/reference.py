@@ -40,7 +40,23 @@ def _expand_kv(x, groups):
 
 def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
                              mask_mode, rope_theta, softmax_scale):
-    """SDPA with a dense mask; same contract as :func:`simsd_kernels.temporal_attention`."""
+    """SDPA with a dense mask; same contract as :func:`simsd_kernels.temporal_attention`.
+
+    Rows with different cache lengths run as separate SDPA calls, one per length, so a row's
+    keys are exactly its own (cache prefix + new tokens) whatever its batch neighbours hold:
+    padding the keys to the longest row would change SDPA's blocking and hence the rounding.
+    """
+    lengths = cache_seqlens.tolist()
+    if len(set(lengths)) > 1:
+        out = torch.empty_like(q)
+        for n in sorted(set(lengths)):
+            rows = [b for b, x in enumerate(lengths) if x == n]
+            idx = torch.tensor(rows, device=q.device)
+            pick = lambda t: t.index_select(0, idx)  # noqa: E731
+            out[idx] = temporal_attention_torch(pick(q), pick(k), pick(v), pick(k_cache), pick(v_cache),
+                                                pick(cache_seqlens), pick(labels), pick(positions), mask_mode,
+                                                rope_theta, softmax_scale)
+        return out
     qr, keys, vals, mask = _inputs(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
                                    mask_mode, rope_theta)
     groups = q.shape[2] // k.shape[2]
