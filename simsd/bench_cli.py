@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
-from .commands import collect_prompts, decode_config, load_models, make_batch_decoder
+from .commands import (check_option_use, check_prompts, collect_prompts, decode_config, load_models,
+                       make_batch_decoder)
 
 
 def paper_agreement(target, draft, prompts, cfg, args) -> dict:
@@ -46,15 +48,21 @@ def bench_modes(args) -> int:
         raise ValueError(f"--json {args.json} is a directory; give a file path")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.mode is not None:
+        raise ValueError("simsd bench takes --modes (comma-separated), not --mode")
     target, draft = load_models(args, need_draft=any(m != "vanilla" for m in modes))
     cfg = decode_config(args, target.config)
+    check_option_use(args, cfg, modes)
     if args.limit is None and args.prompts_file is None and args.prompt is None and args.prompt_ids is None:
         args.limit = 8
         args.prompt_set = args.prompt_set or "bundled"
     prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
+    check_prompts(prompts, [m for m in (target, draft) if m is not None], cfg)
     rows, outputs = [], {}
     from tqdm import tqdm
-    n = args.batch_size
+    n = min(args.batch_size, len(prompts))  # the batch size that runs (recorded as such)
+    if n < args.batch_size:
+        print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)
     chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
     for mode in modes:
         decode = make_batch_decoder(mode, args, target, draft, cfg)
@@ -98,8 +106,13 @@ def bench_modes(args) -> int:
                 "machine": platform.processor() or platform.machine(), "git_sha": git_sha(),
                 "target": str(target.path),
                 "draft": str(draft.path) if draft else None}
+        meta["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
+                             if k not in ("json", "command") and isinstance(v, (int, float, str, bool, type(None), Path))}
+        meta["settings"]["batch_size"] = n
+        meta["prompts"] = [p.id for p in prompts]
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        clean = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()} for r in rows]
+        args.json.write_text(json.dumps({"meta": meta, "rows": clean}, indent=2))
     return 0
 
 
@@ -122,7 +135,8 @@ def print_table(rows, cfg, args) -> None:
             ("top1_agreement", "{:.3f}"), ("mean_kl", "{:.4f}")]
     heads = ["mode", "tok/s", "speedup", "tgt fwd/tok", "fwd vs van", "accept", "acc/round", "same as van",
              "paper top1", "paper KL"]
-    table = [heads] + [[fmt.format(r[k]) if k in r else "-" for k, fmt in cols] for r in rows]
+    shown = lambda r, k: k in r and not (isinstance(r[k], float) and r[k] != r[k])  # noqa: E731  (NaN: "-")
+    table = [heads] + [[fmt.format(r[k]) if shown(r, k) else "-" for k, fmt in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(heads))]
     print(f"# B={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} gamma={args.gamma or cfg.block_length} "
           f"prompts={rows[0]['prompts']} batch_size={rows[0]['batch_size']}")

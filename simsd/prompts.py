@@ -6,8 +6,8 @@ never seen in training. ``simsd/assets/heldout_prompts.jsonl`` holds some of the
 that the main job runs without the optional ``[data]`` extra.
 
 JSONL format: one JSON object per line, either ``{"prompt": "text"}`` or
-``{"prompt_ids": [int, ...]}`` (token ids used as they are); other keys (``id``,
-``source``) are kept. Blank lines are skipped.
+``{"prompt_ids": [int, ...]}`` (token ids used as they are); ``id`` (unique) and ``source``
+are kept, other keys (e.g. a reference answer) are ignored. Blank lines are skipped.
 """
 from __future__ import annotations
 
@@ -111,45 +111,59 @@ def humaneval_prompts(split: str = "heldout") -> list:
 
 
 def read_jsonl(path) -> list:
-    """Read prompts from a JSONL file (see the module docstring).
+    """Read prompts from a JSONL file (see the module docstring); ``-`` reads standard input.
+    A UTF-8 byte-order mark is allowed. Prompts without ``id`` get ``FILE:LINE``.
 
     Raises:
-        PromptFileError: missing file, invalid JSON, a line that is not an object, or with
-            neither (or both) ``prompt`` / ``prompt_ids``, or bad ids; names file and line.
+        PromptFileError: missing file, not UTF-8, invalid JSON, a line that is not an object, or
+            with neither (or both) ``prompt`` / ``prompt_ids``, bad ids, a repeated ``id``; names
+            file and line.
         ValueError: the file has no prompt at all.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise PromptFileError(f"prompt file not found: {path}")
-    prompts = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptFileError(f"{where}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            has_text, has_ids = "prompt" in obj, "prompt_ids" in obj
-            if has_text == has_ids:
-                raise PromptFileError(f"{where}: need exactly one of 'prompt' or 'prompt_ids'")
-            pid = obj.get("id")
-            pid = str(pid) if pid is not None else f"{path.name}:{n}"
-            if has_text:
-                if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-                    raise PromptFileError(f"{where}: 'prompt' must be a non-empty string")
-                prompts.append(Prompt(text=obj["prompt"], id=pid, source=obj.get("source")))
-            else:
-                ids = obj["prompt_ids"]
-                if (not isinstance(ids, list) or not ids
-                        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-                    raise PromptFileError(f"{where}: 'prompt_ids' must be a non-empty list of non-negative ints")
-                prompts.append(Prompt(ids=list(ids), id=pid, source=obj.get("source")))
+    import sys
+    if str(path) == "-":
+        name, lines = "<stdin>", sys.stdin.read().splitlines()
+    else:
+        path = Path(path)
+        if path.is_dir() or not path.exists():
+            raise PromptFileError(f"prompt file not found: {path}" if not path.exists() else
+                                  f"prompt file {path} is a directory")
+        name = str(path)
+        try:
+            lines = path.read_bytes().decode("utf-8-sig").splitlines()
+        except UnicodeDecodeError as exc:
+            raise PromptFileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    prompts, seen = [], {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{name}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptFileError(f"{where}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        has_text, has_ids = "prompt" in obj, "prompt_ids" in obj
+        if has_text == has_ids:
+            raise PromptFileError(f"{where}: need exactly one of 'prompt' or 'prompt_ids'")
+        pid = obj.get("id")
+        pid = str(pid) if pid is not None else f"{Path(name).name}:{n}"
+        if pid in seen:
+            raise PromptFileError(f"{where}: id {pid!r} already used on line {seen[pid]}")
+        seen[pid] = n
+        if has_text:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+                raise PromptFileError(f"{where}: 'prompt' must be a non-empty string")
+            prompts.append(Prompt(text=obj["prompt"], id=pid, source=obj.get("source")))
+        else:
+            ids = obj["prompt_ids"]
+            if (not isinstance(ids, list) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise PromptFileError(f"{where}: 'prompt_ids' must be a non-empty list of non-negative ints")
+            prompts.append(Prompt(ids=list(ids), id=pid, source=obj.get("source")))
     if not prompts:
-        raise ValueError(f"{path}: no prompts in the file")
+        raise ValueError(f"{name}: no prompts in the file")
     return prompts
 
 

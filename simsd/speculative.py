@@ -76,6 +76,8 @@ class SpeculativeDecoder:
         self.t, self.d, self.cfg, self.spec = target, draft, cfg, spec
         self.draft_cfg = dataclasses.replace(cfg, strategy=spec.draft_strategy or cfg.strategy)
         self.gamma = spec.gamma or cfg.block_length
+        if self.gamma > cfg.block_length:
+            raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
         self.mask_id = target.mask_token_id
         self.diagnostics = None  # dict: compare paper verification with exact (simsd bench)
 
@@ -123,8 +125,7 @@ class SpeculativeDecoder:
                 "gamma": self.gamma,
                 **r.stats.as_dict(),
             }
-            if len(prompts) > 1:
-                stats["batch_size"] = len(prompts)
+            stats["batch_size"] = len(prompts)
             results.append(GenerationResult(token_ids, stats))
         return BatchResult(results, batch_stats(results, timer.seconds, engine.forwards))
 

@@ -77,8 +77,7 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
             "prefill_forwards": row.prefill_forwards,
             "blocks": blocks,
         }
-        if len(prompts) > 1:
-            stats["batch_size"] = len(prompts)
+        stats["batch_size"] = len(prompts)
         results.append(GenerationResult(token_ids, stats))
     return BatchResult(results, batch_stats(results, timer.seconds, engine.forwards))
 

@@ -229,9 +229,92 @@ def test_option_ranges(ckdir, capsys, tmp_path):
         return err.strip().splitlines()[-1]
 
     assert "--limit must be >= 1" in err_of("generate", "--prompt-set", "bundled", "--limit", "0")
-    assert "block_length must be >= 1" in err_of("generate", "--prompt-ids", "1,2", "--block-length", "0")
+    assert "--block-length must be >= 1" in err_of("generate", "--prompt-ids", "1,2", "--block-length", "0")
     assert "confidence in [0, 1]" in err_of("generate", "--prompt-ids", "1,2", "--strategy", "dynamic",
                                             "--threshold", "5")
     assert "names no mode" in err_of("bench", "--modes", "", "--limit", "1")
     assert "is a directory" in err_of("bench", "--modes", "vanilla", "--limit", "1", "--json", str(tmp_path))
     assert "not a multiple of 3" in err_of("generate", "--prompt-ids", "1,2", "--tp", "3")
+
+
+def test_long_prompt_refused_before_any_output(ckdir, capsys, tmp_path):
+    f = tmp_path / "late.jsonl"
+    lines = [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [8, 9]}, {"prompt_ids": [5] * 2040}]
+    f.write_text("\n".join(json.dumps(x) for x in lines))
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", str(f),
+                         "--max-new-tokens", "32", "--json")
+    assert code == 2 and out == ""
+    assert "late.jsonl:3" in err and "exceeds" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b'{"prompt_ids": [5], "id": "a"}\n{"prompt_ids": [6], "id": "a"}\n', "id 'a' already used on line 1"),
+    ('{"prompt": "caf\u00e9"}\n'.encode("latin-1"), "not UTF-8"),
+])
+def test_prompt_file_problems_are_named(ckdir, capsys, tmp_path, content, needle):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(content)
+    code, _, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", str(f))
+    assert code == 2 and needle in err and str(f) in err
+
+
+def test_prompt_file_with_bom_and_from_stdin(ckdir, capsys, tmp_path, monkeypatch):
+    import io
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt_ids": [5, 6, 7]}\n')
+    common = ["generate", "--target", str(ckdir), "--max-new-tokens", "4", "--json"]
+    code, out, err = run(capsys, *common, "--prompts-file", str(f))
+    assert code == 0, err
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"prompt_ids": [5, 6, 7]}\n'))
+    code, piped, err = run(capsys, *common, "--prompts-file", "-")
+    assert code == 0, err
+    assert json.loads(piped)["token_ids"] == json.loads(out)["token_ids"]
+    assert json.loads(piped)["id"] == "<stdin>:1"
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--prompt", " "], "--prompt is empty"),
+    (["--prompt", "x", "--limit", "2"], "--limit applies to"),
+    (["--prompt-ids", "5,6", "--threshold", "0.5"], "--threshold applies to the dynamic and entropy"),
+    (["--prompt-ids", "5,6", "--mode", "exact", "--no-rope-copy"], "ablation of paper mode"),
+    (["--prompt-ids", "5,6", "--mode", "exact", "--gamma", "99"], "exceeds the block length"),
+])
+def test_ignored_or_empty_inputs_are_errors(ckdir, capsys, flags, needle):
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--draft", str(ckdir), *flags)
+    assert code == 2 and needle in err and out == ""
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--batch-size", "two"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and "--batch-size" in err
+
+
+def test_bench_records_what_ran(ckdir, capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": [4 + i, 5, 6]}) for i in range(3)))
+    out_json = tmp_path / "rows.json"
+    common = ["bench", "--target", str(ckdir), "--draft", str(ckdir), "--prompts-file", str(f), "--max-new-tokens", "4"]
+    code, _, err = run(capsys, *common, "--modes", "exact", "--batch-size", "10", "--temperature", "0.5",
+                       "--json", str(out_json))
+    assert code == 0, err
+    data = json.loads(out_json.read_text())  # strict JSON: no NaN without a vanilla row
+    row = data["rows"][0]
+    assert row["batch_size"] == 3 and row["speedup"] is None
+    assert data["meta"]["settings"]["temperature"] == 0.5 and data["meta"]["settings"]["batch_size"] == 3
+    assert data["meta"]["prompts"] == ["p.jsonl:1", "p.jsonl:2", "p.jsonl:3"]
+    code, _, err = run(capsys, *common, "--mode", "exact")
+    assert code == 2 and "--modes" in err
+
+
+def test_broken_pipe_is_quiet(ckdir, tmp_path):
+    import subprocess
+    import sys
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": [4 + i, 5, 6]}) for i in range(40)))
+    cmd = (f"{sys.executable} -m simsd.cli generate --target {ckdir} --prompts-file {f} --max-new-tokens 4 --json"
+           f" | head -1")
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in res.stderr and res.returncode == 0, res.stderr[-2000:]
+    assert len(res.stdout.splitlines()) == 1
