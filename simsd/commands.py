@@ -108,6 +108,8 @@ def check_option_use(args, cfg: DecodeConfig, modes) -> None:
     """Options that the chosen settings would ignore are errors (nothing is silently dropped)."""
     if args.threshold is not None and cfg.strategy not in ("dynamic", "entropy"):
         raise UsageError(f"--threshold applies to the dynamic and entropy strategies, not {cfg.strategy}")
+    if args.draft is not None and not {"paper", "exact"} & set(modes):
+        raise UsageError("--draft is used by the paper and exact modes only (this run is vanilla)")
     if args.no_rope_copy and "paper" not in modes:
         raise UsageError("--no-rope-copy is an ablation of paper mode")
     if args.gamma is not None and args.gamma > cfg.block_length:

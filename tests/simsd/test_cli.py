@@ -160,8 +160,8 @@ def test_bench_command(ckdir, capsys, tmp_path):
 def test_batch_size_equals_one_by_one(ckdir, capsys, tmp_path, mode):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_ids": ids}) for ids in ([4, 5, 6], [7, 8, 9, 10, 11], [12] * 9)))
-    args = ["generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", mode, "--prompts-file", str(f),
-            "--max-new-tokens", "6", "--temperature", "1.0", "--json"]
+    args = ["generate", "--target", str(ckdir), "--mode", mode, "--prompts-file", str(f),
+            "--max-new-tokens", "6", "--temperature", "1.0", "--json"] + (["--draft", str(ckdir)] if mode != "vanilla" else [])
     _, one, _ = run(capsys, *args)
     code, two, err = run(capsys, *args, "--batch-size", "2")
     assert code == 0, err
@@ -273,11 +273,12 @@ def test_prompt_file_with_bom_and_from_stdin(ckdir, capsys, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--prompt", " "], "--prompt is empty"),
-    (["--prompt", "x", "--limit", "2"], "--limit applies to"),
+    (["--prompt", " ", "--mode", "exact"], "--prompt is empty"),
+    (["--prompt", "x", "--limit", "2", "--mode", "exact"], "--limit applies to"),
     (["--prompt-ids", "5,6", "--threshold", "0.5"], "--threshold applies to the dynamic and entropy"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--no-rope-copy"], "ablation of paper mode"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--gamma", "99"], "exceeds the block length"),
+    (["--prompt-ids", "5,6", "--mode", "vanilla"], "--draft is used by the paper and exact modes"),
 ])
 def test_ignored_or_empty_inputs_are_errors(ckdir, capsys, flags, needle):
     code, out, err = run(capsys, "generate", "--target", str(ckdir), "--draft", str(ckdir), *flags)
