@@ -289,12 +289,12 @@ class BatchEngine:
             labels[i - a, :L] = r.labels
             nw[i - a] = r.num_write
         per_row = len(set(nw)) > 1 or (self.static and any(nw))
-        if any(nw):  # writes land at every row's length: check on the host, where the lengths are known
-            for i in range(a, b):
-                room = self.caches[name].max_len - self.rows[i].cached[name]
-                if (Lq if per_row else nw[0]) > room:
-                    raise ValueError(f"KV cache overflow in row {i} of {name}: {Lq} tokens written, "
-                                     f"{room} free slots")
+        written = Lq if per_row else nw[0]  # per-row writes store all Lq tokens of every row
+        for i in range(a, b) if written else ():  # checked on the host, where the lengths are known
+            room = self.caches[name].max_len - self.rows[i].cached[name]
+            if written > room:
+                raise ValueError(f"KV cache overflow in row {i} of {name}: {written} tokens written, "
+                                 f"{room} free slots")
         num_write = to_device(nw, dev, torch.int32) if per_row else nw[0]
         want = any(r.logits is not None for r in reqs.values())
         if name in self.graphs:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +121,6 @@ def read_jsonl(path) -> list:
             file and line.
         ValueError: the file has no prompt at all.
     """
-    import sys
     if str(path) == "-":
         name, lines = "<stdin>", sys.stdin.read().splitlines()
     else:

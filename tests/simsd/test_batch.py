@@ -112,6 +112,22 @@ def test_per_row_num_write_and_row_views():
         cache.rows(2, 4)
 
 
+def test_engine_refuses_a_write_past_a_rows_capacity():
+    """The engine checks cache room on the host (its caches skip the device-side check)."""
+    from simsd.batching import BatchEngine, Fwd
+    m = ckpt("target").model
+    engine = BatchEngine({"target": m}, 4, 2, capacity=8, margin=0)
+    assert not engine.caches["target"].check_lengths
+    engine.rows[1].cached["target"] = 6
+    block = torch.zeros(4, dtype=torch.int64)
+    fwd = Fwd("target", block, torch.arange(4), labels_for(4, "cpu")[0], "bidirectional", num_write=4)
+    with pytest.raises(ValueError, match="row 1 of target: 4 tokens written, 2 free slots"):
+        engine._forward("target", "bidirectional", {1: fwd})
+    engine.rows[1].cached["target"] = 4
+    engine._forward("target", "bidirectional", {1: fwd})
+    assert engine.rows[1].cached["target"] == 8
+
+
 @pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_static_shapes_equal_dynamic(pair, mode, fold, monkeypatch):
