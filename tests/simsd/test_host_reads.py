@@ -104,5 +104,7 @@ def test_gpu_syncs_equal_rounds(mode):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    # the timer synchronises twice around the decode
-    assert len(syncs) <= totals(out, "rounds") + 2, [str(w.message) for w in syncs[:5]]
+    # each round's decision is one device-to-host copy; torch.cuda.synchronize (the timer) is
+    # not reported by the debug mode
+    rounds = totals(out, "rounds")
+    assert rounds <= len(syncs) <= rounds + 2, (rounds, [str(w.message) for w in syncs[:5]])
