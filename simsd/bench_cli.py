@@ -26,7 +26,7 @@ def paper_agreement(target, draft, prompts, cfg, args) -> dict:
     from .speculative import SpecConfig, SpeculativeDecoder
 
     dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode="paper", gamma=args.gamma,
-                                                            on_reject=args.on_reject,
+                                                            on_reject=args.on_reject or "redraft",
                                                             rope_copy=not args.no_rope_copy,
                                                             draft_strategy=args.draft_strategy))
     dec.diagnostics = {"agree": 0, "total": 0, "kl": 0.0}
@@ -44,8 +44,16 @@ def bench_modes(args) -> int:
         raise ValueError(f"unknown mode(s) in --modes: {', '.join(bad)}")
     if not modes:
         raise ValueError("--modes names no mode (choose from vanilla, paper, exact)")
-    if args.json is not None and args.json.is_dir():
-        raise ValueError(f"--json {args.json} is a directory; give a file path")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--modes names a mode twice: {args.modes}")
+    if args.json is not None:
+        if args.json.is_dir():
+            raise ValueError(f"--json {args.json} is a directory; give a file path")
+        try:  # before the benchmark runs, not after
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.open("a").close()
+        except OSError as exc:
+            raise ValueError(f"--json {args.json} cannot be written ({exc.strerror})") from exc
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.mode is not None:
@@ -101,7 +109,7 @@ def bench_modes(args) -> int:
     print_table(rows, cfg, args)
     if args.json:
         meta = {"block_length": cfg.block_length, "strategy": cfg.strategy, "steps": cfg.steps,
-                "gamma": args.gamma or cfg.block_length, "dtype": str(target.model.dtype),
+                "gamma": (args.gamma or cfg.block_length) if draft else None, "dtype": str(target.model.dtype),
                 "device": str(target.model.device), "torch": torch.__version__, "python": platform.python_version(),
                 "machine": platform.processor() or platform.machine(), "git_sha": git_sha(),
                 "target": str(target.path),

@@ -63,13 +63,13 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="vanilla SDAR decoding with the target; paper: SimSD as published; exact: SimSD with "
                         "output identical to vanilla (greedy)")
     p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
-    p.add_argument("--on-reject", default="redraft", choices=["redraft", "fallback"],
-                   help="after a partial acceptance: re-draft the rest, or (paper's fallback) finish with "
+    p.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
+                   help="after a partial acceptance (default redraft): re-draft the rest, or (paper's fallback) finish with "
                         "vanilla target denoising when fewer than gamma positions remain")
     p.add_argument("--no-rope-copy", action="store_true",
                    help="ablation (paper mode): mask slots get fresh positions after the draft slots")
     p.add_argument("--draft-strategy", default=None, help="draft strategy (default: the target's)")
-    p.add_argument("--optimistic", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--optimistic", default=None, choices=["auto", "on", "off"],
                    help="draft the next round while the target verifies, roll back on rejection "
                         "(auto: when draft and target are on different devices)")
 
@@ -89,14 +89,15 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="simsd", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="simsd", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding")
+    gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding",
+                         allow_abbrev=False)
     add_model_args(gen)
     add_prompt_args(gen)
     add_decode_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    bench = sub.add_parser("bench", help="run a prompt set through several modes in one process")
+    bench = sub.add_parser("bench", help="run a prompt set through several modes in one process", allow_abbrev=False)
     add_model_args(bench)
     add_prompt_args(bench)
     add_decode_args(bench)
@@ -165,6 +166,9 @@ def main(argv=None) -> int:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # output that cannot be written (a full disk, an unwritable --json path)
+        print(f"simsd: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

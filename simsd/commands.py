@@ -61,7 +61,7 @@ def collect_prompts(args, tokenizer, vocab_size: int) -> list:
         if p.ids is not None:
             bad = [t for t in p.ids if not 0 <= int(t) < vocab_size]
             if bad:
-                raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+                raise UsageError(f"prompt {p.id}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         else:
             p.ids = encode(tokenizer, p.text, args.raw)
     return prompts
@@ -104,12 +104,24 @@ def check_prompts(prompts: list, models: list, cfg: DecodeConfig) -> None:
                 raise UsageError(f"prompt {p.id or i + 1}: {exc}") from exc
 
 
+SPEC_OPTIONS = {"draft": "--draft", "draft_device": "--draft-device", "gamma": "--gamma",
+                "on_reject": "--on-reject", "draft_strategy": "--draft-strategy", "optimistic": "--optimistic"}
+
+
 def check_option_use(args, cfg: DecodeConfig, modes) -> None:
-    """Options that the chosen settings would ignore are errors (nothing is silently dropped)."""
+    """Options that the chosen settings would ignore are errors (nothing is silently dropped);
+    speculative options are validated here, before any prompt is read."""
     if args.threshold is not None and cfg.strategy not in ("dynamic", "entropy"):
         raise UsageError(f"--threshold applies to the dynamic and entropy strategies, not {cfg.strategy}")
-    if args.draft is not None and not {"paper", "exact"} & set(modes):
-        raise UsageError("--draft is used by the paper and exact modes only (this run is vanilla)")
+    if not {"paper", "exact"} & set(modes):
+        given = [flag for key, flag in SPEC_OPTIONS.items() if getattr(args, key, None) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: used by the paper and exact modes only (this run is vanilla)")
+    if args.gamma is not None and args.gamma < 1:
+        raise UsageError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.draft_strategy is not None:
+        from .strategies import parse_strategy
+        parse_strategy(args.draft_strategy)
     if args.no_rope_copy and "paper" not in modes:
         raise UsageError("--no-rope-copy is an ablation of paper mode")
     if args.gamma is not None and args.gamma > cfg.block_length:
@@ -121,14 +133,18 @@ def decode_config(args, target_config) -> DecodeConfig:
     if args.block_length is not None and args.block_length < 1:
         raise UsageError(f"--block-length must be >= 1, got {args.block_length}")
     B = args.block_length if args.block_length is not None else (target_config.block_size or 4)
-    if args.block_length is not None and args.block_length != target_config.block_size:
-        print(f"simsd: warning: --block-length {args.block_length} differs from the checkpoint's block_size "
-              f"{target_config.block_size} (SDAR checkpoints are trained for one block length)", file=sys.stderr)
-    return DecodeConfig(
+    limit = target_config.max_position_embeddings
+    if B >= limit:
+        raise UsageError(f"--block-length {B} leaves no room in the model's maximum length {limit}")
+    cfg = DecodeConfig(
         block_length=B, steps=args.steps, strategy=args.strategy, threshold=args.threshold,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
         max_new_tokens=args.max_new_tokens, seed=args.seed, fold_commit=args.fold_commit,
     )
+    if args.block_length is not None and args.block_length != target_config.block_size:
+        print(f"simsd: warning: --block-length {args.block_length} differs from the checkpoint's block_size "
+              f"{target_config.block_size} (SDAR checkpoints are trained for one block length)", file=sys.stderr)
+    return cfg
 
 
 def check_engine_args(args, device: str) -> None:
@@ -178,9 +194,9 @@ def make_batch_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
         return lambda prompts, first: vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
                                                              target.stop_ids, first, cuda_graphs=graphs)
     from .speculative import SpecConfig, speculative_generate_batch
-    spec = SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject, rope_copy=not args.no_rope_copy,
-                      draft_strategy=args.draft_strategy,
-                      optimistic={"auto": None, "on": True, "off": False}[getattr(args, "optimistic", "auto")])
+    spec = SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject or "redraft",
+                      rope_copy=not args.no_rope_copy, draft_strategy=args.draft_strategy,
+                      optimistic={None: None, "auto": None, "on": True, "off": False}[getattr(args, "optimistic", None)])
     return lambda prompts, first: speculative_generate_batch(target, draft, prompts, cfg, spec, first,
                                                              cuda_graphs=graphs)
 

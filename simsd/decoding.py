@@ -125,7 +125,8 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int) -> 
     """Validate prompt ids and return the cache capacity (tokens) the generation needs.
 
     Raises:
-        ValueError: empty prompt, id outside the vocabulary, or prompt too long for the model.
+        ValueError: empty prompt, id outside the vocabulary, or prompt too long for the model
+            (including the rounding of the last block to a whole block).
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
@@ -140,6 +141,9 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int) -> 
                          f"model's maximum length {limit}")
     B = block_length
     total = -(-(len(prompt_ids) + max_new_tokens) // B) * B
+    if total > limit:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) rounded up to whole "
+                         f"blocks of {B} is {total} positions, past the model's maximum length {limit}")
     return total + B
 
 

@@ -130,11 +130,12 @@ def read_jsonl(path) -> list:
                                   f"prompt file {path} is a directory")
         name = str(path)
         try:
-            lines = path.read_bytes().decode("utf-8-sig").splitlines()
+            lines = path.read_bytes().decode("utf-8").splitlines()
         except UnicodeDecodeError as exc:
             raise PromptFileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
     prompts, seen = [], {}
     for n, line in enumerate(lines, 1):
+        line = line.lstrip("\ufeff")  # a byte-order mark (stdin, concatenated files)
         if not line.strip():
             continue
         where = f"{name}:{n}"
@@ -153,7 +154,7 @@ def read_jsonl(path) -> list:
             raise PromptFileError(f"{where}: id {pid!r} already used on line {seen[pid]}")
         seen[pid] = n
         if has_text:
-            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
                 raise PromptFileError(f"{where}: 'prompt' must be a non-empty string")
             prompts.append(Prompt(text=obj["prompt"], id=pid, source=obj.get("source")))
         else:

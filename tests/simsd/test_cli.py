@@ -278,7 +278,9 @@ def test_prompt_file_with_bom_and_from_stdin(ckdir, capsys, tmp_path, monkeypatc
     (["--prompt-ids", "5,6", "--threshold", "0.5"], "--threshold applies to the dynamic and entropy"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--no-rope-copy"], "ablation of paper mode"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--gamma", "99"], "exceeds the block length"),
-    (["--prompt-ids", "5,6", "--mode", "vanilla"], "--draft is used by the paper and exact modes"),
+    (["--prompt-ids", "5,6", "--mode", "vanilla"], "--draft: used by the paper and exact modes only"),
+    (["--prompt-ids", "5,6", "--mode", "exact", "--gamma", "0"], "--gamma must be >= 1"),
+    (["--prompt-ids", "5,6", "--mode", "exact", "--block-length", "3000"], "--block-length 3000 leaves no room"),
 ])
 def test_ignored_or_empty_inputs_are_errors(ckdir, capsys, flags, needle):
     code, out, err = run(capsys, "generate", "--target", str(ckdir), "--draft", str(ckdir), *flags)
@@ -319,3 +321,30 @@ def test_broken_pipe_is_quiet(ckdir, tmp_path):
     res = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in res.stderr and res.returncode == 0, res.stderr[-2000:]
     assert len(res.stdout.splitlines()) == 1
+
+
+def test_vanilla_refuses_speculative_options(ckdir, capsys):
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6", "--gamma", "2",
+                         "--on-reject", "fallback")
+    assert code == 2 and out == "" and "--gamma, --on-reject: used by the paper and exact modes only" in err
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"prompt_ids": [5]}\n{"prompt_ids": [5, 99999]}\n', "prompt <stdin>:2: token id 99999 is outside"),
+    ('\ufeff{"prompt_ids": [5]}\n{"prompt": "  "}\n', "<stdin>:2: 'prompt' must be a non-empty string"),
+])
+def test_stdin_prompt_problems(ckdir, capsys, monkeypatch, text, needle):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", "-")
+    assert code == 2 and out == "" and needle in err
+
+
+def test_bench_output_path_and_modes_checked_first(ckdir, capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    common = ["bench", "--target", str(ckdir), "--prompt-ids", "5,6", "--max-new-tokens", "4"]
+    code, out, err = run(capsys, *common, "--modes", "vanilla", "--json", str(blocker / "x.json"))
+    assert code == 2 and out == "" and "cannot be written" in err
+    code, out, err = run(capsys, *common, "--modes", "vanilla,vanilla")
+    assert code == 2 and out == "" and "twice" in err
