@@ -3,7 +3,7 @@
     python bench/bench_e2e.py [--quick] [--target DIR --draft DIR] [--cache-len 1024] [--acceptance 3.61]
 
 1. **Per-forward latency** (batch 1, bf16, a cache of ``--cache-len`` tokens) of the forwards a
-   decoder runs, eager and replayed as CUDA graphs (:mod:`simsd.graphs`): ``draft_step`` (draft,
+   decoder runs, eager and replayed as CUDA graphs (:mod:`simsd.engine.graphs`): ``draft_step`` (draft,
    B tokens, bidirectional), ``vanilla_step`` (target, B tokens), ``verify_paper`` (target, 2B
    tokens ``D|M``, four-quadrant mask), ``verify_exact`` (target, B copies of the block, B*B
    tokens), ``commit`` / ``draft_commit`` (B tokens written; the timed function also resets the
@@ -22,7 +22,7 @@
    weights make its acceptance meaningless: the acceptance is reported with each row).
    ``graphs_equal_eager`` says whether the graph variant produced the eager tokens (graphs run
    static padded shapes, so in bf16 a rare tie may legitimately differ; the GPU test
-   ``tests/simsd/test_graphs.py`` checks replay against eager with the same shapes).
+   ``tests/simsd/engine/test_graphs.py`` checks replay against eager with the same shapes).
 
 Rows (JSON lines, with GPU name, versions and git sha) are appended to ``--out``
 (default ``bench/results/e2e.jsonl``). Without CUDA the script says so and exits 0.
@@ -88,8 +88,8 @@ def environment() -> dict:
 def random_model(shape: str, block_length: int):
     """A bf16 SDAR model with random weights on the GPU (std 0.02 linears, unit norms)."""
     import torch
-    from simsd.config import ModelConfig
-    from simsd.model import SDARForCausalLM
+    from simsd.models.config import ModelConfig
+    from simsd.models.model import SDARForCausalLM
     from simsd.testing import config_dict
     smoke = DEV == "cpu"
     H, inter, layers, hq, hkv = (SMOKE if smoke else SHAPES)[shape]
@@ -155,7 +155,7 @@ def gpu_time_ms(fn, iters: int = 5):
 
 def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
     import torch
-    from simsd.graphs import GraphRunner, eager_capture
+    from simsd.engine.graphs import GraphRunner, eager_capture
     if DEV == "cuda":
         from triton.testing import do_bench
     else:
@@ -219,7 +219,7 @@ def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> l
     """Tokens/s of the six engine variants on ``prompts`` (lists of ids), one warm-up prompt each."""
     from simsd import DecodeConfig
     from simsd.speculative import SpecConfig, speculative_generate_batch
-    from simsd.vanilla import vanilla_generate_batch
+    from simsd.decoding.vanilla import vanilla_generate_batch
     cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens)
     rows, outputs = [], {}
     for mode in ("vanilla", "paper", "exact"):
@@ -250,7 +250,7 @@ def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> l
 def bundled_pair_rows(args, env) -> list:
     from simsd import load_checkpoint
     from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET, HELDOUT_PROMPTS
-    from simsd.commands import encode
+    from simsd.entrypoints.commands import encode
     if not (DEFAULT_TARGET / "config.json").is_file() or not (DEFAULT_DRAFT / "config.json").is_file():
         print(f"bench_e2e: bundled pair not found under {DEFAULT_TARGET.parent}: measured rows skipped")
         return []
@@ -307,9 +307,9 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         DEV, DTYPE = "cpu", "float32"
         args.cache_len, args.prompts, args.max_new_tokens = 16, 2, 8
-        import simsd.graphs
-        simsd.graphs.cuda_capture = simsd.graphs.eager_capture
-        simsd.graphs.check_graphable = lambda model: None
+        import simsd.engine.graphs
+        simsd.engine.graphs.cuda_capture = simsd.engine.graphs.eager_capture
+        simsd.engine.graphs.check_graphable = lambda model: None
     elif not torch.cuda.is_available():
         print("bench_e2e: no CUDA device; nothing to measure (this benchmark needs a GPU).")
         return 0
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
         pair = os.path.basename(os.path.normpath(args.target))
     else:
         from pathlib import Path
-        from simsd.loading import Checkpoint
+        from simsd.models.loading import Checkpoint
         stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
         t = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)
         d = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
@@ -332,8 +332,8 @@ def main(argv=None) -> int:
     rows += modelled_rows(rows, B, args.acceptance, env, pair)
     prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
     rows += measured_rows(t, d, prompts, args, env, pair)
-    import simsd.batching
-    simsd.batching._POOL.clear()  # pooled graph engines hold the models
+    import simsd.engine.batching
+    simsd.engine.batching._POOL.clear()  # pooled graph engines hold the models
     del t, d
     if DEV == "cuda":
         torch.cuda.empty_cache()

@@ -1,16 +1,22 @@
 """simsd: speculative decoding for block-diffusion language models (SDAR family).
 
-Modules: ``config`` / ``loading`` (HF-format checkpoints), ``model`` (SDAR/Qwen3 decoder),
-``cache`` (static KV cache), ``sampling`` / ``strategies`` (denoising steps), ``vanilla``
-(baseline block decoding), ``cli`` (the ``simsd`` command).
+The package is laid out in rooms, each importing only the rooms below it::
+
+    entrypoints/   the ``simsd`` command line (generate, bench) and prompt sources
+    speculative/   SimSD: verification layouts and verdicts, the row program, optimistic drafting
+    decoding/      decode configuration, sampling, remasking strategies, vanilla decoding
+    engine/        batch engine, CUDA graphs, tensor parallelism, host-sync accounting
+    models/        checkpoint config and loading, the SDAR model, the KV cache
+    simsd_kernels  (a separate package) the attention op family
+
+``testing`` holds helpers for tests and examples (random SDAR checkpoints); ``assets`` the
+bundled tiny pair and held-out prompts.
 """
-from .config import CheckpointError, ModelConfig
-from .decoding import DecodeConfig, GenerationResult
-from .loading import Checkpoint, load_checkpoint, load_model
-from .model import SDARForCausalLM
-from .sampling import SamplingParams
-from .vanilla import vanilla_generate
+from .decoding import DecodeConfig, GenerationResult, SamplingParams, vanilla_generate, vanilla_generate_batch
+from .models import Checkpoint, CheckpointError, ModelConfig, SDARForCausalLM, load_checkpoint, load_model
+from .speculative import SpecConfig, speculative_generate, speculative_generate_batch
 
 __all__ = ["CheckpointError", "ModelConfig", "DecodeConfig", "GenerationResult", "Checkpoint",
-           "load_checkpoint", "load_model", "SDARForCausalLM", "SamplingParams", "vanilla_generate"]
+           "load_checkpoint", "load_model", "SDARForCausalLM", "SamplingParams", "vanilla_generate",
+           "vanilla_generate_batch", "SpecConfig", "speculative_generate", "speculative_generate_batch"]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ Sources (all read from installed packages / the running interpreter, nothing dow
   canonical solution`` and the same code as plain text.
 * the Python standard library's top-level ``Lib/*.py`` source files (plain text, for volume).
 
-Held-out split (``simsd.prompts.split_ids``: natural order of the ids, every 10th item): 27
+Held-out split (``simsd.entrypoints.prompts.split_ids``: natural order of the ids, every 10th item): 27
 CHAMP problems and 17 HumanEval tasks, none of whose text (problem, solution, answers, hints)
 enters training. ``python tools/corpus.py`` writes ``simsd/assets/heldout.json`` and
 ``simsd/assets/heldout_prompts.jsonl`` and prints corpus statistics.
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simsd import prompts as P  # noqa: E402
+from simsd.entrypoints import prompts as P  # noqa: E402
 
 STDLIB_MAX_CHARS = 3_000_000   # cap on the stdlib text (sorted file order)
 STDLIB_MAX_FILE = 120_000      # skip very large files

@@ -22,7 +22,7 @@ import train_tiny_sdar as T
 
 def load_teacher(path) -> torch.nn.Module:
     """The teacher in float32, frozen, eval mode."""
-    from simsd.loading import load_checkpoint
+    from simsd.models.loading import load_checkpoint
 
     teacher = load_checkpoint(path, dtype="float32").model
     teacher.eval()

@@ -4,8 +4,8 @@
 
 * held-out loss of both models: the training objective (``tools/train_tiny_sdar.py``) on the
   held-out CHAMP / HumanEval chat documents, fixed noise seed, float32 weights as loaded by
-  :func:`simsd.loading.load_checkpoint` from the bf16 files;
-* greedy vanilla continuations (``simsd.vanilla.vanilla_generate``, static strategy,
+  :func:`simsd.models.loading.load_checkpoint` from the bf16 files;
+* greedy vanilla continuations (``simsd.decoding.vanilla.vanilla_generate``, static strategy,
   ``max_new_tokens=64``) of three held-out prompts in the chat template;
 * draft/target agreement: vanilla greedy decoding with the target; at every denoising step the
   draft sees the same block state (over its own cache of the same committed tokens) and we count
@@ -25,11 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from simsd.batching import engine_for  # noqa: E402
-from simsd.decoding import DecodeConfig, check_prompt, denoise_step  # noqa: E402
-from simsd.loading import load_checkpoint  # noqa: E402
-from simsd.prompts import bundled_prompts  # noqa: E402
-from simsd.vanilla import new_block, vanilla_generate  # noqa: E402
+from simsd.engine.batching import engine_for  # noqa: E402
+from simsd.decoding.config import DecodeConfig, check_prompt  # noqa: E402
+from simsd.decoding.step import denoise_step  # noqa: E402
+from simsd.models.loading import load_checkpoint  # noqa: E402
+from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
+from simsd.decoding.vanilla import new_block, vanilla_generate  # noqa: E402
 
 ASSETS = ROOT / "simsd" / "assets"
 
@@ -57,7 +58,7 @@ def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
 
 def agreement(target, draft, prompt_ids: list, cfg: DecodeConfig) -> dict:
     """Greedy vanilla target decoding; compare the draft's argmax on the same block states (one
-    :mod:`simsd.batching` row holding both models' caches of the same committed tokens)."""
+    :mod:`simsd.engine.batching` row holding both models' caches of the same committed tokens)."""
     B = cfg.block_length
     cap = check_prompt(prompt_ids, target.model.config, cfg.max_new_tokens, B)
     engine = engine_for({"target": target.model, "draft": draft.model}, B, 1, cap, 2 * B)

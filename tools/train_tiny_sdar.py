@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from simsd.config import ModelConfig  # noqa: E402
-from simsd.decoding import labels_for  # noqa: E402
-from simsd.model import SDARForCausalLM  # noqa: E402
+from simsd.models.config import ModelConfig  # noqa: E402
+from simsd.models.model import labels_for  # noqa: E402
+from simsd.models.model import SDARForCausalLM  # noqa: E402
 from simsd.testing import build_tokenizer, config_dict, save_checkpoint  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
 
@@ -245,7 +245,7 @@ def stage_train(args) -> None:
     B, L, mask_id = args.block, args.seq_len, tok.mask_token_id
     stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
     if args.init_from:  # continue from a saved checkpoint (bf16 weights -> fp32 master weights)
-        from simsd.loading import load_checkpoint
+        from simsd.models.loading import load_checkpoint
 
         cfg = json.loads((Path(args.init_from) / "config.json").read_text())
         cfg.pop("torch_dtype", None)
@@ -325,7 +325,7 @@ def stage_train(args) -> None:
     save_checkpoint(out, cfg, {k: v.detach() for k, v in model.state_dict().items()}, tok, dtype=torch.bfloat16,
                     stop_ids=stops)
     portable_files(out)
-    from simsd.loading import load_checkpoint
+    from simsd.models.loading import load_checkpoint
 
     ck = load_checkpoint(out, dtype="float64")
     err_saved = check_against_inference(ck.model, len(tok), B, ck.mask_token_id, seed=1)

@@ -1,5 +1,4 @@
-"""Shared pieces of block-diffusion decoding: configuration, the per-model sequence runner
-(prefill, denoise and commit forwards over a static cache), one denoising step, and results.
+"""Decoding configuration, prompt checks, results and the decode timer.
 
 Semantics follow SDAR's reference decoding (DESIGN.md §3): blocks aligned to absolute
 position 0, block-causal prefill of the aligned prompt part, the unaligned prompt tail inside
@@ -12,11 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simsd_kernels import KIND_KNOWN
-
-from .host_sync import to_device
-from .sampling import SamplingParams, sample
-from .strategies import parse_strategy, select_positions, transfer_schedule
+from ..engine.host_sync import to_device
+from .sampling import SamplingParams
+from .strategies import parse_strategy, transfer_schedule
 
 
 @dataclass
@@ -73,41 +70,6 @@ class GenerationResult:
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> torch.Tensor:
-    """Mask labels ``(1, n, 3)`` int32 ``(kind, tau, grp)``; ``grp``: an int or an ``(n,)``
-    tensor on ``device`` (ints are filled in place: no host-to-device copy)."""
-    lab = torch.zeros(1, n, 3, dtype=torch.int32, device=device)
-    lab[..., 0] = kind
-    lab[..., 1] = tau
-    lab[..., 2] = grp
-    return lab
-
-
-def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """``logits (..., V)`` with the MASK token made impossible (a step never "reveals" MASK)."""
-    out = logits.clone()
-    out[..., mask_id] = float("-inf")
-    return out
-
-
-def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step,
-                 generator: torch.Generator | None, noise: torch.Tensor | None = None):
-    """One denoising step on ``block (L,)`` from ``logits (L, V)``, or on a batch of blocks
-    ``(C, L)`` from ``(C, L, V)`` with ``step`` an int or a ``(C,)`` tensor of their 0-based steps.
-
-    The MASK token is excluded from sampling. Runs on the logits' device without host reads
-    (``generator``, or the precomputed exponential ``noise`` of :func:`simsd.sampling.draw`,
-    lives there too). Returns ``(new_block, revealed bool, probs (..., L, V) or None)``:
-    ``probs`` is the distribution each position's token was drawn from (None when greedy).
-    """
-    masked = block == mask_id
-    logits = without_mask_token(logits, mask_id)
-    tokens, conf, ent, probs = sample(logits, cfg.sampling, generator, noise, with_probs=False,
-                                      with_entropy=cfg.strategy == "entropy")
-    revealed = select_positions(cfg.strategy, masked, conf, ent, cfg.tokens_for_step(step), cfg.threshold)
-    return torch.where(revealed, tokens, block), revealed, probs
 
 
 def finish(generated: list, stop_ids, max_new_tokens: int) -> list:

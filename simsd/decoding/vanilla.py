@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .batching import BatchResult, Row, Step, engine_for
-from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, finish
-from .host_sync import to_device
+from ..engine.batching import BatchResult, Row, engine_for
+from ..engine.host_sync import to_device
+from .config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
+from .step import Step
 
 
 def new_block(tail: list, block_length: int, mask_id: int, device) -> torch.Tensor:
@@ -14,7 +15,7 @@ def new_block(tail: list, block_length: int, mask_id: int, device) -> torch.Tens
 
 
 def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_ids, generator):
-    """One row's block decoding as a :mod:`simsd.batching` program; returns ``(generated, blocks)``.
+    """One row's block decoding as a :mod:`simsd.engine.batching` program; returns ``(generated, blocks)``.
     One host read per step: the new block (the step's decision)."""
     B = cfg.block_length
     stops = set(stop_ids)
@@ -49,7 +50,7 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
     ``j`` of a prompt set decodes the same in any batch (and alone with ``seed + j``). Per-row
     ``stats`` are those of :func:`vanilla_generate` (forward counts are the row's own; its
     ``decode_seconds`` is the batch's), plus ``batch_size``. ``cuda_graphs``: replay the
-    forwards as CUDA graphs (:mod:`simsd.graphs`; token-identical to eager static shapes).
+    forwards as CUDA graphs (:mod:`simsd.engine.graphs`; token-identical to eager static shapes).
 
     Raises:
         ValueError: bad prompt ids, or a prompt too long for the model.

@@ -21,12 +21,16 @@ see under the forward's mask mode (``mask_rule.allowed``):
 
 Rows that have no request in a forward but sit between rows that do get a dummy read-only
 query; the forward covers the contiguous row range of its requests (a view of the cache).
-Per-row cache writes use ``num_write`` as a ``(B,)`` tensor (see :meth:`SDARForCausalLM.forward`),
+Per-row cache writes use ``num_write`` as a ``(B,)`` tensor (see :meth:`simsd.models.model.SDARForCausalLM.forward`),
 so the caches have a margin of the longest query past their capacity.
 
 ``static_shapes`` (implied by ``cuda_graphs``): every forward covers all rows and query lengths
 are rounded up to a multiple of the block length, so a few shapes serve a whole run; with
-``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.graphs`).
+``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.engine.graphs`).
+
+The engine knows forwards, caches and rows, not decoding rules: a request's denoising step is
+an object with a ``run_batch(steps, logits)`` static method (:class:`simsd.decoding.step.Step`)
+that the engine calls once per forward for the requests that carry one.
 """
 from __future__ import annotations
 
@@ -36,25 +40,11 @@ import torch
 
 from simsd_kernels import KIND_MASK, SHARED_GRP
 
-from .decoding import denoise_step, labels_for
+from ..models.model import labels_for
 from .host_sync import to_device
-from .sampling import exponential_noise
 
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
-
-
-@dataclass
-class Step:
-    """A denoising step to apply to a request's logits (:func:`simsd.decoding.denoise_step`):
-    the engine runs the steps of all rows of a forward that share ``cfg`` as one batched step
-    (each row's noise drawn from its own ``generator``), and sends the row
-    ``(new_block, revealed, probs)`` instead of the logits."""
-    block: torch.Tensor
-    index: int
-    cfg: object
-    mask_id: int
-    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -64,8 +54,9 @@ class Fwd:
     ``ids, positions (L,) int64``, ``labels (L, 3) int32`` (see :mod:`simsd_kernels.mask_rule`),
     ``mask_mode``; the first ``num_write`` tokens are written to the row's cache. ``logits``: which
     tokens' logits to return (a slice, or None for none). ``count``: counted as a forward of the
-    row (diagnostic forwards are not). ``step``: apply this denoising step to the logits and
-    return its result instead (see :class:`Step`).
+    row (diagnostic forwards are not). ``step``: a denoising step
+    to apply to the logits, whose result the row receives instead (an object with a static
+    ``run_batch(steps, logits) -> results``, e.g. :class:`simsd.decoding.step.Step`).
     """
     model: str
     ids: torch.Tensor
@@ -75,7 +66,7 @@ class Fwd:
     num_write: int = 0
     logits: slice | None = field(default_factory=lambda: slice(None))
     count: bool = True
-    step: Step | None = None
+    step: object | None = None
 
 
 @dataclass
@@ -112,7 +103,7 @@ class Row:
         c = self.cached[model]
         return torch.arange(c, c + n, device=self.devices[model])
 
-    def denoise(self, model: str, block: torch.Tensor, step: Step | None = None) -> Fwd:
+    def denoise(self, model: str, block: torch.Tensor, step=None) -> Fwd:
         """Denoise forward of ``block (L,)``: bidirectional over the cache and the block, read-only
         (with a pending commit: :meth:`commit_and_denoise`). ``step``: see :class:`Fwd`."""
         prev = self.pending.pop(model, None)
@@ -122,19 +113,18 @@ class Row:
         return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional",
                    step=step)
 
-    def exact(self, model: str, states: list) -> Fwd:
-        """Exact verification forward over the block ``states`` (one copy each, see
-        :func:`simsd.verification.exact_layout`); a pending commit joins as the shared prefix
-        (``grp = SHARED_GRP``) and is written. The logits are those of the copies."""
-        from .verification import exact_layout
+    def exact(self, model: str, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> Fwd:
+        """Exact verification forward of the layout ``ids, positions (1, L)``, ``labels (1, L, 3)``
+        (one copy per verified state, :func:`simsd.speculative.verification.exact_layout` at
+        :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``) and
+        is written. The logits are those of the copies."""
         dev = self.devices[model]
-        ids, pos, lab = exact_layout(states, self.start(model))
         prev = self.pending.pop(model, None)
         if prev is None:
-            return Fwd(model, ids[0], pos[0], lab[0], "exact")
+            return Fwd(model, ids[0], positions[0], labels[0], "exact")
         P = prev.shape[0]
-        return Fwd(model, torch.cat([prev, ids[0]]), torch.cat([self.positions(model, P), pos[0]]),
-                   torch.cat([labels_for(P, dev, grp=SHARED_GRP)[0], lab[0]]), "exact", num_write=P,
+        return Fwd(model, torch.cat([prev, ids[0]]), torch.cat([self.positions(model, P), positions[0]]),
+                   torch.cat([labels_for(P, dev, grp=SHARED_GRP)[0], labels[0]]), "exact", num_write=P,
                    logits=slice(P, None))
 
     def commit(self, model: str, block: torch.Tensor, fold: bool = False) -> Fwd | None:
@@ -155,7 +145,7 @@ class Row:
         return None if prev is None else self.commit(model, prev)
 
     def commit_and_denoise(self, model: str, block: torch.Tensor, next_block: torch.Tensor,
-                           step: Step | None = None) -> Fwd:
+                           step=None) -> Fwd:
         """The commit of ``block`` folded into the first denoise forward of ``next_block``
         (block-causal over the pair); the logits are those of ``next_block``."""
         L = block.shape[0]
@@ -184,7 +174,7 @@ class BatchEngine:
         models: name -> :class:`SDARForCausalLM` (e.g. ``{"target": t, "draft": d}``).
         block_length: B.
         batch_size: rows.
-        capacity: tokens a row may commit (see :func:`simsd.decoding.check_prompt`).
+        capacity: tokens a row may commit (see :func:`simsd.decoding.config.check_prompt`).
         margin: the longest query a forward may carry (the per-row write margin).
 
         cuda_graphs: replay forwards as CUDA graphs (CUDA devices, triton/cuda backend).
@@ -194,7 +184,7 @@ class BatchEngine:
     ``forwards[name]`` counts the batched forwards run per model (prefill excluded).
 
     Raises:
-        ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.graphs`).
+        ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.engine.graphs`).
     """
 
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
@@ -318,25 +308,13 @@ class BatchEngine:
 
     @staticmethod
     def _steps(reqs: dict, outs: dict) -> None:
-        """Replace the logits of requests with a :class:`Step` by the step's result, one batched
-        :func:`~simsd.decoding.denoise_step` per step configuration."""
-        groups: dict = {}
-        for i, r in reqs.items():
-            if r.step is not None:
-                groups.setdefault((id(r.step.cfg), r.step.mask_id), []).append(i)
-        for rows in groups.values():
-            first = reqs[rows[0]].step
-            logits = torch.stack([outs[i] for i in rows])
-            blocks = torch.stack([reqs[i].step.block for i in rows])
-            index = [reqs[i].step.index for i in rows]
-            steps = index[0] if len(set(index)) == 1 else to_device(index, logits.device)
-            noise = None
-            if not first.cfg.sampling.greedy:  # each row's own stream: a row decodes as it would alone
-                noise = torch.stack([exponential_noise(logits.shape[1:], logits.device, reqs[i].step.generator)
-                                     for i in rows])
-            new, revealed, probs = denoise_step(logits, blocks, first.mask_id, first.cfg, steps, None, noise)
-            for j, i in enumerate(rows):
-                outs[i] = (new[j], revealed[j], None if probs is None else probs[j])
+        """Replace the logits of requests that carry a step by the step's result (all steps of
+        the forward in one ``run_batch`` call, see :class:`Fwd`)."""
+        rows = [i for i, r in reqs.items() if r.step is not None]
+        if rows:
+            results = type(reqs[rows[0]].step).run_batch([reqs[i].step for i in rows], [outs[i] for i in rows])
+            for i, result in zip(rows, results):
+                outs[i] = result
 
 
 _POOL: dict = {}
@@ -362,7 +340,8 @@ def engine_for(models: dict, block_length: int, batch_size: int, capacity: int, 
 
 @dataclass
 class BatchResult:
-    """``results[i]``: the :class:`~simsd.decoding.GenerationResult` of prompt ``i``; ``stats``:
+    """``results[i]``: the generation result (:class:`~simsd.decoding.config.GenerationResult`) of
+    prompt ``i``; ``stats``:
     ``batch_size, new_tokens, decode_seconds, tokens_per_second`` (all rows' tokens over the
     batch's decode time, prefill excluded) and ``batched_forwards`` per model."""
     results: list

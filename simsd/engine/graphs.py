@@ -4,7 +4,7 @@
 logits)`` — with static input buffers (ids, positions, labels, per-row ``num_write``) and a
 static logits output, and replays it after copying the new inputs in. The cache lengths live
 on the device (``cache.seqlens``) and advance inside the graph, so a replay needs no host
-sync. Used by :class:`simsd.batching.BatchEngine` with ``cuda_graphs=True``, which also
+sync. Used by :class:`simsd.engine.batching.BatchEngine` with ``cuda_graphs=True``, which also
 fixes the shapes (all rows in every forward, query lengths rounded up to a multiple of the
 block length), so a handful of graphs serve a whole run: the draft denoise step, the target
 verify forwards (paper / exact, padded), vanilla denoise and commit.

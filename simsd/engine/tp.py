@@ -8,7 +8,7 @@ Embedding, norms and ``lm_head`` are replicated, so every rank ends a forward wi
 logits and runs the same decoding program (SPMD): identical seeds give identical decisions
 without any further communication. Each rank's KV cache holds its own kv heads.
 
-Launch: ``torchrun --nproc-per-node N -m simsd.cli generate --tp N ...`` or plain
+Launch: ``torchrun --nproc-per-node N -m simsd.entrypoints.cli generate --tp N ...`` or plain
 ``simsd generate --tp N ...``, which spawns the N ranks itself (NCCL on CUDA, one GPU per
 rank: ``cuda:<rank>``; gloo on CPU). Only rank 0 prints.
 """

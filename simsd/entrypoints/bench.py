@@ -23,7 +23,7 @@ from .commands import (check_option_use, check_prompts, collect_prompts, decode_
 
 def paper_agreement(target, draft, prompts, cfg, args) -> dict:
     """Top-1 agreement and mean KL between paper-mode and exact verification distributions."""
-    from .speculative import SpecConfig, SpeculativeDecoder
+    from ..speculative.decoder import SpecConfig, SpeculativeDecoder
 
     dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode="paper", gamma=args.gamma,
                                                             on_reject=args.on_reject or "redraft",

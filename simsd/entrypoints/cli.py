@@ -8,11 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import CheckpointError
-
-
-class UsageError(ValueError):
-    """A command-line input problem (reported in one line, exit status 2)."""
+from ..models.config import CheckpointError
+from .errors import UsageError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -23,7 +20,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def default_target() -> Path:
-    from .assets import DEFAULT_TARGET
+    from ..assets import DEFAULT_TARGET
     return DEFAULT_TARGET
 
 
@@ -113,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tp_rank_main(argv) -> None:
-    """One spawned tensor-parallel rank (see :mod:`simsd.tp`)."""
+    """One spawned tensor-parallel rank (see :mod:`simsd.engine.tp`)."""
     code = main(argv)
     if code:
         raise SystemExit(code)
@@ -125,7 +122,7 @@ def launch_tp(args, argv) -> int | None:
     Returns None when this process is a rank that should run the command."""
     import os
     import torch
-    from .tp import init_from_env, spawn, world
+    from ..engine.tp import init_from_env, spawn, world
     if world()[1] > 1:
         return None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,9 +131,9 @@ def launch_tp(args, argv) -> int | None:
         if world()[0] != 0:  # only rank 0 prints
             sys.stdout = open(os.devnull, "w")
         return None
-    from .assets import DEFAULT_TARGET
-    from .config import ModelConfig
-    from .tp import check_tp
+    from ..assets import DEFAULT_TARGET
+    from ..engine.tp import check_tp
+    from ..models.config import ModelConfig
     check_tp(ModelConfig.from_dir(args.target or DEFAULT_TARGET), args.tp)  # before any rank starts
     try:
         spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv))
@@ -156,8 +153,8 @@ def main(argv=None) -> int:
         if args.command == "generate":
             from .commands import run_generate
             return run_generate(args)
-        from .commands import run_bench
-        return run_bench(args)
+        from .bench import bench_modes
+        return bench_modes(args)
     except (UsageError, CheckpointError, ValueError, FileNotFoundError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)

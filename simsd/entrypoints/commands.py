@@ -6,10 +6,10 @@ import sys
 
 import torch
 
-from .cli import UsageError
-from .decoding import DecodeConfig
-from .loading import load_checkpoint
-from .sampling import SamplingParams
+from ..decoding.config import DecodeConfig
+from ..decoding.sampling import SamplingParams
+from ..models.loading import load_checkpoint
+from .errors import UsageError
 
 
 def parse_ids(text: str) -> list[int]:
@@ -29,7 +29,7 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
 
 
 def collect_prompts(args, tokenizer, vocab_size: int) -> list:
-    """The prompts of a command as :class:`simsd.prompts.Prompt` objects with ``ids`` set.
+    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects with ``ids`` set.
 
     Sources: ``--prompt-ids``, ``--prompt``, ``--prompts-file``, ``--prompt-set`` (bundled
     held-out prompts, or CHAMP / HumanEval held-out problems from their packages); with none of
@@ -52,7 +52,7 @@ def collect_prompts(args, tokenizer, vocab_size: int) -> list:
         prompts = load_prompts(args.prompt_set or "bundled")
         if args.prompt_set is None and args.limit is None:
             prompts = prompts[:1]
-            from .tp import world
+            from ..engine.tp import world
             if world()[0] == 0:
                 print(f"simsd: no prompt given, using the held-out prompt {prompts[0].id}", file=sys.stderr)
     if args.limit is not None:
@@ -95,7 +95,7 @@ def resolve_device_dtype(args):
 def check_prompts(prompts: list, models: list, cfg: DecodeConfig) -> None:
     """Check every prompt against every model before anything is decoded; the error names the
     prompt (its id, e.g. ``FILE:LINE``)."""
-    from .decoding import check_prompt
+    from ..decoding.config import check_prompt
     for i, p in enumerate(prompts):
         for m in models:
             try:
@@ -120,7 +120,7 @@ def check_option_use(args, cfg: DecodeConfig, modes) -> None:
     if args.gamma is not None and args.gamma < 1:
         raise UsageError(f"--gamma must be >= 1, got {args.gamma}")
     if args.draft_strategy is not None:
-        from .strategies import parse_strategy
+        from ..decoding.strategies import parse_strategy
         parse_strategy(args.draft_strategy)
     if args.no_rope_copy and "paper" not in modes:
         raise UsageError("--no-rope-copy is an ablation of paper mode")
@@ -153,7 +153,7 @@ def check_engine_args(args, device: str) -> None:
     if tp < 1:
         raise UsageError(f"--tp must be >= 1, got {tp}")
     if tp > 1:
-        from .tp import world
+        from ..engine.tp import world
         if world()[1] != tp:
             raise UsageError(f"--tp {tp}: this process group has {world()[1]} rank(s); launch with torchrun "
                              f"--nproc-per-node {tp} or let simsd spawn the ranks")
@@ -166,17 +166,17 @@ def check_engine_args(args, device: str) -> None:
 
 
 def load_models(args, need_draft: bool):
-    from .assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
     device, dtype = resolve_device_dtype(args)
     tp = getattr(args, "tp", 1)
     if tp > 1:
-        from .tp import rank_device
+        from ..engine.tp import rank_device
         device = rank_device(args.device)
     check_engine_args(args, device)
     target = load_checkpoint(args.target or DEFAULT_TARGET, dtype=dtype, device=device)
     target.model.attention_backend = args.attention_backend
     if tp > 1:
-        from .tp import shard_model, world
+        from ..engine.tp import shard_model, world
         shard_model(target.model, world()[0], tp)
     draft = None
     if need_draft:
@@ -190,10 +190,10 @@ def make_batch_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
     of the set samples with ``cfg.seed + first_index + i``)."""
     graphs = getattr(args, "cuda_graphs", False)
     if mode == "vanilla":
-        from .vanilla import vanilla_generate_batch
+        from ..decoding.vanilla import vanilla_generate_batch
         return lambda prompts, first: vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
                                                              target.stop_ids, first, cuda_graphs=graphs)
-    from .speculative import SpecConfig, speculative_generate_batch
+    from ..speculative.decoder import SpecConfig, speculative_generate_batch
     spec = SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject or "redraft",
                       rope_copy=not args.no_rope_copy, draft_strategy=args.draft_strategy,
                       optimistic={None: None, "auto": None, "on": True, "off": False}[getattr(args, "optimistic", None)])
@@ -247,7 +247,3 @@ def run_generate(args) -> int:
                   f"({s['tokens_per_second']:.1f} tokens/s)", flush=True)
     return 0
 
-
-def run_bench(args) -> int:
-    from .bench_cli import bench_modes
-    return bench_modes(args)

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .assets import ASSETS, HELDOUT_PROMPTS as BUNDLED_PROMPTS
+from ..assets import ASSETS, HELDOUT_PROMPTS as BUNDLED_PROMPTS
 
 HELDOUT_FILE = ASSETS / "heldout.json"
 

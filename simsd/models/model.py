@@ -6,7 +6,7 @@ on q and k (weights of size ``head_dim``) before rotate-half RoPE, scale ``head_
 Parameter names equal Qwen3's, so HF state dicts load as they are.
 
 The forward takes explicit position ids and per-token mask labels and runs attention through
-:func:`simsd_kernels.temporal_attention` over a static :class:`~simsd.cache.KVCache`.
+:func:`simsd_kernels.temporal_attention` over a static :class:`~simsd.models.cache.KVCache`.
 No shift: the logits at position ``p`` predict the token at ``p`` (SDAR).
 """
 from __future__ import annotations
@@ -16,9 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 import simsd_kernels
+from simsd_kernels import KIND_KNOWN
 
 from .cache import KVCache
 from .config import ModelConfig
+
+
+def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> torch.Tensor:
+    """Mask labels ``(1, n, 3)`` int32 ``(kind, tau, grp)``; ``grp``: an int or an ``(n,)``
+    tensor on ``device`` (ints are filled in place: no host-to-device copy)."""
+    lab = torch.zeros(1, n, 3, dtype=torch.int32, device=device)
+    lab[..., 0] = kind
+    lab[..., 1] = tau
+    lab[..., 2] = grp
+    return lab
 
 
 class RMSNorm(nn.Module):
@@ -112,7 +123,7 @@ class SDARForCausalLM(nn.Module):
         self.model = SDARBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.attention_backend = "auto"
-        #: kv heads held by this process (fewer under tensor parallelism, see :mod:`simsd.tp`)
+        #: kv heads held by this process (fewer under tensor parallelism, see :mod:`simsd.engine.tp`)
         self.num_local_kv_heads = config.num_key_value_heads
         self.tp = (0, 1)
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .batching import BatchResult, engine_for
-from .decoding import DecodeConfig, GenerationResult, Timer, check_prompt, finish
+from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
+from ..decoding.vanilla import batch_stats
+from ..engine.batching import BatchResult, engine_for
 from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
-from .vanilla import batch_stats
 
 MODES = ("paper", "exact")
 #: a row's draft generator (on the draft's device) is seeded ``seed + DRAFT_SEED_OFFSET``
@@ -33,7 +33,7 @@ class SpecConfig:
     ``on_reject``: ``redraft`` (draft again for the remaining positions) or ``fallback`` (the
     paper: when fewer than ``gamma`` positions remain, the target finishes the block with vanilla
     denoising). ``rope_copy=False`` is the ablation of §4. ``optimistic``: draft the next round
-    while the target verifies (:mod:`simsd.optimistic`); None = when draft and target are on
+    while the target verifies (:mod:`simsd.speculative.optimistic`); None = when draft and target are on
     different devices."""
     mode: str = "exact"
     gamma: int | None = None
@@ -133,7 +133,7 @@ class SpeculativeDecoder:
 def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spec: SpecConfig) -> GenerationResult:
     """Decode ``prompt_ids`` with SimSD (``spec.mode`` = ``paper`` or ``exact``).
 
-    ``target``/``draft`` are :class:`simsd.loading.Checkpoint` objects sharing a tokenizer.
+    ``target``/``draft`` are :class:`simsd.models.loading.Checkpoint` objects sharing a tokenizer.
     ``stats`` adds to vanilla's: ``proposed, accepted, acceptance_rate`` (accepted / proposed
     draft tokens), ``rounds, accepted_per_round, draft_forwards, fallback_steps``.
 

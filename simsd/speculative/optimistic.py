@@ -37,7 +37,7 @@ class Speculation:
     """A draft computed from an assumed round outcome.
 
     ``block (L,)`` and ``block_step``: the assumed next-round state; ``draft``: the proposal
-    (:class:`simsd.speculative.Draft`) drafted from it; ``draft_cached``: the draft cache length
+    (:class:`simsd.speculative.spec_row.Draft`) drafted from it; ``draft_cached``: the draft cache length
     before the speculation; ``committed``: the assumed finished block the speculation committed
     to the draft cache (crossing a block boundary), or None.
     """

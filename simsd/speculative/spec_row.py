@@ -1,6 +1,6 @@
-"""One request's SimSD rounds (draft, verify, accept, commit) as a :mod:`simsd.batching` program.
+"""One request's SimSD rounds (draft, verify, accept, commit) as a :mod:`simsd.engine.batching` program.
 
-See :mod:`simsd.speculative` for the modes and :mod:`simsd.optimistic` for speculation.
+See :mod:`simsd.speculative` for the modes and :mod:`simsd.speculative.optimistic` for speculation.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from .batching import Fwd, Row, Step
-from .decoding import denoise_step, without_mask_token
+from ..decoding.step import Step, denoise_step, without_mask_token
+from ..decoding.vanilla import new_block
+from ..engine.batching import Fwd, Row
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
-from .vanilla import new_block
 from .verification import accept_in_order, exact_greedy_verdict, exact_layout, paper_layout, token_verdicts
 
 
@@ -61,7 +61,7 @@ class Draft:
 
 
 class SpecRow:
-    """One request's SimSD rounds as a :mod:`simsd.batching` program: its generator, its
+    """One request's SimSD rounds as a :mod:`simsd.engine.batching` program: its generator, its
     counters, and the draft / verify / commit logic. Methods that run forwards are generators
     (``yield`` a :class:`Fwd`, receive the logits).
 
@@ -114,7 +114,7 @@ class SpecRow:
         states = list(draft.states)
         if draft.remaining:
             states.append(draft.final)
-        return self.row.exact("target", states)
+        return self.row.exact("target", *exact_layout(states, self.row.start("target")))
 
     def judge_exact(self, draft: Draft, logits: torch.Tensor, block_step: int):
         """``(new_block, steps_taken, accepted, proposed)`` from the exact verify logits, as
@@ -191,7 +191,7 @@ class SpecRow:
         return block, block.tolist()
 
     def speculate(self, draft: Draft, block_step: int, ends):
-        """Draft the next round from the assumed outcome of this one (see :mod:`simsd.optimistic`);
+        """Draft the next round from the assumed outcome of this one (see :mod:`simsd.speculative.optimistic`);
         returns a :class:`Speculation` or None."""
         out = assumed_outcome(draft, block_step, self.mask_id, ends)
         if out is None:

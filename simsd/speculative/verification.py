@@ -14,9 +14,9 @@ import torch
 
 from simsd_kernels import KIND_DRAFT, KIND_KNOWN, KIND_MASK, TAU_INF
 
-from .host_sync import to_device
-from .sampling import draw, filtered_probs
-from .strategies import stable_rank
+from ..decoding.sampling import draw, filtered_probs
+from ..decoding.strategies import stable_rank
+from ..engine.host_sync import to_device
 
 
 def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.Tensor,
@@ -87,7 +87,7 @@ def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: tor
         drafted: ``(L,)`` the draft's token per position.
         draft_probs: ``(L, V)`` the draft's sampling distribution per position (unused when
             greedy).
-        params: :class:`~simsd.sampling.SamplingParams` (shared by draft and target).
+        params: :class:`~simsd.decoding.sampling.SamplingParams` (shared by draft and target).
         generator: on the logits' device (sampling only).
 
     Returns:

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from simsd.sampling import SamplingParams, filtered_probs, sample
-from simsd.strategies import select_positions, transfer_schedule
+from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
+from simsd.decoding.strategies import select_positions, transfer_schedule
 
 
 @pytest.mark.parametrize("B,steps,expected", [(4, 4, [1, 1, 1, 1]), (8, 4, [2, 2, 2, 2]), (8, 3, [3, 3, 2]),

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
-from simsd.decoding import denoise_step, labels_for
-from simsd.vanilla import new_block
+from simsd.decoding.step import denoise_step
+from simsd.models.model import labels_for
+from simsd.decoding.vanilla import new_block
 from tests.helpers import random_checkpoint
 
 

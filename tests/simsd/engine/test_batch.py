@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
-from simsd.cache import KVCache
-from simsd.decoding import labels_for
+from simsd.models.cache import KVCache
+from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate, speculative_generate_batch
-from simsd.vanilla import vanilla_generate_batch
+from simsd.decoding.vanilla import vanilla_generate_batch
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -114,7 +114,7 @@ def test_per_row_num_write_and_row_views():
 
 def test_engine_refuses_a_write_past_a_rows_capacity():
     """The engine checks cache room on the host (its caches skip the device-side check)."""
-    from simsd.batching import BatchEngine, Fwd
+    from simsd.engine.batching import BatchEngine, Fwd
     m = ckpt("target").model
     engine = BatchEngine({"target": m}, 4, 2, capacity=8, margin=0)
     assert not engine.caches["target"].check_lengths
@@ -132,17 +132,17 @@ def test_engine_refuses_a_write_past_a_rows_capacity():
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_static_shapes_equal_dynamic(pair, mode, fold, monkeypatch):
     """The fixed shapes that CUDA graphs replay (all rows, padded queries) give the same tokens."""
-    import simsd.speculative
-    import simsd.vanilla
-    from simsd.batching import BatchEngine
+    import simsd.speculative.decoder
+    import simsd.decoding.vanilla
+    from simsd.engine.batching import BatchEngine
     static = lambda models, B, n, cap, margin, graphs: BatchEngine(models, B, n, cap, margin,  # noqa: E731
                                                                    static_shapes=True)
     target, draft = pair
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=10, fold_commit=fold)
     spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
     want = batch(mode, target, draft, PROMPTS, cfg, spec)
-    monkeypatch.setattr(simsd.vanilla, "engine_for", static)
-    monkeypatch.setattr(simsd.speculative, "engine_for", static)
+    monkeypatch.setattr(simsd.decoding.vanilla, "engine_for", static)
+    monkeypatch.setattr(simsd.speculative.decoder, "engine_for", static)
     got = batch(mode, target, draft, PROMPTS, cfg, spec)
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
 
@@ -166,7 +166,7 @@ def test_triton_batch_equals_single_runs():
 
 
 def test_cuda_graphs_refused_on_cpu(pair):
-    from simsd.graphs import GraphRunner
+    from simsd.engine.graphs import GraphRunner
     target, _ = pair
     with pytest.raises(ValueError, match="CUDA"):
         GraphRunner(target.model, target.model.new_cache(1, 8))
@@ -176,11 +176,11 @@ def test_cuda_graphs_refused_on_cpu(pair):
 def test_graph_runner_buffer_logic_with_eager_capture(pair, mode, monkeypatch):
     """The graph engine's static buffers, shape keys, per-row writes and output copies, with the
     CUDA capture replaced by eager replay: stale buffers would change the tokens."""
-    import simsd.batching
-    import simsd.graphs
-    monkeypatch.setattr(simsd.graphs, "cuda_capture", simsd.graphs.eager_capture)
-    monkeypatch.setattr(simsd.graphs, "check_graphable", lambda model: None)
-    monkeypatch.setattr(simsd.batching, "_POOL", {})
+    import simsd.engine.batching
+    import simsd.engine.graphs
+    monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.eager_capture)
+    monkeypatch.setattr(simsd.engine.graphs, "check_graphable", lambda model: None)
+    monkeypatch.setattr(simsd.engine.batching, "_POOL", {})
     target, draft = pair
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=14)
     spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
@@ -192,6 +192,6 @@ def test_graph_runner_buffer_logic_with_eager_capture(pair, mode, monkeypatch):
         else:
             got = speculative_generate_batch(target, draft, PROMPTS, cfg, spec, cuda_graphs=True)
         assert [r.token_ids for r in got.results] == want
-    (engine,) = simsd.batching._POOL.values()
+    (engine,) = simsd.engine.batching._POOL.values()
     runner = engine.graphs["target"]
     assert 0 < runner.graphs <= 2 * (4 + 2) and runner.replays > 2 * runner.graphs  # a few shapes, many replays

@@ -6,7 +6,7 @@ import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.speculative import SpecConfig, speculative_generate_batch
-from simsd.vanilla import vanilla_generate_batch
+from simsd.decoding.vanilla import vanilla_generate_batch
 from tests.helpers import random_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ def ckpt(name, layers, seed):
 
 
 def run(mode, target, draft, cfg, graphs, static):
-    import simsd.batching as batching
+    import simsd.engine.batching as batching
     if mode == "vanilla":
         fn = lambda: vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id,  # noqa: E731
                                             target.stop_ids, cuda_graphs=graphs)
@@ -65,7 +65,7 @@ def test_graph_replay_equals_eager(mode, temperature):
 def test_cli_cuda_graphs_runs(tmp_path, capsys):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from simsd.cli import main
+    from simsd.entrypoints.cli import main
     path = random_checkpoint("g-cli", tokenizer=True)
     assert main(["generate", "--target", str(path), "--draft", str(path), "--mode", "exact", "--cuda-graphs",
                  "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "16", "--device", "cuda"]) == 0

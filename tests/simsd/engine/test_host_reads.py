@@ -1,6 +1,6 @@
 """The decoding loop reads device data on the host once per round: the accept decision
 (DESIGN.md §6). On a GPU every such read waits for the stream; here they are counted on the CPU
-with :class:`simsd.host_sync.HostReads`, and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
+with :class:`simsd.engine.host_sync.HostReads`, and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
 import dataclasses
 import warnings
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
-from simsd.host_sync import HostReads, to_device
+from simsd.engine.host_sync import HostReads, to_device
 from simsd.speculative import SpecConfig, speculative_generate_batch
-from simsd.vanilla import vanilla_generate_batch
+from simsd.decoding.vanilla import vanilla_generate_batch
 from tests.helpers import random_checkpoint
 
 V = 96

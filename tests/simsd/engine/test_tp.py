@@ -9,11 +9,11 @@ import torch
 
 from simsd import DecodeConfig, load_checkpoint, vanilla_generate
 from simsd.speculative import SpecConfig, speculative_generate
-from simsd.tp import spawn
+from simsd.engine.tp import spawn
 from tests.helpers import random_checkpoint
 
 V = 96
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def ckpt_path(name="tp-target", layers=2, seed=0):
@@ -23,7 +23,7 @@ def ckpt_path(name="tp-target", layers=2, seed=0):
 
 def _rank(path, draft_path, out):
     import torch.distributed as dist
-    from simsd.tp import shard_model
+    from simsd.engine.tp import shard_model
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -57,7 +57,8 @@ def test_tp2_decoding_equals_single_process(tmp_path):
 
 def test_cli_tp2_spawns_ranks():
     path = ckpt_path()
-    common = [sys.executable, "-m", "simsd.cli", "generate", "--target", str(path), "--prompt-ids", "5,6,7,8,9",
+    common = [sys.executable, "-m", "simsd.entrypoints.cli", "generate", "--target", str(path),
+              "--prompt-ids", "5,6,7,8,9",
               "--max-new-tokens", "8", "--json", "--device", "cpu", "--attention-backend", "torch"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     two = subprocess.run(common + ["--tp", "2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

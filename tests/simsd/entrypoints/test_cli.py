@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from simsd.cli import main
+from simsd.entrypoints.cli import main
 from simsd.testing import make_random_checkpoint
 from tests.helpers import random_checkpoint
 
@@ -191,7 +191,7 @@ def test_default_prompt_is_a_bundled_heldout_one(capsys):
     code, out, err = run(capsys, "generate", "--max-new-tokens", "8", "--json")
     assert code == 0, err
     row = json.loads(out)
-    from simsd.prompts import bundled_prompts
+    from simsd.entrypoints.prompts import bundled_prompts
     first = bundled_prompts()[0]
     assert row["id"] == first.id and row["prompt"] == first.text
     assert 0 < row["stats"]["new_tokens"] <= 8
@@ -316,7 +316,7 @@ def test_broken_pipe_is_quiet(ckdir, tmp_path):
     import sys
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_ids": [4 + i, 5, 6]}) for i in range(40)))
-    cmd = (f"{sys.executable} -m simsd.cli generate --target {ckdir} --prompts-file {f} --max-new-tokens 4 --json"
+    cmd = (f"{sys.executable} -m simsd.entrypoints.cli generate --target {ckdir} --prompts-file {f} --max-new-tokens 4 --json"
            f" | head -1")
     res = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in res.stderr and res.returncode == 0, res.stderr[-2000:]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from simsd import prompts as P
+from simsd.entrypoints import prompts as P
 
 
 def write(tmp_path, lines, name="p.jsonl"):

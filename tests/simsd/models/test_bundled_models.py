@@ -6,7 +6,7 @@ import pytest
 
 import simsd
 from simsd import DecodeConfig, load_checkpoint, vanilla_generate
-from simsd.prompts import ASSETS, bundled_prompts
+from simsd.entrypoints.prompts import ASSETS, bundled_prompts
 
 PAIR = [ASSETS / "tiny-sdar-target", ASSETS / "tiny-sdar-draft"]
 

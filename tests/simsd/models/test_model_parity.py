@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from simsd.config import ModelConfig
-from simsd.decoding import labels_for
-from simsd.model import SDARForCausalLM
+from simsd.models.config import ModelConfig
+from simsd.models.model import SDARForCausalLM, labels_for
 from simsd.testing import config_dict, random_state_dict
 
 

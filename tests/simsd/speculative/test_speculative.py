@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
-from simsd.decoding import labels_for
+from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
-from simsd.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
+from simsd.speculative.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
 from simsd_kernels import TAU_INF
 from tests.helpers import random_checkpoint
 

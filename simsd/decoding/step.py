@@ -1,0 +1,81 @@
+"""One denoising step of a block (DESIGN.md §3, items 2 and 4-6) and its batched form.
+
+:func:`denoise_step` samples every position of a block (or a batch of blocks), picks the
+positions to reveal by the remasking strategy and writes their tokens, on the logits' device
+with no host read. :class:`Step` is the request form the batch engine
+(:mod:`simsd.engine.batching`) carries with a forward: the engine hands all steps of one
+forward to :meth:`Step.run_batch`, which applies them as one batched step per configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.host_sync import to_device
+from .config import DecodeConfig
+from .sampling import exponential_noise, sample
+from .strategies import select_positions
+
+
+def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``logits (..., V)`` with the MASK token made impossible (a step never "reveals" MASK)."""
+    out = logits.clone()
+    out[..., mask_id] = float("-inf")
+    return out
+
+
+def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step,
+                 generator: torch.Generator | None, noise: torch.Tensor | None = None):
+    """One denoising step on ``block (L,)`` from ``logits (L, V)``, or on a batch of blocks
+    ``(C, L)`` from ``(C, L, V)`` with ``step`` an int or a ``(C,)`` tensor of their 0-based steps.
+
+    The MASK token is excluded from sampling. Runs on the logits' device without host reads
+    (``generator``, or the precomputed exponential ``noise`` of :func:`simsd.sampling.draw`,
+    lives there too). Returns ``(new_block, revealed bool, probs (..., L, V) or None)``:
+    ``probs`` is the distribution each position's token was drawn from (None when greedy).
+    """
+    masked = block == mask_id
+    logits = without_mask_token(logits, mask_id)
+    tokens, conf, ent, probs = sample(logits, cfg.sampling, generator, noise, with_probs=False,
+                                      with_entropy=cfg.strategy == "entropy")
+    revealed = select_positions(cfg.strategy, masked, conf, ent, cfg.tokens_for_step(step), cfg.threshold)
+    return torch.where(revealed, tokens, block), revealed, probs
+
+
+@dataclass
+class Step:
+    """A denoising step to apply to a request's logits (:func:`denoise_step`): the engine runs
+    the steps of all rows of a forward that share ``cfg`` as one batched step (each row's noise
+    drawn from its own ``generator``), and sends the row ``(new_block, revealed, probs)``
+    instead of the logits."""
+    block: torch.Tensor
+    index: int
+    cfg: DecodeConfig
+    mask_id: int
+    generator: torch.Generator | None = None
+
+    @staticmethod
+    def run_batch(steps: list, logits: list) -> list:
+        """Apply ``steps[j]`` to ``logits[j] (L, V)``; returns ``(new_block, revealed, probs)``
+        per step, in order. Steps that share ``(cfg, mask_id)`` run as one batched
+        :func:`denoise_step`; each row's sampling noise comes from its own generator, so a row
+        decodes exactly as it would alone."""
+        groups: dict = {}
+        for j, s in enumerate(steps):
+            groups.setdefault((id(s.cfg), s.mask_id), []).append(j)
+        out = [None] * len(steps)
+        for rows in groups.values():
+            first = steps[rows[0]]
+            batch = torch.stack([logits[j] for j in rows])
+            blocks = torch.stack([steps[j].block for j in rows])
+            index = [steps[j].index for j in rows]
+            step = index[0] if len(set(index)) == 1 else to_device(index, batch.device)
+            noise = None
+            if not first.cfg.sampling.greedy:
+                noise = torch.stack([exponential_noise(batch.shape[1:], batch.device, steps[j].generator)
+                                     for j in rows])
+            new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, step, None, noise)
+            for k, j in enumerate(rows):
+                out[j] = (new[k], revealed[k], None if probs is None else probs[k])
+        return out
