@@ -114,6 +114,16 @@ def init_from_env(device_type: str) -> None:
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
 
 
+def shutdown() -> None:
+    """Leave the process group, if any: a barrier (no rank tears down its communicator while
+    another still uses it), then ``destroy_process_group``. Without it, ranks that exit on their
+    own were seen to abort at interpreter exit (gloo, "terminate called without an active
+    exception") in about one run of ten."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -150,11 +150,16 @@ def main(argv=None) -> int:
             code = launch_tp(args, argv)
             if code is not None:
                 return code
-        if args.command == "generate":
-            from .commands import run_generate
-            return run_generate(args)
-        from .bench import bench_modes
-        return bench_modes(args)
+        try:
+            if args.command == "generate":
+                from .commands import run_generate
+                return run_generate(args)
+            from .bench import bench_modes
+            return bench_modes(args)
+        finally:
+            if getattr(args, "tp", 1) > 1:
+                from ..engine.tp import shutdown
+                shutdown()
     except (UsageError, CheckpointError, ValueError, FileNotFoundError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)

@@ -23,7 +23,7 @@ def ckpt_path(name="tp-target", layers=2, seed=0):
 
 def _rank(path, draft_path, out):
     import torch.distributed as dist
-    from simsd.engine.tp import shard_model
+    from simsd.engine.tp import shard_model, shutdown
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -38,7 +38,7 @@ def _rank(path, draft_path, out):
            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
            "kv_heads": t.model.new_cache(1, 4).k[0].shape[2]}
     Path(f"{out}.{rank}").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    shutdown()
 
 
 def test_tp2_decoding_equals_single_process(tmp_path):
