@@ -82,30 +82,32 @@ def _cite(files: list) -> str:
     return ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
-def load_model(path, dtype="float32", device="cpu", config: ModelConfig | None = None) -> SDARForCausalLM:
-    """Build :class:`SDARForCausalLM` from ``path`` with weights in ``dtype`` on ``device``.
+def _shape_of(model_config: ModelConfig) -> dict:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in SDARForCausalLM(model_config).state_dict().items()}
+
+
+def scan_weights(path, config: ModelConfig) -> dict:
+    """Check the tensors of a checkpoint from the safetensors headers alone (nothing is loaded)
+    against what ``config`` implies; returns ``{tensor name: file}``.
 
     ``lm_head.weight`` is used when present; without it the head is tied to the embedding only
     when ``tie_word_embeddings`` is true (as transformers does; false and no head is an error).
 
     Raises:
-        CheckpointError: missing files, a tensor of the wrong shape or not floating point
+        CheckpointError: a damaged file, a tensor of the wrong shape or not floating point
             (named), missing or unexpected tensors, a tensor the index places in another shard
             or that two shards hold, a head that contradicts ``tie_word_embeddings``.
     """
     path = Path(path)
-    config = config or ModelConfig.from_dir(path)
-    dtype = parse_dtype(dtype)
-    with torch.device("meta"):
-        model = SDARForCausalLM(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    expected = _shape_of(config)
     wmap = read_index(path)
-    state, where = {}, {}
+    where: dict = {}
     for f in weight_files(path):
         try:
             handle_cm = safe_open(str(f), framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own error type for damaged files
-            raise CheckpointError(f"{f}: not a readable safetensors file ({exc})") from exc
+            raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(exc).split())})") from exc
         with handle_cm as handle:
             for name in handle.keys():
                 if name.endswith("rotary_emb.inv_freq"):
@@ -116,36 +118,53 @@ def load_model(path, dtype="float32", device="cpu", config: ModelConfig | None =
                     raise CheckpointError(f"{f}: tensor {name!r} is also in {where[name]}")
                 if wmap is not None and wmap.get(name, f.name) != f.name:
                     raise CheckpointError(f"{path / INDEX}: places {name!r} in {wmap[name]}, but it is in {f.name}")
-                t = handle.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name]):
-                    raise CheckpointError(
-                        f"{f}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
-                    )
-                if not t.is_floating_point():
-                    raise CheckpointError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a floating point type")
-                where[name] = f.name
-                state[name] = t.to(device=device, dtype=dtype)
+                sl = handle.get_slice(name)
+                shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != expected[name]:
+                    raise CheckpointError(f"{f}: tensor {name!r} has shape {shape}, expected {expected[name]}")
+                if not (dt.startswith("F") or dt.startswith("BF")):
+                    raise CheckpointError(f"{f}: tensor {name!r} has dtype {dt}, expected a floating point type")
+                where[name] = f
     if wmap is not None:
         absent = sorted(n for n in wmap if n not in where and not n.endswith("rotary_emb.inv_freq"))
         if absent:
             raise CheckpointError(f"{path / INDEX}: names tensor(s) no shard holds: {', '.join(absent[:3])}")
     cfg_file = path / "config.json"
-    tied = config.tie_word_embeddings
-    if "lm_head.weight" not in state:
-        if not tied:
-            raise CheckpointError(f"{cfg_file}: tie_word_embeddings is false but no shard holds 'lm_head.weight' "
-                                  f"(in {_cite([path / w for w in sorted(set(where.values()))])})")
-        if "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    elif tied and "model.embed_tokens.weight" in state:
-        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
-            raise CheckpointError(f"{cfg_file}: tie_word_embeddings is true but 'lm_head.weight' differs from "
-                                  f"'model.embed_tokens.weight'")
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(state))
+    if "lm_head.weight" not in where and not config.tie_word_embeddings:
+        raise CheckpointError(f"{cfg_file}: tie_word_embeddings is false (or absent) but no weight file holds "
+                              f"'lm_head.weight' ({_cite(sorted(set(where.values())))})")
+    missing = sorted(set(expected) - set(where) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return where
+
+
+def load_model(path, dtype="float32", device="cpu", config: ModelConfig | None = None) -> SDARForCausalLM:
+    """Build :class:`SDARForCausalLM` from ``path`` with weights in ``dtype`` on ``device``
+    (tensors checked first by :func:`scan_weights`).
+
+    Raises:
+        CheckpointError: see :func:`scan_weights`; also a tied head that differs from the embedding.
+    """
+    path = Path(path)
+    config = config or ModelConfig.from_dir(path)
+    dtype = parse_dtype(dtype)
+    where = scan_weights(path, config)
+    with torch.device("meta"):
+        model = SDARForCausalLM(config)
+    state = {}
+    for f in sorted(set(where.values())):
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if name in where:
+                    state[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    tied = config.tie_word_embeddings
+    if tied:
+        if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{path / 'config.json'}: tie_word_embeddings is true but 'lm_head.weight' "
+                                  f"differs from 'model.embed_tokens.weight'")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -242,8 +261,9 @@ def stop_ids_of(path: Path, config_raw: dict, tokenizer) -> tuple[list, Path | N
 
 
 def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
-    """Read and check everything of an SDAR directory but the weights: config, generation
-    config, tokenizer, the weight index, the mask id and the stop ids.
+    """Read and check everything of an SDAR directory without loading the weights: config,
+    generation config, tokenizer, the weight index and the tensors' names, shapes and dtypes
+    (:func:`scan_weights`, from the file headers), the mask id and the stop ids.
 
     The mask id comes from ``mask_token_id`` in ``config.json`` or the tokenizer's ``mask_token``;
     when both are given they must agree, and it must not be a stop id. Stop ids and the
@@ -256,9 +276,6 @@ def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
     config = ModelConfig.from_dir(path)
     cfg_file = path / "config.json"
     raw = read_json(cfg_file, "model config")
-    read_index(path)
-    if not (path / INDEX).is_file() and not any(path.glob("*.safetensors")):
-        raise CheckpointError(f"no model.safetensors (or index) in {path}")
     has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(path) if (with_tokenizer and has_tok) else None
     V = config.vocab_size
@@ -285,6 +302,7 @@ def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
         source = cfg_file if config.mask_token_id is not None else f"{path} (the tokenizer's mask token)"
         raise CheckpointError(f"{source}: mask_token_id = {mask_id} is also a stop id (eos_token_id in {where}); "
                               f"the mask token cannot end generation")
+    scan_weights(path, config)
     return CheckpointInfo(path, config, tokenizer, int(mask_id), stops)
 
 

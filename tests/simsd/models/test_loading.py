@@ -132,7 +132,7 @@ def test_integer_tensor_refused(tmp_path):
     sd = load_file(str(path / "model.safetensors"))
     sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
     save_file(sd, str(path / "model.safetensors"))
-    refused(path, "model.norm.weight", "torch.int32", with_tokenizer=False)
+    refused(path, "model.norm.weight", "dtype I32", with_tokenizer=False)
 
 
 def test_mask_id_that_is_a_stop_id(ck, tmp_path):
