@@ -94,8 +94,11 @@ def bench_modes(args) -> int:
     modes = modes_of(args)
     check_json_path(args.json)
     run = prepare(args, modes)
-    target, draft = load_models(run)
     cfg, prompts = run.cfg, run.prompts
+    if args.warmup > len(prompts):
+        raise UsageError(f"--warmup {args.warmup} exceeds the {len(prompts)} prompt(s) of the run (valid: 0 to "
+                         f"{len(prompts)})")
+    target, draft = load_models(run)
     n = min(args.batch_size, len(prompts))  # the batch size that runs (recorded as such)
     if n < args.batch_size:
         print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)

@@ -79,3 +79,8 @@ def test_json_folder_must_exist(ck, prompts, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "the folder" in err and "does not exist" in err
     assert not (tmp_path / "missing").exists()
+
+
+def test_warmup_beyond_the_prompts_is_refused(ck, prompts, capsys):
+    code = main(["bench", "--target", ck, "--prompts-file", prompts, "--modes", "vanilla", "--warmup", "5"])
+    assert code == 2 and "--warmup 5 exceeds the 3 prompt(s)" in capsys.readouterr().err
