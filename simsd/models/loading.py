@@ -214,7 +214,7 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     path = Path(path)
-    files = _check_tokenizer_files(path)
+    files = _check_tokenizer_files(path) + [f for f in (path / "chat_template.jinja",) if f.is_file()]
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # tokenizers, transformers and jinja raise many types
