@@ -316,8 +316,8 @@ def summary_line(stats: dict) -> str:
             f"({stats['tokens_per_second']:.1f} tokens/s), target forwards/token "
             f"{stats['target_forwards'] / max(stats['new_tokens'], 1):.3f}")
     if "acceptance_rate" in stats:
-        line += (f", acceptance {stats['acceptance_rate']:.3f}, accepted/round "
-                 f"{stats['accepted_per_round']:.2f}")
+        line += (f", acceptance {stats['acceptance_rate']:.3f}, draft share {stats['draft_share']:.3f}, "
+                 f"accepted/round {stats['accepted_per_round']:.2f}")
     return line
 
 
