@@ -26,8 +26,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/simsd bench --limit 8 --max-new-tokens 96
 
+# The tests run small models: one intra-op thread each unless OMP_NUM_THREADS says otherwise
+# (torch's default of every core makes them many times slower on a busy machine; README "CPU threads").
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,6 +6,7 @@ the first decode block, a read-only cache while denoising, a commit forward per 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ import torch
 
 from ..engine.host_sync import to_device
 from .sampling import SamplingParams
-from .strategies import parse_strategy, transfer_schedule
+from .strategies import parse_strategy, threshold_range, transfer_schedule
 
 
 @dataclass
@@ -40,13 +41,17 @@ class DecodeConfig:
         if self.steps is None:
             self.steps = self.block_length
         self.strategy = parse_strategy(self.strategy)
-        if self.strategy == "dynamic" and self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"--threshold of the dynamic strategy is a confidence in [0, 1], got {self.threshold}")
-        if self.strategy == "entropy" and self.threshold is not None and self.threshold < 0:
-            raise ValueError(f"--threshold of the entropy strategy is an entropy bound >= 0, got {self.threshold}")
+        if self.threshold is not None:
+            lo, hi, text = threshold_range(self.strategy)
+            if lo is None:
+                raise ValueError(f"threshold applies to the dynamic and entropy strategies, not {self.strategy}")
+            if not math.isfinite(self.threshold) or self.threshold < lo or (hi is not None and self.threshold > hi):
+                raise ValueError(f"threshold of the {self.strategy} strategy is {text}, got {self.threshold}")
         self.schedule = transfer_schedule(self.block_length, self.steps)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
     def tokens_for_step(self, step):
         """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats):
@@ -83,18 +88,28 @@ def finish(generated: list, stop_ids, max_new_tokens: int) -> list:
     return out
 
 
-def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int) -> int:
+def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mask_id: int | None = None) -> int:
     """Validate prompt ids and return the cache capacity (tokens) the generation needs.
 
+    A prompt never changes: it must not contain the mask id (``mask_id``, else the config's
+    ``mask_token_id``), which decoding would treat as a position to fill.
+
     Raises:
-        ValueError: empty prompt, id outside the vocabulary, or prompt too long for the model
-            (including the rounding of the last block to a whole block).
+        ValueError: empty prompt, id outside the vocabulary, the mask id (its position named),
+            or prompt too long for the model (including the rounding of the last block to a
+            whole block).
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
     if bad:
         raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {config.vocab_size})")
+    mask = mask_id if mask_id is not None else config.mask_token_id
+    ids = [int(t) for t in prompt_ids]
+    if mask is not None and int(mask) in ids:
+        at = ids.index(int(mask))
+        raise ValueError(f"prompt token {at} is the mask id {int(mask)}; a prompt cannot contain the mask token "
+                         f"(decoding would overwrite it)")
     limit = config.max_position_embeddings
     if len(prompt_ids) >= limit:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than the model's maximum length {limit}")

@@ -1,39 +1,60 @@
 """Token sampling for denoising steps: temperature, top-k, top-p, greedy.
 
 Confidence is the probability of the chosen token under the temperature-scaled distribution
-*before* top-k/top-p filtering (SDAR's evaluation code; DESIGN.md §3.6). ``temperature == 0``
-or ``top_k == 1`` is greedy (argmax); the confidence then uses temperature 1.
+*before* top-k/top-p filtering (SDAR's evaluation code; DESIGN.md §3.6). Greedy (argmax) is
+``temperature == 0``, ``top_k == 1`` at any temperature, or a temperature below
+``MIN_TEMPERATURE`` (too small to divide float32 logits by); a greedy run is the same whatever
+its temperature: its confidences use temperature 1. Every accepted setting gives finite
+distributions: small temperatures divide the logits minus their maximum (so nothing overflows),
+huge ones are capped at the largest float32 (the distribution is then uniform).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+#: temperatures below this (the smallest normal float32) act as greedy
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """``temperature`` >= 0 (finite; 0 = greedy), ``top_k`` >= 0 (0 = off, 1 = greedy),
+    ``top_p`` in (0, 1] (1 = off). Raises ``ValueError`` naming the parameter and its range."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+def scaled_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits (..., V) / temperature`` in float32 without overflow: below temperature 1 the
+    row maximum is subtracted first (softmax is unchanged by it); a huge temperature is capped."""
+    x = logits.float()
+    if temperature < 1.0:
+        return (x - x.amax(-1, keepdim=True)) / temperature
+    return x / min(temperature, _MAX_TEMPERATURE)
 
 
 def scaled_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Softmax of ``logits (..., V)`` at the sampling temperature (1 when greedy), float32."""
-    t = params.temperature if params.temperature > 0 else 1.0
-    return torch.softmax(logits.float() / t, dim=-1)
+    t = 1.0 if params.greedy else params.temperature
+    return torch.softmax(scaled_scores(logits, t), dim=-1)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -44,7 +65,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         out = torch.zeros_like(logits, dtype=torch.float32)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    scores = logits.float() / params.temperature
+    scores = scaled_scores(logits, params.temperature)
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -52,6 +73,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
         cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the token that crosses p
+        drop[..., 0] = False  # and always the most likely one (a top_p below float32's range rounds to 0)
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     return torch.softmax(scores, dim=-1)

@@ -16,6 +16,16 @@ ALIASES = {"low_confidence_static": "static", "low_confidence_dynamic": "dynamic
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}
 
 
+def threshold_range(strategy: str) -> tuple:
+    """``(low, high, text)`` of a strategy's threshold: a confidence in ``[0, 1]`` (``dynamic``),
+    an entropy bound in nats ``>= 0`` (``entropy``); ``(None, None, ...)`` for strategies without one."""
+    if strategy == "dynamic":
+        return 0.0, 1.0, "a confidence in [0, 1]"
+    if strategy == "entropy":
+        return 0.0, None, "an entropy bound in nats >= 0"
+    return None, None, "not used"
+
+
 def parse_strategy(name: str) -> str:
     name = ALIASES.get(name, name)
     if name not in STRATEGIES:

@@ -53,10 +53,11 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
     forwards as CUDA graphs (:mod:`simsd.engine.graphs`; token-identical to eager static shapes).
 
     Raises:
-        ValueError: bad prompt ids, or a prompt too long for the model.
+        ValueError: bad prompt ids (outside the vocabulary, the mask id), or a prompt too long
+            for the model.
     """
     B = cfg.block_length
-    capacity = max(check_prompt(p, model.config, cfg.max_new_tokens, B) for p in prompts)
+    capacity = max(check_prompt(p, model.config, cfg.max_new_tokens, B, mask_id) for p in prompts)
     engine = engine_for({"target": model}, B, len(prompts), capacity, 2 * B, cuda_graphs)
     tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
     programs = [vanilla_program(engine.rows[i], tails[i], cfg, mask_id, stop_ids,
@@ -71,6 +72,7 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
         stats = {
             "mode": "vanilla",
             "new_tokens": n,
+            "cut_tokens": len(generated) - n,
             "decode_seconds": timer.seconds,
             "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
             "target_forwards": row.forwards["target"],
@@ -94,9 +96,10 @@ def vanilla_generate(model, prompt_ids: list, cfg: DecodeConfig, mask_id: int, s
     """Decode ``prompt_ids`` block by block with ``model``.
 
     Stops after a block that contains a stop id or once ``max_new_tokens`` are generated.
-    ``stats``: ``mode, new_tokens, decode_seconds, tokens_per_second, target_forwards,
+    ``stats``: ``mode, new_tokens, cut_tokens, decode_seconds, tokens_per_second, target_forwards,
     prefill_forwards, blocks``; ``new_tokens`` counts returned tokens (up to and including the
-    stop id); decode time excludes the prefill.
+    stop id), ``cut_tokens`` the tokens decoded in the last block after the stop id or past
+    ``max_new_tokens`` (not returned); decode time excludes the prefill.
 
     Raises:
         ValueError: bad prompt ids, or a prompt too long for the model.

@@ -42,6 +42,7 @@ from simsd_kernels import KIND_MASK, SHARED_GRP
 
 from ..models.model import labels_for
 from .host_sync import to_device
+from .memory import check_engine_memory
 
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
@@ -184,7 +185,9 @@ class BatchEngine:
     ``forwards[name]`` counts the batched forwards run per model (prefill excluded).
 
     Raises:
-        ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.engine.graphs`).
+        ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.engine.graphs`);
+            caches and workspace that would not fit the free memory
+            (:func:`simsd.engine.memory.check_engine_memory`).
     """
 
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
@@ -193,6 +196,7 @@ class BatchEngine:
         self.B = block_length
         self.capacity = capacity
         self.static = cuda_graphs if static_shapes is None else static_shapes
+        check_engine_memory(models, batch_size, capacity, margin)
         self.caches = {n: m.new_cache(batch_size, capacity + margin) for n, m in models.items()}
         for cache in self.caches.values():
             cache.check_lengths = False  # the engine checks lengths on the host (no device read)

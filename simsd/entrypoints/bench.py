@@ -1,34 +1,44 @@
 """``simsd bench``: a prompt set through several decoding modes in one process.
 
-Per mode: tokens/s (sum of generated tokens / sum of decode seconds, prefill excluded,
-warm-up prompts excluded; with ``--batch-size N`` the prompts run in batches of N and a
-batch's decode time counts once), speedup over vanilla, acceptance rate, target and draft forwards
-per token, accepted tokens per round, whether the output equals vanilla's token for token;
-for ``paper`` also the top-1 agreement and mean KL(exact || paper) of its verification
-distributions against the exact ones (the approximation of DESIGN.md §4.1), measured in a
-separate untimed pass.
+Timing: after ``--warmup`` untimed prompts per mode, ``--repeats`` timed passes over the whole
+prompt set; within a pass every mode runs once, in an order rotated from pass to pass (so no
+mode always runs first or last on a machine whose speed drifts). Per mode: tokens/s of each pass
+(generated tokens / decode seconds, prefill excluded; with ``--batch-size N`` a batch's decode
+time counts once), their median and spread ((max - min) / median), and the speedup over
+vanilla **within each pass** (median and range). A figure whose spread exceeds
+``UNSTABLE_SPREAD`` is flagged as unstable (a noisy machine: use more repeats, fewer threads,
+or an idle machine). The decoded tokens must be the same in every pass (they are checked).
+
+Counters (device independent, from the first pass): acceptance rate (accepted / proposed draft
+tokens), draft share (output tokens that came from the draft / output tokens), target and draft
+forwards per token, accepted tokens per round, whether the output equals vanilla's token for
+token (whatever the order of ``--modes``); for ``paper`` also the top-1 agreement and mean
+KL(exact || paper) of its verification distributions against the exact ones (DESIGN.md §4.1),
+measured in a separate untimed pass.
 """
 from __future__ import annotations
 
 import json
+import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from .commands import (check_option_use, check_prompts, collect_prompts, decode_config, load_models,
-                       make_batch_decoder)
+from .commands import load_models, make_batch_decoder, modes_of, prepare, spec_config
+from .errors import UsageError
+
+#: a spread ((max - min) / median over the passes) above this flags a figure as unstable
+UNSTABLE_SPREAD = 0.10
 
 
 def paper_agreement(target, draft, prompts, cfg, args) -> dict:
     """Top-1 agreement and mean KL between paper-mode and exact verification distributions."""
-    from ..speculative.decoder import SpecConfig, SpeculativeDecoder
+    from ..speculative.decoder import SpeculativeDecoder
 
-    dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode="paper", gamma=args.gamma,
-                                                            on_reject=args.on_reject or "redraft",
-                                                            rope_copy=not args.no_rope_copy,
-                                                            draft_strategy=args.draft_strategy))
+    dec = SpeculativeDecoder(target, draft, cfg, spec_config("paper", args))
     dec.diagnostics = {"agree": 0, "total": 0, "kl": 0.0}
     for p in prompts:
         dec.generate(p.ids)
@@ -37,97 +47,132 @@ def paper_agreement(target, draft, prompts, cfg, args) -> dict:
             "positions_compared": d["total"]}
 
 
+def check_json_path(path: Path | None) -> None:
+    """``UsageError`` unless ``path`` can be written: an existing folder (never created
+    silently), not a directory itself, writable. Nothing is created."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"--json {path} is a directory; give a file path")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise UsageError(f"--json {path} cannot be written: the folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise UsageError(f"--json {path} cannot be written: {parent} is not a folder")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--json {path} cannot be written (permission denied)")
+
+
+def spread(values: list) -> float:
+    """``(max - min) / median`` of positive values (0 for one value)."""
+    med = statistics.median(values)
+    return (max(values) - min(values)) / med if med > 0 else float("nan")
+
+
+def is_unstable(row: dict, repeats: int) -> bool:
+    """A row's timing is unstable when, over two or more passes, its tokens/s or its speedup
+    spread by more than ``UNSTABLE_SPREAD`` (a NaN spread, e.g. no vanilla row, does not count)."""
+    return repeats > 1 and any(row.get(k, 0.0) > UNSTABLE_SPREAD
+                               for k in ("tokens_per_second_spread", "speedup_spread"))
+
+
+def counters(mode: str, results: list) -> dict:
+    tot = lambda key: sum(r.stats.get(key, 0) for r in results)  # noqa: E731
+    tokens = tot("new_tokens")
+    row = {"new_tokens": tokens, "target_forwards_per_token": tot("target_forwards") / max(tokens, 1),
+           "draft_forwards_per_token": tot("draft_forwards") / max(tokens, 1)}
+    if mode != "vanilla":
+        row.update({"proposed": tot("proposed"), "accepted": tot("accepted"), "from_draft": tot("from_draft"),
+                    "acceptance_rate": tot("accepted") / max(tot("proposed"), 1),
+                    "draft_share": tot("from_draft") / max(tokens, 1),
+                    "accepted_per_round": tot("accepted") / max(tot("rounds"), 1),
+                    "tokens_per_round": tokens / max(tot("rounds"), 1)})
+    return row
+
+
 def bench_modes(args) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
-    if bad:
-        raise ValueError(f"unknown mode(s) in --modes: {', '.join(bad)}")
-    if not modes:
-        raise ValueError("--modes names no mode (choose from vanilla, paper, exact)")
-    if len(set(modes)) != len(modes):
-        raise ValueError(f"--modes names a mode twice: {args.modes}")
-    if args.json is not None:
-        if args.json.is_dir():
-            raise ValueError(f"--json {args.json} is a directory; give a file path")
-        try:  # before the benchmark runs, not after
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.open("a").close()
-        except OSError as exc:
-            raise ValueError(f"--json {args.json} cannot be written ({exc.strerror})") from exc
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.mode is not None:
-        raise ValueError("simsd bench takes --modes (comma-separated), not --mode")
-    target, draft = load_models(args, need_draft=any(m != "vanilla" for m in modes))
-    cfg = decode_config(args, target.config)
-    check_option_use(args, cfg, modes)
-    if args.limit is None and args.prompts_file is None and args.prompt is None and args.prompt_ids is None:
-        args.limit = 8
-        args.prompt_set = args.prompt_set or "bundled"
-    prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size)
-    check_prompts(prompts, [m for m in (target, draft) if m is not None], cfg)
-    rows, outputs = [], {}
-    from tqdm import tqdm
+    modes = modes_of(args)
+    check_json_path(args.json)
+    run = prepare(args, modes)
+    cfg, prompts = run.cfg, run.prompts
+    if args.warmup > len(prompts):
+        raise UsageError(f"--warmup {args.warmup} exceeds the {len(prompts)} prompt(s) of the run (valid: 0 to "
+                         f"{len(prompts)})")
+    target, draft = load_models(run)
     n = min(args.batch_size, len(prompts))  # the batch size that runs (recorded as such)
     if n < args.batch_size:
         print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)
     chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
+    decoders = {m: make_batch_decoder(m, args, target, draft, cfg) for m in modes}
+    warm = prompts[: args.warmup]
+    for mode in modes:  # batches of the timed size (with CUDA graphs: the same captured shapes)
+        for i in range(0, len(warm), n):
+            part = warm[i:i + n]
+            decoders[mode]([part[j % len(part)].ids for j in range(n)], 0)
+    seconds = {m: [] for m in modes}
+    tokens = {m: [] for m in modes}
+    results = {}
+    from tqdm import tqdm
+    bar = tqdm(total=args.repeats * len(modes) * len(chunks), file=sys.stderr, desc="bench")
+    for r in range(args.repeats):
+        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # rotated: interleaved passes
+            out, secs = [], 0.0
+            for first, chunk in chunks:
+                batch = decoders[mode]([p.ids for p in chunk], first)
+                out += batch.results
+                secs += batch.stats["decode_seconds"]  # a batch's rows share its decode time
+                bar.update()
+            ids = [x.token_ids for x in out]
+            if mode in results and ids != [x.token_ids for x in results[mode]]:
+                raise RuntimeError(f"{mode}: pass {r + 1} decoded other tokens than pass 1")
+            results.setdefault(mode, out)
+            seconds[mode].append(secs)
+            tokens[mode].append(sum(x.stats["new_tokens"] for x in out))
+    bar.close()
+    tps = {m: [t / s if s else float("nan") for t, s in zip(tokens[m], seconds[m])] for m in modes}
+    rows = []
     for mode in modes:
-        decode = make_batch_decoder(mode, args, target, draft, cfg)
-        warm = prompts[: args.warmup]
-        if warm:  # batches of the timed size (with CUDA graphs: the same captured shapes)
-            decode([warm[i % len(warm)].ids for i in range(min(n, len(prompts)))], 0)
-        results, seconds = [], 0.0
-        for first, chunk in tqdm(chunks, desc=mode, file=sys.stderr):
-            batch = decode([p.ids for p in chunk], first)
-            results += batch.results
-            seconds += batch.stats["decode_seconds"]  # a batch's rows share its decode time
-        outputs[mode] = [r.token_ids for r in results]
-        tot = lambda key: sum(r.stats.get(key, 0) for r in results)  # noqa: E731
-        tokens = tot("new_tokens")
-        row = {"mode": mode, "prompts": len(prompts), "batch_size": n, "new_tokens": tokens,
-               "decode_seconds": seconds,
-               "tokens_per_second": tokens / seconds if seconds else float("nan"),
-               "target_forwards_per_token": tot("target_forwards") / max(tokens, 1),
-               "draft_forwards_per_token": tot("draft_forwards") / max(tokens, 1)}
-        if mode != "vanilla":
-            row.update({"proposed": tot("proposed"), "accepted": tot("accepted"),
-                        "acceptance_rate": tot("accepted") / max(tot("proposed"), 1),
-                        "accepted_per_round": tot("accepted") / max(tot("rounds"), 1),
-                        "tokens_per_round": tokens / max(tot("rounds"), 1)})
-        if "vanilla" in outputs:
-            row["identical_to_vanilla"] = sum(a == b for a, b in zip(outputs[mode], outputs["vanilla"]))
+        row = {"mode": mode, "prompts": len(prompts), "batch_size": n, "repeats": args.repeats,
+               "decode_seconds": statistics.median(seconds[mode]),
+               "tokens_per_second": statistics.median(tps[mode]), "tokens_per_second_runs": tps[mode],
+               "tokens_per_second_spread": spread(tps[mode]), **counters(mode, results[mode])}
+        if "vanilla" in results:
+            row["identical_to_vanilla"] = sum(a.token_ids == b.token_ids
+                                              for a, b in zip(results[mode], results["vanilla"]))
+            ratios = [a / b for a, b in zip(tps[mode], tps["vanilla"])]
+            van = counters("vanilla", results["vanilla"])["target_forwards_per_token"]
+            row.update({"speedup": statistics.median(ratios), "speedup_runs": ratios,
+                        "speedup_spread": spread(ratios),
+                        "forwards_ratio_vs_vanilla": row["target_forwards_per_token"] / van if van else float("nan")})
+        else:
+            row.update({"speedup": float("nan"), "speedup_runs": [], "speedup_spread": float("nan"),
+                        "forwards_ratio_vs_vanilla": float("nan")})
         if mode == "paper":
             row.update(paper_agreement(target, draft, prompts, cfg, args))
+        row["unstable"] = is_unstable(row, args.repeats)
         rows.append(row)
-    base = next((r for r in rows if r["mode"] == "vanilla"), None)
-    for r in rows:
-        ok = base is not None and base["tokens_per_second"] > 0 and base["target_forwards_per_token"] > 0
-        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if ok else float("nan")
-        r["forwards_ratio_vs_vanilla"] = (r["target_forwards_per_token"] / base["target_forwards_per_token"]
-                                          if ok else float("nan"))
     print_table(rows, cfg, args)
     if args.json:
         meta = {"block_length": cfg.block_length, "strategy": cfg.strategy, "steps": cfg.steps,
                 "gamma": (args.gamma or cfg.block_length) if draft else None, "dtype": str(target.model.dtype),
-                "device": str(target.model.device), "torch": torch.__version__, "python": platform.python_version(),
-                "machine": platform.processor() or platform.machine(), "git_sha": git_sha(),
-                "target": str(target.path),
-                "draft": str(draft.path) if draft else None}
+                "device": str(target.model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
+                "git_sha": git_sha(), "target": str(target.path), "draft": str(draft.path) if draft else None,
+                "repeats": args.repeats, "unstable_spread": UNSTABLE_SPREAD}
         meta["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
                              if k not in ("json", "command") and isinstance(v, (int, float, str, bool, type(None), Path))}
         meta["settings"]["batch_size"] = n
         meta["prompts"] = [p.id for p in prompts]
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        clean = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()} for r in rows]
-        args.json.write_text(json.dumps({"meta": meta, "rows": clean}, indent=2))
+        clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (strict JSON: no NaN)
+        rows_out = [{k: ([clean(x) for x in v] if isinstance(v, list) else clean(v)) for k, v in r.items()}
+                    for r in rows]
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
     return 0
 
 
 def git_sha() -> str:
     """The short git sha of the checkout simsd runs from ('' outside a git checkout)."""
     import subprocess
-    from pathlib import Path
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)
@@ -137,16 +182,37 @@ def git_sha() -> str:
 
 
 def print_table(rows, cfg, args) -> None:
-    cols = [("mode", "{}"), ("tokens_per_second", "{:.1f}"), ("speedup", "{:.2f}x"),
-            ("target_forwards_per_token", "{:.3f}"), ("forwards_ratio_vs_vanilla", "{:.2f}"),
-            ("acceptance_rate", "{:.3f}"), ("accepted_per_round", "{:.2f}"), ("identical_to_vanilla", "{}"),
-            ("top1_agreement", "{:.3f}"), ("mean_kl", "{:.4f}")]
-    heads = ["mode", "tok/s", "speedup", "tgt fwd/tok", "fwd vs van", "accept", "acc/round", "same as van",
-             "paper top1", "paper KL"]
-    shown = lambda r, k: k in r and not (isinstance(r[k], float) and r[k] != r[k])  # noqa: E731  (NaN: "-")
-    table = [heads] + [[fmt.format(r[k]) if shown(r, k) else "-" for k, fmt in cols] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(heads))]
+    def pct(v):
+        return f"{100 * v:.0f}%"
+
+    def speedup(r):
+        if "speedup" not in r or r["speedup"] != r["speedup"]:
+            return "-"
+        runs = r["speedup_runs"]
+        return f"{r['speedup']:.2f}x" + (f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 else "")
+
+    cols = [("mode", lambda r: r["mode"] + (" !" if r["unstable"] else "")),
+            ("tok/s", lambda r: f"{r['tokens_per_second']:.1f}"),
+            ("spread", lambda r: pct(r["tokens_per_second_spread"]) if r["repeats"] > 1 else "-"),
+            ("speedup [range]", speedup),
+            ("tgt fwd/tok", lambda r: f"{r['target_forwards_per_token']:.3f}"),
+            ("fwd vs van", lambda r: f"{r['forwards_ratio_vs_vanilla']:.2f}" if r["speedup_runs"] else "-"),
+            ("accept", lambda r: f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"),
+            ("draft share", lambda r: f"{r['draft_share']:.3f}" if "draft_share" in r else "-"),
+            ("acc/round", lambda r: f"{r['accepted_per_round']:.2f}" if "accepted_per_round" in r else "-"),
+            ("same as van", lambda r: str(r["identical_to_vanilla"]) if "identical_to_vanilla" in r else "-"),
+            ("paper top1", lambda r: f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "-"),
+            ("paper KL", lambda r: f"{r['mean_kl']:.4f}" if "mean_kl" in r else "-")]
+    table = [[h for h, _ in cols]] + [[f(r) for _, f in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     print(f"# B={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} gamma={args.gamma or cfg.block_length} "
-          f"prompts={rows[0]['prompts']} batch_size={rows[0]['batch_size']}")
+          f"prompts={rows[0]['prompts']} batch_size={rows[0]['batch_size']} repeats={args.repeats} "
+          f"threads={torch.get_num_threads()} (tok/s and speedup: median over repeats)")
     for row in table:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    if args.repeats == 1:
+        print("# one pass: the spread of the timings is unknown (--repeats 3 or more to judge it)")
+    unstable = [r["mode"] for r in rows if r["unstable"]]
+    if unstable:
+        print(f"# ! unstable: {', '.join(unstable)}: timings spread over more than {pct(UNSTABLE_SPREAD)} between "
+              f"passes (a busy machine?); the speedups are not reliable")

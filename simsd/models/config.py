@@ -1,8 +1,9 @@
 """Model configuration read from an HF-format SDAR (or Qwen3) checkpoint directory.
 
-``config.json`` is parsed by transformers' ``Qwen3Config`` (SDAR uses Qwen3's field names);
-simsd adds the SDAR fields ``block_size`` and ``mask_token_id``. The checkpoint's own remote
-code is never executed.
+``config.json`` is checked field by field (:mod:`simsd.models.validation`: what simsd cannot
+compute exactly as transformers' Qwen3 would is refused), then parsed by transformers'
+``Qwen3Config`` for its defaults (SDAR uses Qwen3's field names); simsd adds the SDAR fields
+``block_size`` and ``mask_token_id``. The checkpoint's own remote code is never executed.
 """
 from __future__ import annotations
 
@@ -11,11 +12,26 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import CheckpointError
+from .validation import check_config
+
 SUPPORTED_MODEL_TYPES = ("sdar", "qwen3")
+__all__ = ["CheckpointError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "read_json"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory, file or tensor does not fit what simsd expects."""
+def read_json(path: Path, what: str = "file"):
+    """The JSON content of ``path``; ``CheckpointError`` naming the file when it cannot be read
+    or parsed (``what``: how the error names the file's role)."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: the {what} is not UTF-8 text (byte {exc.start})") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON in the {what} ({exc.msg} at line {exc.lineno})") from exc
 
 
 @dataclass(frozen=True)
@@ -40,7 +56,9 @@ class ModelConfig:
         """Read ``path/config.json``.
 
         Raises:
-            CheckpointError: missing directory or file, unreadable JSON, unknown model_type.
+            CheckpointError: missing directory or file, unreadable JSON, unknown model_type, a
+                field with a wrong type or range or a value simsd does not implement
+                (:func:`simsd.models.validation.check_config`); one line naming the file.
         """
         path = Path(path)
         if not path.is_dir():
@@ -48,30 +66,38 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise CheckpointError(f"config.json not found in {path}")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{cfg_file}: invalid JSON ({exc})") from exc
-        return cls.from_dict(raw, source=str(cfg_file))
+        return cls.from_dict(read_json(cfg_file, "model config"), source=str(cfg_file))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        """Parse a ``config.json`` dict (``source`` names it in errors); see :meth:`from_dir`."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
                 f"{source}: unknown model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        check_config(raw, source)
         from transformers import Qwen3Config
 
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "auto_map")}
+        if fields.get("head_dim", 0) is None:  # null: hidden_size / heads (checked above)
+            fields.pop("head_dim")
+            fields["head_dim"] = raw.get("hidden_size", 4096) // raw.get("num_attention_heads", 32)
         # Qwen3Config only reads the fields it knows; the SDAR extras are read from `raw`.
         logging.getLogger("transformers.configuration_utils").setLevel(logging.ERROR)
-        hf = Qwen3Config(**fields)
+        try:
+            hf = Qwen3Config(**fields)
+        except Exception as exc:  # transformers' own validation (a field check_config does not know)
+            raise CheckpointError(f"{source}: not a valid Qwen3 config ({' '.join(str(exc).split())})") from exc
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         rope_theta = raw.get("rope_theta")
         if rope_theta is None:
             params = getattr(hf, "rope_parameters", None) or {}
-            rope_theta = params.get("rope_theta", getattr(hf, "rope_theta", 1e6))
+            if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+                params = next(iter(params.values()))
+            rope_theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -84,7 +110,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(hf.max_position_embeddings),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            block_size=int(raw.get("block_size", raw.get("block_length", 4)) or 4),
+            block_size=int(raw.get("block_size", raw.get("block_length")) or 4),
             mask_token_id=raw.get("mask_token_id"),
             model_type=model_type,
         )

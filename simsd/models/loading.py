@@ -1,19 +1,31 @@
 """Load an HF-format SDAR checkpoint directory: config, safetensors weights, tokenizer,
-generation config. Only files are read; nothing is downloaded and no remote code runs."""
+generation config. Only files are read; nothing is downloaded and no remote code runs.
+
+Two stages, so that a caller can check everything before the weights take memory:
+:func:`read_checkpoint` reads and checks every small file (config, generation config,
+tokenizer, index) and the ids they define; :func:`load_checkpoint` then loads the weights.
+Every problem is a :class:`CheckpointError` with one line naming the file: a file that is not
+valid JSON or not of the expected shape, a config field simsd does not implement
+(:mod:`simsd.models.validation`), a mask id that the tokenizer or the stop ids contradict,
+tensors that are missing, unexpected, of the wrong shape or not where the index says.
+"""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .config import CheckpointError, ModelConfig
+from .config import CheckpointError, ModelConfig, read_json
 from .model import SDARForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
+#: tokenizer files that are JSON (checked before transformers reads them, so errors name the file)
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "vocab.json")
+INDEX = "model.safetensors.index.json"
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -24,14 +36,38 @@ def parse_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def read_index(path: Path) -> dict | None:
+    """``{tensor name: shard file name}`` from ``model.safetensors.index.json``, or None without one.
+
+    Raises:
+        CheckpointError: invalid JSON, no ``weight_map`` object of string -> string, a shard
+            name outside the directory; names the index file.
+    """
+    index = path / INDEX
+    if not index.is_file():
+        return None
+    raw = read_json(index, "weight index")
+    wmap = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or "weight_map" not in raw:
+        raise CheckpointError(f"{index}: no 'weight_map' (tensor name -> shard file) in the weight index")
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file")
+    for name, shard in wmap.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {shard!r} is not a file name")
+        if Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {shard!r} points outside the checkpoint")
+    return wmap
+
+
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the index's shards, or the single file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    wmap = read_index(path)
+    if wmap is not None:
+        shards = sorted(set(wmap.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
+            raise CheckpointError(f"{path / INDEX} names missing shard(s): {', '.join(missing)}")
         return [path / s for s in shards]
     single = path / "model.safetensors"
     if single.is_file():
@@ -42,50 +78,107 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors (or index) in {path}")
 
 
-def load_model(path, dtype="float32", device="cpu") -> SDARForCausalLM:
-    """Build :class:`SDARForCausalLM` from ``path`` with weights in ``dtype`` on ``device``.
+def _cite(files: list) -> str:
+    return ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def _shape_of(model_config: ModelConfig) -> dict:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in SDARForCausalLM(model_config).state_dict().items()}
+
+
+def scan_weights(path, config: ModelConfig) -> dict:
+    """Check the tensors of a checkpoint from the safetensors headers alone (nothing is loaded)
+    against what ``config`` implies; returns ``{tensor name: file}``.
+
+    ``lm_head.weight`` is used when present; without it the head is tied to the embedding only
+    when ``tie_word_embeddings`` is true (as transformers does; false and no head is an error).
 
     Raises:
-        CheckpointError: missing files, a tensor of the wrong shape (named), missing or
-            unexpected tensors.
+        CheckpointError: a damaged file, a tensor of the wrong shape or not floating point
+            (named), missing or unexpected tensors, a tensor the index places in another shard
+            or that two shards hold, a head that contradicts ``tie_word_embeddings``.
     """
     path = Path(path)
-    config = ModelConfig.from_dir(path)
-    dtype = parse_dtype(dtype)
-    with torch.device("meta"):
-        model = SDARForCausalLM(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    state = {}
+    expected = _shape_of(config)
+    wmap = read_index(path)
+    where: dict = {}
     for f in weight_files(path):
         try:
             handle_cm = safe_open(str(f), framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own error type for damaged files
-            raise CheckpointError(f"{f}: not a readable safetensors file ({exc})") from exc
+            raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(exc).split())})") from exc
         with handle_cm as handle:
             for name in handle.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
                 if name not in expected:
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue
                     raise CheckpointError(f"{f}: unexpected tensor {name!r}")
-                t = handle.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name]):
-                    raise CheckpointError(
-                        f"{f}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
-                    )
-                state[name] = t.to(device=device, dtype=dtype)
-    tied = "lm_head.weight" not in state
-    if tied:
-        if "model.embed_tokens.weight" not in state:
-            raise CheckpointError(f"{path}: missing tensor 'model.embed_tokens.weight'")
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(state))
+                if name in where:
+                    raise CheckpointError(f"{f}: tensor {name!r} is also in {where[name]}")
+                if wmap is not None and wmap.get(name, f.name) != f.name:
+                    raise CheckpointError(f"{path / INDEX}: places {name!r} in {wmap[name]}, but it is in {f.name}")
+                sl = handle.get_slice(name)
+                shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != expected[name]:
+                    raise CheckpointError(f"{f}: tensor {name!r} has shape {shape}, expected {expected[name]}")
+                if not (dt.startswith("F") or dt.startswith("BF")):
+                    raise CheckpointError(f"{f}: tensor {name!r} has dtype {dt}, expected a floating point type")
+                where[name] = f
+    if wmap is not None:
+        absent = sorted(n for n in wmap if n not in where and not n.endswith("rotary_emb.inv_freq"))
+        if absent:
+            raise CheckpointError(f"{path / INDEX}: names tensor(s) no shard holds: {', '.join(absent[:3])}")
+    cfg_file = path / "config.json"
+    if "lm_head.weight" not in where and not config.tie_word_embeddings:
+        raise CheckpointError(f"{cfg_file}: tie_word_embeddings is false (or absent) but no weight file holds "
+                              f"'lm_head.weight' ({_cite(sorted(set(where.values())))})")
+    missing = sorted(set(expected) - set(where) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return where
+
+
+def load_model(path, dtype="float32", device="cpu", config: ModelConfig | None = None) -> SDARForCausalLM:
+    """Build :class:`SDARForCausalLM` from ``path`` with weights in ``dtype`` on ``device``
+    (tensors checked first by :func:`scan_weights`).
+
+    Raises:
+        CheckpointError: see :func:`scan_weights`; also a tied head that differs from the embedding.
+    """
+    path = Path(path)
+    config = config or ModelConfig.from_dir(path)
+    dtype = parse_dtype(dtype)
+    where = scan_weights(path, config)
+    with torch.device("meta"):
+        model = SDARForCausalLM(config)
+    state = {}
+    for f in sorted(set(where.values())):
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if name in where:
+                    state[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    tied = config.tie_word_embeddings
+    if tied:
+        if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{path / 'config.json'}: tie_word_embeddings is true but 'lm_head.weight' "
+                                  f"differs from 'model.embed_tokens.weight'")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint directory defines besides its weights (:func:`read_checkpoint`)."""
+    path: Path
+    config: ModelConfig
+    tokenizer: object
+    mask_token_id: int
+    stop_ids: list = field(default_factory=list)
 
 
 @dataclass
@@ -102,50 +195,125 @@ class Checkpoint:
         return self.model.config
 
 
+def _check_tokenizer_files(path: Path) -> list:
+    present = [path / n for n in TOKENIZER_JSON if (path / n).is_file()]
+    for f in present:
+        raw = read_json(f, "tokenizer file")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{f}: expected a JSON object, got {type(raw).__name__}")
+    return present
+
+
 def load_tokenizer(path):
-    """transformers' AutoTokenizer from the checkpoint directory (never trust_remote_code)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({exc})") from exc
-
-
-def stop_ids_of(path: Path, config_raw: dict, tokenizer) -> list[int]:
-    """Stop ids from ``generation_config.json`` (``eos_token_id``, int or list), else config/tokenizer."""
-    ids = None
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        ids = json.loads(gen.read_text()).get("eos_token_id")
-    if ids is None:
-        ids = config_raw.get("eos_token_id")
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return sorted({int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])})
-
-
-def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True) -> Checkpoint:
-    """Load model, tokenizer, mask id and stop ids from an SDAR directory.
+    """transformers' AutoTokenizer from the checkpoint directory (never trust_remote_code).
 
     Raises:
-        CheckpointError: see :func:`load_model`; also when neither the config's
-            ``mask_token_id`` nor the tokenizer's ``mask_token`` gives the mask id.
+        CheckpointError: a tokenizer file that is not valid JSON (named), a tokenizer that
+            transformers cannot build, or a chat template that does not compile.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    files = _check_tokenizer_files(path) + [f for f in (path / "chat_template.jinja",) if f.is_file()]
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # tokenizers, transformers and jinja raise many types
+        msg = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise CheckpointError(f"{_cite(files) or path}: cannot load the tokenizer ({msg})") from exc
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str):
+        import jinja2
+        src = path / "chat_template.jinja"
+        src = src if src.is_file() else path / "tokenizer_config.json"
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise CheckpointError(f"{src}: the chat template does not compile ({exc.message}, line {exc.lineno})") from exc
+    return tok
+
+
+def _ids(value, where: Path, field: str) -> list:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if value is None or ok:
+        return [] if value is None else [value]
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise CheckpointError(f"{where}: {field} = {value!r} must be a token id or a list of token ids")
+
+
+def stop_ids_of(path: Path, config_raw: dict, tokenizer) -> tuple[list, Path | None]:
+    """Stop ids and the file that gave them: ``generation_config.json`` (``eos_token_id``, int or
+    list), else ``config.json``, else the tokenizer's eos token."""
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        raw = read_json(gen, "generation config")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
+        ids = _ids(raw.get("eos_token_id"), gen, "eos_token_id")
+        if ids:
+            return sorted(set(ids)), gen
+    ids = _ids(config_raw.get("eos_token_id"), path / "config.json", "eos_token_id")
+    if ids:
+        return sorted(set(ids)), path / "config.json"
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [int(tokenizer.eos_token_id)], None
+    return [], None
+
+
+def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
+    """Read and check everything of an SDAR directory without loading the weights: config,
+    generation config, tokenizer, the weight index and the tensors' names, shapes and dtypes
+    (:func:`scan_weights`, from the file headers), the mask id and the stop ids.
+
+    The mask id comes from ``mask_token_id`` in ``config.json`` or the tokenizer's ``mask_token``;
+    when both are given they must agree, and it must not be a stop id. Stop ids and the
+    tokenizer's ids must lie inside the model's vocabulary.
+
+    Raises:
+        CheckpointError: one line naming the file and the field or value at fault.
     """
     path = Path(path)
-    model = load_model(path, dtype, device)
-    raw = json.loads((path / "config.json").read_text())
-    has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    config = ModelConfig.from_dir(path)
+    cfg_file = path / "config.json"
+    raw = read_json(cfg_file, "model config")
+    has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(path) if (with_tokenizer and has_tok) else None
-    mask_id = model.config.mask_token_id
-    if mask_id is None and tokenizer is not None:
-        mask_id = tokenizer.mask_token_id
+    V = config.vocab_size
+    if tokenizer is not None and len(tokenizer) > V:
+        raise CheckpointError(f"{path}: the tokenizer has {len(tokenizer)} tokens but {cfg_file} has vocab_size {V} "
+                              f"(ids >= {V} have no embedding)")
+    mask_id = config.mask_token_id
+    tok_mask = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+    if mask_id is not None and tok_mask is not None and tok_mask != mask_id:
+        raise CheckpointError(f"{cfg_file}: mask_token_id = {mask_id} but the tokenizer's mask token "
+                              f"{tokenizer.mask_token!r} is id {tok_mask}")
+    if mask_id is None:
+        mask_id = tok_mask
     if mask_id is None:
         raise CheckpointError(
             f"{path}: no mask token: set mask_token_id in config.json or mask_token in the tokenizer"
         )
-    if not 0 <= int(mask_id) < model.config.vocab_size:
-        raise CheckpointError(f"{path}: mask_token_id {mask_id} outside the vocabulary ({model.config.vocab_size})")
-    return Checkpoint(path, model, tokenizer, int(mask_id), stop_ids_of(path, raw, tokenizer))
+    stops, stop_file = stop_ids_of(path, raw, tokenizer)
+    where = stop_file or f"{path} (the tokenizer's eos token)"
+    bad = [s for s in stops if not 0 <= s < V]
+    if bad:
+        raise CheckpointError(f"{where}: eos_token_id {bad[0]} is outside the vocabulary [0, {V})")
+    if mask_id in stops:
+        source = cfg_file if config.mask_token_id is not None else f"{path} (the tokenizer's mask token)"
+        raise CheckpointError(f"{source}: mask_token_id = {mask_id} is also a stop id (eos_token_id in {where}); "
+                              f"the mask token cannot end generation")
+    scan_weights(path, config)
+    return CheckpointInfo(path, config, tokenizer, int(mask_id), stops)
+
+
+def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True,
+                    info: CheckpointInfo | None = None) -> Checkpoint:
+    """Load model, tokenizer, mask id and stop ids from an SDAR directory (``info``: the
+    :func:`read_checkpoint` result, when the caller read it already).
+
+    Raises:
+        CheckpointError: see :func:`read_checkpoint` and :func:`load_model`.
+    """
+    info = info or read_checkpoint(path, with_tokenizer)
+    model = load_model(info.path, dtype, device, config=info.config)
+    return Checkpoint(info.path, model, info.tokenizer, info.mask_token_id, info.stop_ids)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
+from ..decoding.strategies import parse_strategy
 from ..decoding.vanilla import batch_stats
 from ..engine.batching import BatchResult, engine_for
 from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
@@ -34,13 +35,19 @@ class SpecConfig:
     paper: when fewer than ``gamma`` positions remain, the target finishes the block with vanilla
     denoising). ``rope_copy=False`` is the ablation of §4. ``optimistic``: draft the next round
     while the target verifies (:mod:`simsd.speculative.optimistic`); None = when draft and target are on
-    different devices."""
+    different devices; never combined with ``cfg.fold_commit``, which raises).
+
+    The draft's own settings: ``draft_strategy`` (default: the target's strategy) and
+    ``draft_threshold`` (default: the target's ``threshold`` when the draft runs the same
+    strategy, else the draft strategy's default, since a confidence threshold is not an
+    entropy bound); the draft shares the target's steps schedule and sampling parameters."""
     mode: str = "exact"
     gamma: int | None = None
     on_reject: str = "redraft"
     rope_copy: bool = True
     draft_strategy: str | None = None
     optimistic: bool | None = None
+    draft_threshold: float | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -67,6 +74,23 @@ def check_pair(target, draft) -> None:
             raise ValueError(f"the draft's tokenizer ({draft.path}) differs from the target's ({target.path})")
 
 
+def draft_config(cfg: DecodeConfig, spec: SpecConfig) -> DecodeConfig:
+    """The draft's decoding settings: ``cfg`` with the draft's strategy and threshold (see
+    :class:`SpecConfig`).
+
+    Raises:
+        ValueError: a draft threshold outside the draft strategy's range.
+    """
+    strategy = parse_strategy(spec.draft_strategy) if spec.draft_strategy is not None else cfg.strategy
+    threshold = spec.draft_threshold
+    if threshold is None and strategy == cfg.strategy:
+        threshold = cfg.threshold
+    try:
+        return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
+    except ValueError as exc:
+        raise ValueError(f"draft settings: {exc}") from exc
+
+
 class SpeculativeDecoder:
     """Decodes prompts with a draft and a target checkpoint (see module doc); each prompt's
     round state lives in its own :class:`SpecRow`, driven by a :class:`BatchEngine`."""
@@ -74,7 +98,7 @@ class SpeculativeDecoder:
     def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig):
         check_pair(target, draft)
         self.t, self.d, self.cfg, self.spec = target, draft, cfg, spec
-        self.draft_cfg = dataclasses.replace(cfg, strategy=spec.draft_strategy or cfg.strategy)
+        self.draft_cfg = draft_config(cfg, spec)
         self.gamma = spec.gamma or cfg.block_length
         if self.gamma > cfg.block_length:
             raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
@@ -90,15 +114,18 @@ class SpeculativeDecoder:
         :func:`vanilla_generate_batch`) and that plus ``DRAFT_SEED_OFFSET`` (draft)."""
         cfg = self.cfg
         B = cfg.block_length
-        capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B) for p in prompts)
+        capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B, self.mask_id) for p in prompts)
         for p in prompts:
-            check_prompt(p, self.d.config, cfg.max_new_tokens, B)
+            check_prompt(p, self.d.config, cfg.max_new_tokens, B, self.mask_id)
         engine = engine_for({"target": self.t.model, "draft": self.d.model}, B, len(prompts), capacity,
                             (self.gamma + 2) * B, cuda_graphs)
         tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
         optimistic = self.spec.optimistic
         if optimistic is None:
             optimistic = self.t.model.device != self.d.model.device
+        if optimistic and cfg.fold_commit:
+            raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
+                             "target are on different devices): set optimistic=False or fold_commit=False")
         rows = []
         for i in range(len(prompts)):
             seed = cfg.seed + first_index + i
@@ -110,10 +137,14 @@ class SpeculativeDecoder:
         for r, (generated, blocks) in zip(rows, outs):
             token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)
             n = len(token_ids)
+            from_draft = sum(1 for o in r.stats.origins[:n] if o)
             fw = r.row.forwards
             stats = {
                 "mode": self.spec.mode,
                 "new_tokens": n,
+                "cut_tokens": len(generated) - n,
+                "from_draft": from_draft,
+                "draft_share": from_draft / n if n else 0.0,
                 "decode_seconds": timer.seconds,
                 "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
                 "target_forwards": fw["target"],
@@ -134,8 +165,12 @@ def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spe
     """Decode ``prompt_ids`` with SimSD (``spec.mode`` = ``paper`` or ``exact``).
 
     ``target``/``draft`` are :class:`simsd.models.loading.Checkpoint` objects sharing a tokenizer.
-    ``stats`` adds to vanilla's: ``proposed, accepted, acceptance_rate`` (accepted / proposed
-    draft tokens), ``rounds, accepted_per_round, draft_forwards, fallback_steps``.
+    ``stats`` adds to vanilla's (see :class:`simsd.speculative.spec_row.Stats` and the README's
+    "Statistics"): ``proposed`` (every token the draft revealed in every verified step),
+    ``accepted``, ``acceptance_rate`` (accepted / proposed), ``target_tokens`` (chosen by the
+    target; ``accepted + target_tokens = new_tokens + cut_tokens``), ``from_draft`` (returned
+    tokens that came from the draft, at most ``new_tokens``), ``draft_share`` (from_draft /
+    new_tokens), ``rounds, accepted_per_round, draft_forwards, fallback_steps``.
 
     Raises:
         ValueError: mismatched draft/target vocabularies or mask ids, bad prompt, bad config.

@@ -18,15 +18,33 @@ from .verification import accept_in_order, exact_greedy_verdict, exact_layout, p
 
 
 class Stats:
+    """A row's verification counters (README, "Statistics"):
+
+    * ``proposed``: draft tokens put to the target, i.e. every token the draft revealed in every
+      verified draft step, rejected steps included;
+    * ``accepted``: the proposed tokens the target accepted; ``acceptance_rate`` = accepted /
+      proposed (the field's definition);
+    * ``target_tokens``: tokens the target chose itself (the correction at a rejection, its own
+      steps in exact mode, fallback steps). ``accepted + target_tokens`` = every token decoded,
+      the returned ones and those cut after a stop or the token budget;
+    * ``rounds``, ``accepted_per_round`` = accepted / rounds, ``fallback_steps``, ``speculations``
+      (optimistic drafts started), ``speculations_kept``.
+
+    ``origins`` records, per decoded token, whether it came from the draft (True) or the
+    target (False), so that the decoder can count the draft's share of the returned tokens.
+    """
+
     def __init__(self):
         self.proposed = self.accepted = self.rounds = 0
+        self.target_tokens = 0
         self.fallback_steps = 0
         self.speculations = self.speculations_kept = 0
+        self.origins: list = []
 
     def as_dict(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                "rounds": self.rounds,
+                "target_tokens": self.target_tokens, "rounds": self.rounds,
                 "accepted_per_round": self.accepted / self.rounds if self.rounds else 0.0,
                 "fallback_steps": self.fallback_steps, "speculations": self.speculations,
                 "speculations_kept": self.speculations_kept}
@@ -157,16 +175,31 @@ class SpecRow:
         new, _, taken, acc, prop = accept_in_order(block, draft.final, draft.tau, draft.n, ok, repl)
         return new, taken, acc, prop
 
-    def decide(self, verdict) -> tuple:
-        """Read a round's decision on the host, in one transfer: ``(block, block_host, taken)``
-        with ``block`` the device tensor and ``block_host`` its list; the counters go to
-        ``stats``."""
-        new, taken, acc, prop = verdict
-        host = torch.cat([new, torch.stack([taken, acc, prop]).to(new.dtype)]).tolist()
+    def decide(self, verdict, draft: Draft, before: list) -> tuple:
+        """Read a round's decision on the host, in one transfer (the new block, the draft's
+        reveal steps, steps taken, accepted count): ``(block, block_host, taken)`` with
+        ``block`` the device tensor and ``block_host`` its list. The counters go to ``stats``;
+        ``before``: the block at the round start (host list).
+
+        Accepted proposals are the first ``accepted`` ones in the draft's temporal order (reveal
+        step, then position), in every mode; the other positions revealed this round are the
+        target's."""
+        new, taken, acc, _ = verdict
         L = new.shape[0]
-        self.stats.accepted += host[L + 1]
-        self.stats.proposed += host[L + 2]
-        return new, host[:L], host[L]
+        host = torch.cat([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)]).tolist()
+        block_host, tau, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
+        proposals = sorted((t, i) for i, t in enumerate(tau) if t <= draft.n)
+        self.stats.proposed += len(proposals)
+        self.stats.accepted += acc
+        self.mark(before, block_host, {i for _, i in proposals[:acc]})
+        return new, block_host, taken
+
+    def mark(self, before: list, after: list, from_draft=frozenset()) -> None:
+        """Record who chose the positions revealed between ``before`` and ``after``."""
+        for i, (a, b) in enumerate(zip(before, after)):
+            if a == self.mask_id and b != self.mask_id:
+                self.origin[i] = i in from_draft
+                self.stats.target_tokens += i not in from_draft
 
     def compare_with_exact(self, draft: Draft, paper_logits, m_index):
         """Diagnostics (``simsd bench``): paper vs exact verification distributions, untimed and
@@ -230,6 +263,7 @@ class SpecRow:
         carried = None  # a Speculation for the next round
         while True:
             block_host = list(tail) + [self.mask_id] * (B - len(tail))
+            self.origin = [None] * B  # per position: True = from the draft, False = the target's
             block = new_block(tail, B, self.mask_id, device)
             first_gen, tail, block_step = len(tail), [], 0
 
@@ -241,7 +275,9 @@ class SpecRow:
                 masks = block_host.count(self.mask_id)
                 if spec.on_reject == "fallback" and masks < dec.gamma:
                     carried = None
+                    before = block_host
                     block, block_host = yield from self.target_step(block, block_step)
+                    self.mark(before, block_host)
                     block_step += 1
                     continue
                 draft = self.take(carried, block_host, block_step, device)
@@ -265,7 +301,7 @@ class SpecRow:
                     verdict = self.judge_exact(draft, logits, block_step)
                 else:
                     verdict = self.judge_paper(block, draft, logits, m_index)
-                block, block_host, taken = self.decide(verdict)
+                block, block_host, taken = self.decide(verdict, draft, block_host)
                 block_step += taken
                 if carried is not None and carried.committed is not None and not keep_commit(carried, block_host):
                     self.row.truncate("draft", carried.draft_cached)  # roll back the speculative commit
@@ -273,6 +309,7 @@ class SpecRow:
             blocks += 1
             new = block_host[first_gen:]
             generated.extend(new)
+            self.stats.origins.extend(self.origin[first_gen:])
             if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
                 return generated, blocks
             # folded commits are not combined with optimistic drafting (its rollback assumes

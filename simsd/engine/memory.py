@@ -1,0 +1,181 @@
+"""Memory a decoding run will allocate, estimated before anything is allocated, and the check
+that it fits the device.
+
+Parts (bytes, per device):
+
+* **weights**: every parameter of the model (``lm_head`` counted once when tied) x dtype size;
+* **KV caches**: ``layers x 2 x batch x (capacity + margin) x kv_heads x head_dim x dtype size``
+  per model, exactly what :class:`simsd.models.cache.KVCache` allocates; ``capacity`` is the
+  longest prompt plus ``max_new_tokens`` rounded up to whole blocks plus one block, ``margin``
+  the longest query a forward may carry (``(gamma + 2) x B`` for SimSD, ``2 x B`` vanilla);
+* **workspace** of the largest forward (``margin`` query tokens per row): hidden states and
+  MLP activations, float32 logits and the sampling step's copies of them, and for the torch
+  reference attention (the CPU path) the dense mask, the scores and the key/value copies
+  expanded to every query head over ``capacity + margin`` keys.
+
+The check adds ``MARGIN`` (10 %) and ``RESERVE_BYTES`` for the runtime itself and compares
+with the free memory of the device: ``MemAvailable`` of ``/proc/meminfo`` on the CPU (no check
+where that file does not exist), ``torch.cuda.mem_get_info`` on a CUDA device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MARGIN = 1.10
+RESERVE_BYTES = 256 << 20
+GIB = 1 << 30
+
+
+def dtype_bytes(dtype) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def parameter_count(config) -> int:
+    """Parameters of a model with ``config`` (:class:`simsd.models.config.ModelConfig`; a tied
+    ``lm_head`` counted once)."""
+    c = config
+    H, I, V, D = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    attn = H * c.num_attention_heads * D * 2 + H * c.num_key_value_heads * D * 2 + 2 * D
+    layer = attn + 3 * H * I + 2 * H
+    return V * H * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * layer + H
+
+
+def weight_bytes(config, dtype) -> int:
+    """Bytes of the model's parameters in ``dtype``."""
+    return parameter_count(config) * dtype_bytes(dtype)
+
+
+def kv_cache_bytes(config, dtype, batch_size: int, max_len: int, kv_heads: int | None = None) -> int:
+    """Bytes of one :class:`simsd.models.cache.KVCache` (``max_len`` = capacity + margin)."""
+    kv = kv_heads or config.num_key_value_heads
+    return 2 * config.num_hidden_layers * batch_size * max_len * kv * config.head_dim * dtype_bytes(dtype)
+
+
+def workspace_bytes(config, dtype, batch_size: int, query_tokens: int, key_tokens: int,
+                    dense_attention: bool) -> int:
+    """Transient bytes of one forward of ``query_tokens`` per row over ``key_tokens`` keys."""
+    c = config
+    rows, Lq = batch_size, query_tokens
+    b = dtype_bytes(dtype)
+    width = max(c.hidden_size, c.num_attention_heads * c.head_dim)
+    hidden = 8 * rows * Lq * width * b + 3 * rows * Lq * c.intermediate_size * b
+    logits = 5 * rows * Lq * c.vocab_size * 4  # float32 logits, masked copy, softmax, filtered probs, noise
+    attn = 0
+    if dense_attention:
+        Lk = key_tokens
+        attn = rows * Lq * Lk + rows * c.num_attention_heads * Lq * Lk * 4 \
+            + 2 * rows * c.num_attention_heads * Lk * c.head_dim * b
+    return hidden + logits + attn
+
+
+@dataclass
+class Estimate:
+    """Bytes per part and device (see the module doc)."""
+    parts: dict = field(default_factory=dict)  # device -> {"weights": n, "kv_caches": n, "workspace": n}
+
+    def add(self, device, part: str, n: int) -> None:
+        d = self.parts.setdefault(str(device), {"weights": 0, "kv_caches": 0, "workspace": 0})
+        d[part] += int(n)
+
+    def total(self, device) -> int:
+        return sum(self.parts.get(str(device), {}).values())
+
+    def needed(self, device) -> int:
+        """With the safety margin and the runtime reserve."""
+        return int(self.total(device) * MARGIN) + RESERVE_BYTES
+
+    def describe(self, device) -> str:
+        p = self.parts[str(device)]
+        return (f"about {gib(self.needed(device))} on {device} (weights {gib(p['weights'])}, KV caches "
+                f"{gib(p['kv_caches'])}, workspace {gib(p['workspace'])}, with a {round((MARGIN - 1) * 100)}% margin)")
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n < 100 * GIB else f"{n / GIB:.0f} GiB"
+
+
+def estimate(models: dict, batch_size: int, capacity: int, margin: int, with_weights: bool = True) -> Estimate:
+    """Bytes a run allocates: ``models`` maps a name to ``(config, dtype, device, dense_attention)``
+    (``dense_attention``: the torch reference attention, which builds dense masks and scores);
+    ``capacity`` and ``margin`` as in :class:`simsd.engine.batching.BatchEngine`."""
+    est = Estimate()
+    for config, dtype, device, dense in models.values():
+        if with_weights:
+            est.add(device, "weights", weight_bytes(config, dtype))
+        est.add(device, "kv_caches", kv_cache_bytes(config, dtype, batch_size, capacity + margin))
+        est.add(device, "workspace", workspace_bytes(config, dtype, batch_size, margin, capacity + margin, dense))
+    return est
+
+
+def available_bytes(device) -> int | None:
+    """Free memory of ``device`` in bytes (CPU: ``MemAvailable``; CUDA: free device memory), or
+    None where it cannot be known."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)  # plus what torch's caching allocator holds unused
+        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def shortfall(est: Estimate) -> tuple | None:
+    """``(device, needed, available)`` of the first device the estimate does not fit, or None."""
+    for device in est.parts:
+        free = available_bytes(device)
+        if free is not None and est.needed(device) > free:
+            return device, est.needed(device), free
+    return None
+
+
+def largest_fitting(fits, low: int, high: int) -> int | None:
+    """The largest ``n`` in ``[low, high]`` with ``fits(n)`` (assumed monotone), or None."""
+    if high < low or not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _dense(model) -> bool:
+    from simsd_kernels.backends import resolve_backend
+    try:
+        return resolve_backend(getattr(model, "attention_backend", "auto"), model.device).name == "torch"
+    except ValueError:  # an unavailable backend fails at its first forward; count the dense reference
+        return True
+
+
+def check_engine_memory(models: dict, batch_size: int, capacity: int, margin: int) -> None:
+    """Before a :class:`simsd.engine.batching.BatchEngine` allocates its caches: ``ValueError``
+    (one line: the estimate, the free memory and the largest batch size that fits) when the
+    caches and the workspace of the largest forward do not fit a device's free memory (the
+    models' weights are loaded already, so they are not counted again)."""
+    import dataclasses
+
+    def parts(n: int) -> Estimate:
+        return estimate({name: (dataclasses.replace(m.config, num_key_value_heads=m.num_local_kv_heads)
+                                if hasattr(m, "num_local_kv_heads") else m.config, m.dtype, m.device, _dense(m))
+                         for name, m in models.items()}, n, capacity, margin, with_weights=False)
+
+    est = parts(batch_size)
+    short = shortfall(est)
+    if short is None:
+        return
+    device, needed, free = short
+    best = largest_fitting(lambda n: shortfall(parts(n)) is None, 1, batch_size - 1)
+    hint = f"; the largest batch size that fits is {best}" if best else ""
+    raise ValueError(f"the KV caches and forward workspace of {batch_size} row(s) x {capacity + margin} tokens need "
+                     f"{est.describe(device)} but {gib(free)} are free{hint}")

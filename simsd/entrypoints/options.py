@@ -1,0 +1,180 @@
+"""Checks of decoding options before anything is loaded: every value in its range, every
+option used by the settings it belongs to (an option the run would ignore is an error).
+
+The checks take any object with the option attributes (argparse's namespace, or a settings
+object of the Python API) and a ``names`` mapping from attribute to the name errors should
+show (``--max-new-tokens`` on the command line; the parameter name in an API). Errors are
+:class:`UsageError` lines that name the option as given and its valid range.
+
+Settings of the draft are its own: ``draft_strategy`` (default: the target's strategy) and
+``draft_threshold`` (default: the target's ``threshold`` when both run the same strategy,
+else the draft strategy's default), each checked against the draft strategy's range.
+"""
+from __future__ import annotations
+
+import math
+
+from ..decoding.strategies import DEFAULT_THRESHOLD, STRATEGIES, parse_strategy, threshold_range
+from .errors import UsageError
+
+#: manual_seed takes 64-bit values and the draft adds 2**20 + the prompt index: a signed 63-bit seed fits
+SEED_MAX = 2 ** 63 - 1
+
+#: attribute -> (kind, low, high, range text); high None = unbounded
+RANGES = {
+    "max_new_tokens": ("int", 1, None, "an integer >= 1"),
+    "block_length": ("int", 1, None, "an integer >= 1"),
+    "steps": ("int", 1, None, "an integer >= 1"),
+    "gamma": ("int", 1, None, "an integer >= 1"),
+    "temperature": ("float", 0.0, None, "a finite number >= 0 (0 = greedy)"),
+    "top_k": ("int", 0, None, "an integer >= 0 (0 = off, 1 = greedy)"),
+    "top_p": ("float", 0.0, 1.0, "a number in (0, 1]"),
+    "seed": ("int", 0, SEED_MAX, f"an integer in [0, {SEED_MAX}]"),
+    "limit": ("int", 1, None, "an integer >= 1"),
+    "batch_size": ("int", 1, None, "an integer >= 1"),
+    "tp": ("int", 1, None, "an integer >= 1"),
+    "warmup": ("int", 0, None, "an integer >= 0"),
+    "repeats": ("int", 1, None, "an integer >= 1"),
+    "threads": ("int", 1, None, "an integer >= 1"),
+}
+SPEC_OPTIONS = ("draft", "draft_device", "gamma", "on_reject", "draft_strategy", "draft_threshold", "optimistic")
+
+
+def option_name(attr: str, names: dict | None = None) -> str:
+    """How errors name ``attr``: ``names[attr]``, else the command-line flag ``--attr-name``."""
+    return (names or {}).get(attr, "--" + attr.replace("_", "-"))
+
+
+def check_value(attr: str, value, names: dict | None = None) -> None:
+    """``UsageError`` unless ``value`` lies in the range ``RANGES[attr]`` (None: not given, fine)."""
+    if value is None or attr not in RANGES:
+        return
+    kind, lo, hi, text = RANGES[attr]
+    name = option_name(attr, names)
+    if kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and value >= lo and (hi is None or value <= hi) and not (attr == "top_p" and value == 0)
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        raise UsageError(f"{name} must be {text}, got {value}")
+
+
+def check_threshold(strategy: str, value, attr: str = "threshold", names: dict | None = None) -> None:
+    """``UsageError`` unless ``value`` (None: the strategy's default) is in ``strategy``'s range."""
+    if value is None:
+        return
+    name = option_name(attr, names)
+    lo, hi, text = threshold_range(strategy)
+    if lo is None:
+        raise UsageError(f"{name} applies to the dynamic and entropy strategies, not {strategy}")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < lo or (hi is not None and value > hi):
+        raise UsageError(f"{name} of the {strategy} strategy is {text}, got {value}")
+
+
+def draft_settings(strategy: str, threshold, draft_strategy, draft_threshold) -> tuple[str, float | None]:
+    """The draft's ``(strategy, threshold)``: its own when given; else the target's strategy, and
+    the target's threshold only when the strategies are the same (a confidence threshold is
+    not an entropy bound); None = the strategy's default."""
+    d_strategy = parse_strategy(draft_strategy) if draft_strategy is not None else strategy
+    if draft_threshold is not None:
+        return d_strategy, draft_threshold
+    return d_strategy, (threshold if d_strategy == strategy else None)
+
+
+def same_device(a: str | None, b: str | None) -> bool:
+    """Whether two device options name the same device (None: the default, cuda if available)."""
+    import torch
+    dev = lambda d: torch.device(d or ("cuda" if torch.cuda.is_available() else "cpu"))  # noqa: E731
+    try:
+        x, y = dev(a), dev(b)
+    except RuntimeError:
+        return a == b  # a bad name is reported by the device check
+    if x.type != y.type:
+        return False
+    return x.type == "cpu" or (x.index or 0) == (y.index or 0)
+
+
+def _given(args, attr: str) -> bool:
+    return getattr(args, attr, None) is not None
+
+
+def check_options(args, modes, names: dict | None = None) -> None:
+    """Check option values and combinations that need no checkpoint (see the module doc).
+
+    ``modes``: the decoding modes the run uses. Raises :class:`UsageError`.
+    """
+    n = lambda attr: option_name(attr, names)  # noqa: E731
+    for attr in RANGES:
+        check_value(attr, getattr(args, attr, None), names)
+    strategy = parse_strategy(getattr(args, "strategy", None) or "static")
+    speculative = bool({"paper", "exact"} & set(modes))
+    check_threshold(strategy, getattr(args, "threshold", None), "threshold", names)
+    if not speculative:
+        given = [n(a) for a in SPEC_OPTIONS if _given(args, a)]
+        if given:
+            raise UsageError(f"{', '.join(given)}: used by the paper and exact modes only (this run is vanilla)")
+    d_strategy = strategy
+    if speculative:
+        d_strategy, _ = draft_settings(strategy, None, getattr(args, "draft_strategy", None), None)
+        check_threshold(d_strategy, getattr(args, "draft_threshold", None), "draft_threshold", names)
+    # sampling: options that shape a sampling distribution need one
+    temperature, top_k, top_p = args.temperature, args.top_k, args.top_p
+    if temperature == 0:
+        if top_k not in (0, 1):
+            raise UsageError(f"{n('top_k')} {top_k} needs {n('temperature')} > 0 (with {n('temperature')} 0 decoding "
+                             f"is greedy and top-k would be ignored)")
+        if top_p != 1.0:
+            raise UsageError(f"{n('top_p')} {top_p} needs {n('temperature')} > 0 (with {n('temperature')} 0 decoding "
+                             f"is greedy and top-p would be ignored)")
+    greedy = temperature == 0 or top_k == 1
+    if greedy and _given(args, "seed"):
+        raise UsageError(f"{n('seed')}: greedy decoding ({n('temperature')} 0 or {n('top_k')} 1) draws nothing at "
+                         f"random, the seed would be ignored")
+    if _given(args, "steps") and strategy == "entropy" and d_strategy == "entropy":
+        raise UsageError(f"{n('steps')}: the entropy strategy picks how many tokens a step reveals by its bound, "
+                         f"it would ignore the step schedule")
+    if speculative and getattr(args, "on_reject", None) == "fallback" and getattr(args, "gamma", None) == 1:
+        raise UsageError(f"{n('on_reject')} fallback with {n('gamma')} 1 never falls back (it finishes a block "
+                         f"when fewer than gamma positions remain)")
+    if getattr(args, "no_rope_copy", False) and "paper" not in modes:
+        raise UsageError(f"{n('no_rope_copy')} is an ablation of paper mode")
+    if speculative and getattr(args, "fold_commit", False):
+        optimistic = getattr(args, "optimistic", None)
+        target_dev, draft_dev = getattr(args, "device", None), getattr(args, "draft_device", None)
+        separate = draft_dev is not None and not same_device(draft_dev, target_dev)
+        if optimistic == "on" or (optimistic in (None, "auto") and separate):
+            why = (f"{n('optimistic')} on" if optimistic == "on"
+                   else f"optimistic drafting, on by default with {n('draft_device')} {draft_dev} != {target_dev}")
+            raise UsageError(f"{n('fold_commit')} is not combined with {why} (its rollback needs explicit draft "
+                             f"commits); pass {n('optimistic')} off or drop {n('fold_commit')}")
+    single = _given(args, "prompt") or _given(args, "prompt_ids")
+    if single and _given(args, "limit"):
+        raise UsageError(f"{n('limit')} applies to {n('prompts_file')} and {n('prompt_set')}, not to a single prompt")
+    if single and getattr(args, "batch_size", 1) > 1:
+        raise UsageError(f"{n('batch_size')} {args.batch_size} with a single prompt: batches need "
+                         f"{n('prompts_file')} or {n('prompt_set')}")
+    if getattr(args, "raw", False) and _given(args, "prompt_ids"):
+        raise UsageError(f"{n('raw')} applies to text prompts; {n('prompt_ids')} bypass the tokenizer and its "
+                         f"chat template")
+
+
+def check_block_options(args, block_length: int, max_positions: int, names: dict | None = None) -> None:
+    """Checks that need the block length ``B`` (given or the checkpoint's) and the model's
+    maximum length: ``block_length < max_positions``, ``steps`` and ``gamma`` in ``[1, B]``."""
+    n = lambda attr: option_name(attr, names)  # noqa: E731
+    if block_length >= max_positions:
+        raise UsageError(f"{n('block_length')} {block_length} leaves no room in the model's maximum length "
+                         f"{max_positions} (valid: 1 to {max_positions - 1})")
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps > block_length:
+        raise UsageError(f"{n('steps')} must be in [1, {block_length}] (the block length), got {steps}")
+    gamma = getattr(args, "gamma", None)
+    if gamma is not None and gamma > block_length:
+        raise UsageError(f"{n('gamma')} {gamma} exceeds the block length {block_length} "
+                         f"(a block is finished in at most {block_length} steps; valid: 1 to {block_length})")
+
+
+__all__ = ["RANGES", "SEED_MAX", "check_options", "check_block_options", "check_threshold", "check_value",
+           "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]

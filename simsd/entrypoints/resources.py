@@ -1,0 +1,82 @@
+"""Will a run fit? The memory of a whole run (weights, KV caches, verify workspaces; see
+:mod:`simsd.engine.memory`) estimated from the settings and the prompts' lengths, before any
+weight is loaded, and the largest settings that would fit when it does not."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.memory import Estimate, estimate, gib, largest_fitting, shortfall, weight_bytes
+from .errors import UsageError
+
+
+@dataclass
+class RunShape:
+    """What the memory of a run depends on. ``models``: name -> ``(config, dtype, device,
+    dense_attention)`` (``target``, and ``draft`` when a speculative mode runs); ``gamma``
+    None = the block length."""
+    models: dict
+    prompt_lengths: list
+    max_new_tokens: int
+    block_length: int
+    gamma: int | None
+    batch_size: int
+    modes: list
+
+
+def capacity_of(prompt_lengths, max_new_tokens: int, B: int) -> int:
+    """Cache tokens a row needs (as :func:`simsd.decoding.config.check_prompt` computes them)."""
+    return max(-(-(p + max_new_tokens) // B) * B + B for p in prompt_lengths)
+
+
+def run_estimate(shape: RunShape, **change) -> Estimate:
+    """The bytes per device of a run with ``shape`` (fields replaced by ``change``)."""
+    s = RunShape(**{**shape.__dict__, **change})
+    B = s.block_length
+    gamma = min(s.gamma or B, B)
+    capacity = capacity_of(s.prompt_lengths, s.max_new_tokens, B)
+    total = Estimate()
+    for name, (config, dtype, device, _) in s.models.items():
+        total.add(device, "weights", weight_bytes(config, dtype))
+    for mode in s.modes:  # engines of different modes never live at the same time: the largest counts
+        names = ["target"] if mode == "vanilla" else ["target", "draft"]
+        margin = 2 * B if mode == "vanilla" else (gamma + 2) * B
+        est = estimate({n: s.models[n] for n in names if n in s.models}, s.batch_size, capacity, margin,
+                       with_weights=False)
+        for device, parts in est.parts.items():
+            have = total.parts[device]
+            for part in ("kv_caches", "workspace"):
+                have[part] = max(have[part], parts[part])
+    return total
+
+
+def check_run_memory(shape: RunShape, names: dict | None = None) -> Estimate:
+    """``UsageError`` (one line: the estimate, the free memory and the largest block length,
+    gamma, batch size and max_new_tokens that would fit, each with the others unchanged) when
+    the run does not fit a device; returns the estimate otherwise. ``names``: how to name the
+    settings (command-line flags by default)."""
+    names = {"block_length": "--block-length", "gamma": "--gamma", "batch_size": "--batch-size",
+             "max_new_tokens": "--max-new-tokens", **(names or {})}
+    est = run_estimate(shape)
+    short = shortfall(est)
+    if short is None:
+        return est
+    device, needed, free = short
+
+    def fits(**change) -> bool:
+        return shortfall(run_estimate(shape, **change)) is None
+
+    hints = []
+    B, gamma = shape.block_length, shape.gamma or shape.block_length
+    knobs = [("block_length", B, lambda v: fits(block_length=v))]
+    if any(m != "vanilla" for m in shape.modes):
+        knobs.append(("gamma", gamma, lambda v: fits(gamma=v)))
+    knobs += [("batch_size", shape.batch_size, lambda v: fits(batch_size=v)),
+              ("max_new_tokens", shape.max_new_tokens, lambda v: fits(max_new_tokens=v))]
+    for attr, value, ok in knobs:
+        if value > 1:
+            best = largest_fitting(ok, 1, value - 1)
+            if best is not None:
+                hints.append(f"{names[attr]} {best}")
+    hint = ("; it fits with " + " or ".join(hints) + (" (each alone)" if len(hints) > 1 else "")) if hints else \
+        "; no smaller block length, gamma, batch size or max_new_tokens fits (a smaller model or dtype may)"
+    raise UsageError(f"this run needs {est.describe(device)} but {gib(free)} are free{hint}")

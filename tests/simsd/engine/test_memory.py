@@ -1,0 +1,129 @@
+"""The memory estimate (simsd.engine.memory) against what is allocated, and the refusals of a
+run that would not fit, before anything is allocated."""
+import json
+
+import pytest
+import torch
+
+import simsd.engine.memory as memory
+from simsd import DecodeConfig, load_checkpoint, vanilla_generate
+from simsd.engine.batching import BatchEngine
+from simsd.engine.threads import SMALL_MODEL_PARAMS, choose_threads, default_threads
+from simsd.entrypoints.cli import main
+from simsd.models.config import ModelConfig
+from simsd.models.model import SDARForCausalLM
+from simsd.testing import config_dict
+from tests.helpers import random_checkpoint
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_bytes_are_the_parameters(tie, dtype):
+    cfg = ModelConfig.from_dict(config_dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                            tie_word_embeddings=tie, mask_token_id=96))
+    model = SDARForCausalLM(cfg).to(dtype)
+    if tie:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # shared ones once
+    assert memory.weight_bytes(cfg, dtype) == sum(params.values())
+
+
+def test_kv_cache_bytes_are_what_the_engine_allocates():
+    c = load_checkpoint(random_checkpoint("mem", tokenizer=False, vocab_size=64), with_tokenizer=False)
+    engine = BatchEngine({"target": c.model, "draft": c.model}, 4, 3, capacity=40, margin=24)
+    got = sum(t.numel() * t.element_size() for cache in engine.caches.values() for t in cache.k + cache.v)
+    want = 2 * memory.kv_cache_bytes(c.config, c.model.dtype, 3, 64)
+    assert got == want
+    est = memory.estimate({"t": (c.config, c.model.dtype, "cpu", True), "d": (c.config, c.model.dtype, "cpu", True)},
+                          3, 40, 24, with_weights=False)
+    assert est.parts["cpu"]["kv_caches"] == want and est.parts["cpu"]["weights"] == 0
+
+
+def test_workspace_grows_with_the_dense_reference():
+    cfg = ModelConfig.from_dict(config_dict(vocab_size=97, mask_token_id=96))
+    fused = memory.workspace_bytes(cfg, torch.float32, 2, 24, 1000, dense_attention=False)
+    dense = memory.workspace_bytes(cfg, torch.float32, 2, 24, 1000, dense_attention=True)
+    assert dense - fused >= 2 * 4 * 24 * 1000 * 4  # at least the float scores
+
+
+def test_engine_refuses_what_does_not_fit(monkeypatch):
+    c = load_checkpoint(random_checkpoint("mem", tokenizer=False, vocab_size=64), with_tokenizer=False)
+    monkeypatch.setattr(memory, "RESERVE_BYTES", 0)  # the caches alone decide (they grow linearly with rows)
+    need_one = memory.estimate({"t": (c.config, c.model.dtype, "cpu", True)}, 1, 64, 8, with_weights=False).needed("cpu")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: int(need_one * 2.5))
+    with pytest.raises(ValueError, match="the largest batch size that fits is 2") as exc:
+        BatchEngine({"target": c.model}, 4, 8, capacity=64, margin=8)
+    assert "\n" not in str(exc.value) and "GiB" in str(exc.value)
+    BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)  # fits
+    with pytest.raises(ValueError, match="are free"):  # the API path refuses too, before allocating
+        vanilla_generate(c.model, [[5, 6]][0], DecodeConfig(max_new_tokens=2000), c.mask_token_id, [])
+
+
+@pytest.fixture(scope="module")
+def long_ck():
+    return str(random_checkpoint("mem-long", tokenizer=False, vocab_size=64, max_position_embeddings=32768))
+
+
+def test_cli_refuses_a_run_that_cannot_fit_before_loading(long_ck, capsys, monkeypatch):
+    """15.10: exact mode with a block length of 4000 needs a (gamma + 2) x B cache margin and a
+    verify forward of gamma x B query tokens; refused with the estimate and what would fit."""
+    import simsd.entrypoints.commands as commands
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
+    monkeypatch.setattr(commands, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    code = main(["generate", "--target", long_ck, "--draft", long_ck, "--mode", "exact", "--block-length", "4000",
+                 "--prompt-ids", ",".join(["5"] * 168), "--max-new-tokens", "64"])
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and out == "" and "loading" not in err
+    assert line.startswith("simsd: error: this run needs about ") and "8.00 GiB are free" in line
+    assert "KV caches" in line and "it fits with --block-length " in line
+    best = int(line.split("--block-length ")[1].split()[0])
+    assert 1 <= best < 4000
+    # the suggested block length does fit (and one more does not)
+    from simsd.entrypoints.resources import RunShape, run_estimate
+    from simsd.engine.memory import shortfall
+    cfg = ModelConfig.from_dir(long_ck)
+    shape = RunShape({"target": (cfg, "float32", "cpu", True), "draft": (cfg, "float32", "cpu", True)}, [168], 64,
+                     4000, None, 1, ["exact"])
+    assert shortfall(run_estimate(shape, block_length=best)) is None
+    assert shortfall(run_estimate(shape, block_length=best + 1)) is not None
+
+
+def test_bench_refuses_too_large_batches(long_ck, capsys, monkeypatch, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": [5] * 100}) for _ in range(64)))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 600 << 20)
+    code = main(["bench", "--target", long_ck, "--modes", "vanilla", "--prompts-file", str(f), "--batch-size", "64",
+                 "--max-new-tokens", "8000"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "it fits with" in line and "--batch-size " in line and "--max-new-tokens " in line
+
+
+# -- CPU threads -------------------------------------------------------------------------------
+def test_thread_choice(monkeypatch):
+    small = ModelConfig.from_dir(random_checkpoint("mem", tokenizer=False, vocab_size=64))
+    big = ModelConfig.from_dict(config_dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                            head_dim=128, mask_token_id=5))
+    assert memory.parameter_count(big) > SMALL_MODEL_PARAMS > memory.parameter_count(small)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads([small]) == 1 and choose_threads([small]) == (1, "model size")
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert default_threads([small, big]) == 6
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert choose_threads([small]) == (3, "OMP_NUM_THREADS")
+    assert choose_threads([small], 2) == (2, "--threads")
+
+
+def test_threads_option_sets_torch(capsys, monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        code = main(["generate", "--prompt-ids", "5,6", "--max-new-tokens", "4", "--threads", "2"])
+        assert code == 0 and torch.get_num_threads() == 2
+        assert "2 CPU threads" in capsys.readouterr().err
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        code = main(["generate", "--prompt-ids", "5,6", "--max-new-tokens", "4"])  # the bundled pair: one thread
+        assert code == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

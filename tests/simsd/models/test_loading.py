@@ -1,0 +1,166 @@
+"""Every file the loader reads, malformed or inconsistent, gives one CheckpointError line that
+names the file (and the field or tensor); the right checkpoints still load."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from simsd.models.loading import CheckpointError, load_checkpoint, read_checkpoint
+from simsd.testing import make_random_checkpoint
+from tests.helpers import random_checkpoint
+
+
+@pytest.fixture()
+def ck(tmp_path):
+    """A writable copy of a small checkpoint with a tokenizer."""
+    dst = tmp_path / "ck"
+    shutil.copytree(random_checkpoint("loading", tokenizer=True), dst)
+    return dst
+
+
+@pytest.fixture()
+def sharded(tmp_path):
+    return make_random_checkpoint(tmp_path / "sharded", tokenizer=False, shards=3)
+
+
+def refused(path, *needles, with_tokenizer=True):
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(path, with_tokenizer=with_tokenizer)
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert str(n) in msg, msg
+    return msg
+
+
+def edit_json(f, fn):
+    f.write_text(json.dumps(fn(json.loads(f.read_text()))))
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"metadata": {}}', "no 'weight_map'"),
+    ("{oops", "invalid JSON in the weight index"),
+    ('{"weight_map": []}', "non-empty object"),
+    ('{"weight_map": {}}', "non-empty object"),
+    ('[]', "no 'weight_map'"),
+    ('{"weight_map": {"model.norm.weight": 3}}', "is not a file name"),
+    ('{"weight_map": {"model.norm.weight": "../x.safetensors"}}', "points outside the checkpoint"),
+])
+def test_malformed_index(sharded, content, needle):
+    index = sharded / "model.safetensors.index.json"
+    index.write_text(content)
+    refused(sharded, index, needle, with_tokenizer=False)
+
+
+def test_index_that_misplaces_or_invents_tensors(sharded):
+    index = sharded / "model.safetensors.index.json"
+    orig = json.loads(index.read_text())
+    wm = orig["weight_map"]
+    name = next(n for n in wm if wm[n] != wm["model.norm.weight"])
+    edit_json(index, lambda d: {**d, "weight_map": {**wm, name: wm["model.norm.weight"]}})
+    refused(sharded, index, name, "but it is in", with_tokenizer=False)
+    edit_json(index, lambda d: {**orig, "weight_map": {**wm, "model.extra.weight": wm["model.norm.weight"]}})
+    refused(sharded, index, "model.extra.weight", "no shard holds", with_tokenizer=False)
+
+
+def test_a_tensor_in_two_shards(sharded):
+    files = sorted(sharded.glob("*.safetensors"))
+    a, b = load_file(str(files[0])), load_file(str(files[1]))
+    name = next(iter(a))
+    save_file({**b, name: a[name]}, str(files[1]))
+    (sharded / "model.safetensors.index.json").unlink()
+    refused(sharded, name, "is also in", with_tokenizer=False)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{", "invalid JSON in the generation config"),
+    ("[2]", "expected a JSON object"),
+    ('{"eos_token_id": "2"}', "eos_token_id = '2'"),
+    ('{"eos_token_id": [2, null]}', "must be a token id"),
+    ('{"eos_token_id": 99999}', "outside the vocabulary"),
+])
+def test_malformed_generation_config(ck, content, needle):
+    gen = ck / "generation_config.json"
+    gen.write_text(content)
+    refused(ck, gen, needle)
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("tokenizer.json", "{", "invalid JSON in the tokenizer file"),
+    ("tokenizer_config.json", "{", "invalid JSON in the tokenizer file"),
+    ("tokenizer_config.json", "[]", "expected a JSON object"),
+    ("special_tokens_map.json", "{", "invalid JSON"),
+    ("tokenizer.json", '{"model": {"type": "Nonsense"}}', "cannot load the tokenizer"),
+    ("tokenizer.json", b"\xff\xfe{}", "not UTF-8"),
+])
+def test_malformed_tokenizer_files(ck, name, content, needle):
+    f = ck / name
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    msg = refused(ck, needle)
+    assert str(ck) in msg
+
+
+def test_chat_template_that_does_not_compile(ck):
+    edit_json(ck / "tokenizer_config.json", lambda d: {**d, "chat_template": "{% for m in messages %}"})
+    (ck / "chat_template.jinja").unlink(missing_ok=True)
+    refused(ck, ck / "tokenizer_config.json", "chat template does not compile")
+
+
+def test_untied_config_without_a_head(tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False, tie_word_embeddings=True)
+    edit_json(path / "config.json", lambda d: {**d, "tie_word_embeddings": False})
+    refused(path, path / "config.json", "tie_word_embeddings is false", "lm_head.weight", with_tokenizer=False)
+    edit_json(path / "config.json", lambda d: {k: v for k, v in d.items() if k != "tie_word_embeddings"})
+    refused(path, "tie_word_embeddings is false", with_tokenizer=False)  # transformers' default
+
+
+def test_tied_config_with_a_different_head(tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False)
+    edit_json(path / "config.json", lambda d: {**d, "tie_word_embeddings": True})
+    refused(path, "tie_word_embeddings is true", "differs", with_tokenizer=False)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    save_file(sd, str(path / "model.safetensors"))
+    ck = load_checkpoint(path, with_tokenizer=False)  # the same tensor twice: fine, and tied
+    assert ck.model.lm_head.weight is ck.model.model.embed_tokens.weight
+
+
+def test_integer_tensor_refused(tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
+    save_file(sd, str(path / "model.safetensors"))
+    refused(path, "model.norm.weight", "dtype I32", with_tokenizer=False)
+
+
+def test_mask_id_that_is_a_stop_id(ck, tmp_path):
+    stop = json.loads((ck / "generation_config.json").read_text())["eos_token_id"][0]
+    edit_json(ck / "config.json", lambda d: {**d, "mask_token_id": stop})
+    refused(ck, ck / "config.json", f"mask_token_id = {stop}", "is id")  # the tokenizer says otherwise
+    refused(ck, ck / "config.json", f"mask_token_id = {stop}", "also a stop id", "generation_config.json",
+            with_tokenizer=False)
+    # the tokenizer's mask token as the stop id
+    edit_json(ck / "config.json", lambda d: {**d, "mask_token_id": None})
+    mask = read_checkpoint(ck).mask_token_id
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": [mask]}))
+    refused(ck, "the tokenizer's mask token", f"mask_token_id = {mask}", "also a stop id")
+
+
+def test_mask_id_that_contradicts_the_tokenizer(ck):
+    info = read_checkpoint(ck)
+    other = (info.mask_token_id + 1) % info.config.vocab_size
+    edit_json(ck / "config.json", lambda d: {**d, "mask_token_id": other})
+    refused(ck, ck / "config.json", f"mask_token_id = {other}", "'<|MASK|>'", f"id {info.mask_token_id}")
+
+
+def test_tokenizer_larger_than_the_vocabulary(ck):
+    edit_json(ck / "config.json", lambda d: {**d, "vocab_size": d["vocab_size"] - 10})
+    refused(ck, "the tokenizer has", "vocab_size")
+
+
+def test_good_checkpoints_still_load(ck, sharded):
+    info = read_checkpoint(ck)
+    assert info.stop_ids and info.mask_token_id not in info.stop_ids
+    assert load_checkpoint(sharded, with_tokenizer=False).model is not None
