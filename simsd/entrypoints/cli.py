@@ -35,6 +35,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+    p.add_argument("--invariant", action="store_true",
+                   help="shape-invariant numerics for the target (norms, projections and MLP per block-sized "
+                        "unit): exact mode then equals vanilla bit for bit in every dtype on the torch backend; "
+                        "pass it to both runs you compare (slower verify forwards)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
     p.add_argument("--tp", type=int, default=1,

@@ -160,6 +160,9 @@ def check_engine_args(args, device: str) -> None:
     if getattr(args, "batch_size", 1) < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if getattr(args, "cuda_graphs", False):
+        if getattr(args, "invariant", False):
+            raise UsageError("--invariant is not available with --cuda-graphs (the graph runner does not run "
+                             "the per-unit path)")
         devices = {device, args.draft_device or device}
         if any(torch.device(d).type != "cuda" for d in devices) or not torch.cuda.is_available():
             raise UsageError(f"--cuda-graphs needs CUDA devices, got {', '.join(sorted(devices))}")
@@ -175,6 +178,7 @@ def load_models(args, need_draft: bool):
     check_engine_args(args, device)
     target = load_checkpoint(args.target or DEFAULT_TARGET, dtype=dtype, device=device)
     target.model.attention_backend = args.attention_backend
+    target.model.invariant = getattr(args, "invariant", False)
     if tp > 1:
         from ..engine.tp import shard_model, world
         shard_model(target.model, world()[0], tp)
