@@ -79,6 +79,7 @@ class SpeculativeDecoder:
             raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
         self.mask_id = target.mask_token_id
         self.diagnostics = None  # dict: compare paper verification with exact (simsd bench)
+        self.row_class = SpecRow  # a subclass may replace a rule (bench/bench_coupling.py)
 
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
@@ -99,7 +100,8 @@ class SpeculativeDecoder:
         optimistic = self.spec.optimistic
         if optimistic is None:
             optimistic = self.t.model.device != self.d.model.device
-        rows = [SpecRow(self, engine.rows[i], cfg.seed + first_index + i, optimistic) for i in range(len(prompts))]
+        rows = [self.row_class(self, engine.rows[i], cfg.seed + first_index + i, optimistic)
+                for i in range(len(prompts))]
         with Timer(self.t.model.device) as timer:
             outs = engine.run([r.program(tail) for r, tail in zip(rows, tails)])
         results = []

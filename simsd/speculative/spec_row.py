@@ -91,9 +91,16 @@ class SpecRow:
     def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
         return NoiseKey(self.seed, start, stream, round_index)
 
+    @property
+    def rejection_sampling(self) -> bool:
+        """Whether sampled proposals are judged token by token by rejection sampling (paper
+        mode): then the draft keeps its distributions and needs fresh noise every round."""
+        return self.dec.spec.mode == "paper"
+
     def draft_key(self, start: int, round_index: int) -> NoiseKey:
-        """The draft's noise key: the target's (exact mode) or a fresh paper-mode stream per round."""
-        if self.dec.spec.mode == "exact":
+        """The draft's noise key: the target's (exact mode: coupled draws) or, for rejection
+        sampling, a stream of its own that is fresh every round."""
+        if not self.rejection_sampling:
             return self.key(start)
         return self.key(start, PAPER_DRAFT, round_index)
 
@@ -108,7 +115,7 @@ class SpecRow:
         L = state.shape[0]
         tau = torch.full((L,), TAU_INF, dtype=torch.int64, device=dev)
         key = self.draft_key(start, round_index)
-        keep_probs = not dcfg.sampling.greedy and self.dec.spec.mode == "paper"
+        keep_probs = not dcfg.sampling.greedy and self.rejection_sampling
         probs = torch.zeros(L, self.dec.d.config.vocab_size, device=dev) if keep_probs else None
         states = []
         counts_known = dcfg.strategy in ("sequential", "static")
