@@ -1,7 +1,9 @@
 """PyTorch references of the simsd attention ops (importable without Triton or CUDA).
 
-* :func:`temporal_attention_torch`: the ``torch`` backend, SDPA with a dense boolean mask
-  built from :mod:`simsd_kernels.mask_rule`.
+* :func:`temporal_attention_torch`: the ``torch`` backend: per row, one SDPA call per group
+  of query tokens that see the same keys (:mod:`simsd_kernels.mask_rule`), over exactly
+  those keys, so a token's bits do not depend on the other tokens of the forward;
+* :func:`temporal_attention_dense`: SDPA with a dense boolean mask (a shape-dependent baseline).
 * :func:`temporal_attention_naive`: explicit softmax math in the input dtype (float64 in
   tests), the ground truth the kernels are compared with.
 * :func:`append_kv_torch`: rotates the new keys and writes K/V into the cache.
@@ -40,12 +42,54 @@ def _expand_kv(x, groups):
 
 def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
                              mask_mode, rope_theta, softmax_scale):
-    """SDPA with a dense mask; same contract as :func:`simsd_kernels.temporal_attention`.
+    """SDPA over exactly the keys each query token may see; same contract as
+    :func:`simsd_kernels.temporal_attention`.
 
-    Rows with different cache lengths run as separate SDPA calls, one per length, so a row's
-    keys are exactly its own (cache prefix + new tokens) whatever its batch neighbours hold:
-    padding the keys to the longest row would change SDPA's blocking and hence the rounding.
+    For every batch row, the query tokens that see the same keys (a bidirectional block, an
+    exact-mode copy, a block-causal group, one paper-mode slot pattern) run as one SDPA call
+    over those keys alone -- the row's visible cache prefix, then the visible new tokens in
+    order -- without a mask, on freshly gathered (contiguous) tensors. A token's output thus
+    depends only on its group's tokens and the keys it sees, never on the other tokens of the
+    forward, on its batch neighbours or on padding: an exact-mode copy gets the same bits as a
+    denoise forward of that state, in every dtype (DESIGN.md §4.2; padding keys to a common
+    length, or a dense mask over all new tokens, would change SDPA's blocking and hence the
+    rounding). The grouping reads the labels and cache lengths on the host (this backend is
+    not CUDA-graph safe).
     """
+    B, Lq, Hq, D = q.shape
+    groups = Hq // k.shape[2]
+    qr = apply_rope(q, positions, rope_theta)
+    kr = apply_rope(k, positions, rope_theta)
+    lengths = cache_seqlens.tolist()
+    visible = dense_new_token_mask(labels, mask_mode).cpu().tolist()
+    out = torch.zeros_like(q)  # a token that sees nothing gets zeros
+    for b in range(B):
+        by_keys: dict = {}
+        for i, row in enumerate(visible[b]):
+            by_keys.setdefault(tuple(row), []).append(i)
+        n = lengths[b]
+        for row, members in by_keys.items():
+            cols = [j for j, seen in enumerate(row) if seen]
+            if n == 0 and not cols:
+                continue
+            pick = torch.tensor(members, device=q.device)
+            take = torch.tensor(cols, dtype=torch.int64, device=q.device)
+            keys = torch.cat([k_cache[b, :n], kr[b].index_select(0, take)])[None]
+            vals = torch.cat([v_cache[b, :n], v[b].index_select(0, take)])[None]
+            qg = qr[b].index_select(0, pick)[None]
+            o = F.scaled_dot_product_attention(qg.transpose(1, 2), _expand_kv(keys, groups), _expand_kv(vals, groups),
+                                               scale=softmax_scale).transpose(1, 2)
+            out[b].index_copy_(0, pick, o[0])
+    return out
+
+
+def temporal_attention_dense(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                             mask_mode, rope_theta, softmax_scale):
+    """SDPA with a dense boolean mask over the whole query and every new token, one call per
+    distinct cache length (rows of equal length share it). Same results as
+    :func:`temporal_attention_torch` up to rounding, but a token's bits depend on the shape of
+    the forward (the other query tokens, the padding): kept as a baseline and for measuring
+    the cost of the grouped reference."""
     lengths = cache_seqlens.tolist()
     if len(set(lengths)) > 1:
         out = torch.empty_like(q)
@@ -53,7 +97,7 @@ def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, p
             rows = [b for b, x in enumerate(lengths) if x == n]
             idx = torch.tensor(rows, device=q.device)
             pick = lambda t: t.index_select(0, idx)  # noqa: E731
-            out[idx] = temporal_attention_torch(pick(q), pick(k), pick(v), pick(k_cache), pick(v_cache),
+            out[idx] = temporal_attention_dense(pick(q), pick(k), pick(v), pick(k_cache), pick(v_cache),
                                                 pick(cache_seqlens), pick(labels), pick(positions), mask_mode,
                                                 rope_theta, softmax_scale)
         return out

@@ -1,7 +1,8 @@
 """Decoding: SDAR block decoding with one model (the baseline, DESIGN.md §3).
 
 Holds the decode configuration and prompt checks (``config``), sampling (``sampling``:
-temperature, top-k, top-p, confidences, the exponential race), the remasking strategies
+temperature, top-k, top-p, confidences, the exponential race), the keyed sampling noise
+shared by vanilla decoding, the draft and exact verification (``noise``), the remasking strategies
 (``strategies``: sequential, static, dynamic, entropy; the transfer schedule), one denoising
 step and its batched request form (``step``) and vanilla decoding as an engine program
 (``vanilla``).

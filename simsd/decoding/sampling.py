@@ -70,7 +70,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)  # ties: same order in any batch
         cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the token that crosses p
         drop[..., 0] = False  # and always the most likely one (a top_p below float32's range rounds to 0)

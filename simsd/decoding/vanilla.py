@@ -6,6 +6,7 @@ import torch
 from ..engine.batching import BatchResult, Row, engine_for
 from ..engine.host_sync import to_device
 from .config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
+from .noise import NoiseKey
 from .step import Step
 
 
@@ -14,21 +15,24 @@ def new_block(tail: list, block_length: int, mask_id: int, device) -> torch.Tens
     return to_device(list(tail) + [mask_id] * (block_length - len(tail)), device)
 
 
-def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_ids, generator):
+def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_ids, seed: int):
     """One row's block decoding as a :mod:`simsd.engine.batching` program; returns ``(generated, blocks)``.
-    One host read per step: the new block (the step's decision)."""
+    Step ``s`` of the block at absolute position ``start`` samples with the noise keyed
+    ``NoiseKey(seed, start)`` and ``s`` (:mod:`simsd.decoding.noise`). One host read per step:
+    the new block (the step's decision)."""
     B = cfg.block_length
     stops = set(stop_ids)
     generated: list = []
     blocks = 0
     while True:
         block = new_block(tail, B, mask_id, row.devices["target"])
+        key = NoiseKey(seed, row.start("target"))
         block_host = list(tail) + [mask_id] * (B - len(tail))
         first_gen = len(tail)
         tail = []
         step = 0
         while mask_id in block_host:
-            block, _, _ = yield row.denoise("target", block, Step(block, step, cfg, mask_id, generator))
+            block, _, _ = yield row.denoise("target", block, Step(block, step, cfg, mask_id, key))
             block_host = block.tolist()
             step += 1
         blocks += 1
@@ -45,9 +49,9 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
                            first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
     """Decode ``prompts`` (lists of ids) together, each with independent progress.
 
-    Row ``i`` samples with its own generator (on the model's device) seeded
-    ``cfg.seed + first_index + i``, so prompt
-    ``j`` of a prompt set decodes the same in any batch (and alone with ``seed + j``). Per-row
+    Row ``i`` samples with the stateless noise of :mod:`simsd.decoding.noise` under the row seed
+    ``cfg.seed + first_index + i``, so prompt ``j`` of a prompt set decodes the same in any
+    batch (and alone with ``seed + j``). Per-row
     ``stats`` are those of :func:`vanilla_generate` (forward counts are the row's own; its
     ``decode_seconds`` is the batch's), plus ``batch_size``. ``cuda_graphs``: replay the
     forwards as CUDA graphs (:mod:`simsd.engine.graphs`; token-identical to eager static shapes).
@@ -60,8 +64,7 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
     capacity = max(check_prompt(p, model.config, cfg.max_new_tokens, B, mask_id) for p in prompts)
     engine = engine_for({"target": model}, B, len(prompts), capacity, 2 * B, cuda_graphs)
     tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
-    programs = [vanilla_program(engine.rows[i], tails[i], cfg, mask_id, stop_ids,
-                                torch.Generator(model.device).manual_seed(cfg.seed + first_index + i))
+    programs = [vanilla_program(engine.rows[i], tails[i], cfg, mask_id, stop_ids, cfg.seed + first_index + i)
                 for i in range(len(prompts))]
     with Timer(model.device) as timer:
         outs = engine.run(programs)

@@ -295,7 +295,7 @@ class BatchEngine:
             logits = self.graphs[name](ids, pos, labels, mode, num_write, want)
         else:
             logits = model(ids, pos, labels, mode, self.caches[name].rows(a, b), num_write,
-                           slice(None) if want else None)
+                           slice(None) if want else None, unit=self.B)
         self.forwards[name] += 1
         outs = {}
         for i, r in reqs.items():

@@ -48,6 +48,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
                    help="attention kernels: auto picks cuda > triton > torch on a GPU, torch on the CPU "
                         "(SIMSD_ATTENTION_BACKEND overrides auto)")
+    p.add_argument("--invariant", action="store_true",
+                   help="shape-invariant numerics for the target (norms, projections and MLP per block-sized "
+                        "unit): exact mode then equals vanilla bit for bit in every dtype on the torch backend; "
+                        "pass it to both runs you compare (slower verify forwards)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
     p.add_argument("--tp", type=int, default=1,

@@ -164,6 +164,9 @@ def check_engine_args(args, device: str) -> None:
             raise UsageError(f"--tp {tp}: this process group has {world()[1]} rank(s); launch with torchrun "
                              f"--nproc-per-node {tp} or let simsd spawn the ranks")
     if getattr(args, "cuda_graphs", False):
+        if getattr(args, "invariant", False):
+            raise UsageError("--invariant is not available with --cuda-graphs (the graph runner does not run "
+                             "the per-unit path)")
         devices = {device, args.draft_device or device}
         if any(torch.device(d).type != "cuda" for d in devices) or not torch.cuda.is_available():
             raise UsageError(f"--cuda-graphs needs CUDA devices, got {', '.join(sorted(devices))}")
@@ -278,6 +281,7 @@ def load_models(run: Run):
     target = load_checkpoint(run.target.path, dtype=run.dtype, device=run.device, info=run.target)
     target.model.attention_backend = args.attention_backend
     target = dataclasses.replace(target, stop_ids=run.stop_ids)
+    target.model.invariant = getattr(args, "invariant", False)
     tp = getattr(args, "tp", 1)
     if tp > 1:
         from ..engine.tp import shard_model

@@ -4,10 +4,12 @@ Modes (DESIGN.md §4):
 
 * ``paper``: the paired ``[leftover | D | M]`` layout with RoPE copy and the four-quadrant
   temporal mask; greedy matching or rejection sampling in the draft's temporal order.
-* ``exact``: one block copy per verified draft step (§4.1); with greedy decoding each draft
-  step is accepted only if it equals the target's own decision (positions and tokens), so the
-  output is token-identical to vanilla decoding with the target for any draft. A last
-  "bonus" copy of the draft's final state lets the target take one more step of its own
+* ``exact``: one block copy per verified draft step (§4.1, §4.2); each draft step is accepted
+  only if it equals the target's own decision at that state (positions and tokens; under
+  sampling with the same keyed noise as vanilla decoding, :mod:`simsd.decoding.noise`), so the
+  output is token-identical to vanilla decoding with the target and the same seed, for any
+  draft, strategy and temperature (given equal logits: see ``SDARForCausalLM.invariant``). A
+  last "bonus" copy of the draft's final state lets the target take one more step of its own
   when every draft step is accepted and the block is not full.
 """
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 
 from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
 from ..decoding.strategies import parse_strategy
@@ -24,8 +25,6 @@ from ..engine.batching import BatchResult, engine_for
 from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
 
 MODES = ("paper", "exact")
-#: a row's draft generator (on the draft's device) is seeded ``seed + DRAFT_SEED_OFFSET``
-DRAFT_SEED_OFFSET = 1 << 20
 
 
 @dataclass
@@ -104,14 +103,16 @@ class SpeculativeDecoder:
             raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
         self.mask_id = target.mask_token_id
         self.diagnostics = None  # dict: compare paper verification with exact (simsd bench)
+        self.row_class = SpecRow  # a subclass may replace a rule (bench/bench_coupling.py)
 
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
 
     def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
-        """Decode ``prompts`` together with independent progress; row ``i`` samples with
-        generators seeded ``cfg.seed + first_index + i`` (target, on its device; see
-        :func:`vanilla_generate_batch`) and that plus ``DRAFT_SEED_OFFSET`` (draft)."""
+        """Decode ``prompts`` together with independent progress; row ``i`` samples with the
+        keyed noise of :mod:`simsd.decoding.noise` under the row seed ``cfg.seed + first_index + i``
+        (as :func:`vanilla_generate_batch`: exact mode gives the same tokens as vanilla decoding
+        with the same seed)."""
         cfg = self.cfg
         B = cfg.block_length
         capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B, self.mask_id) for p in prompts)
@@ -126,11 +127,8 @@ class SpeculativeDecoder:
         if optimistic and cfg.fold_commit:
             raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
                              "target are on different devices): set optimistic=False or fold_commit=False")
-        rows = []
-        for i in range(len(prompts)):
-            seed = cfg.seed + first_index + i
-            rows.append(SpecRow(self, engine.rows[i], torch.Generator(self.t.model.device).manual_seed(seed), optimistic,
-                                torch.Generator(self.d.model.device).manual_seed(seed + DRAFT_SEED_OFFSET)))
+        rows = [self.row_class(self, engine.rows[i], cfg.seed + first_index + i, optimistic)
+                for i in range(len(prompts))]
         with Timer(self.t.model.device) as timer:
             outs = engine.run([r.program(tail) for r, tail in zip(rows, tails)])
         results = []

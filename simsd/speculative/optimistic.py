@@ -19,9 +19,10 @@ still valid:
 Their host reads touch the draft's device only (speculative states and blocks live there), so
 they never wait for the target's verify forward.
 
-Greedy decoding with speculation is token-identical to decoding without it (a kept
-speculation is exactly the draft the row would have computed); with sampling the
-speculative draft draws from its own generator, so the output distribution is unchanged.
+Decoding with speculation is token-identical to decoding without it, greedy or sampling: a
+kept speculation is exactly the draft the row would have computed, since the draft's noise is
+keyed by the row seed, the block position, the block step and (paper mode) the round it is
+drafted for (:mod:`simsd.decoding.noise`), never by how many draws came before.
 """
 from __future__ import annotations
 

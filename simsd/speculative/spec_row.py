@@ -10,11 +10,12 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from ..decoding.step import Step, denoise_step, without_mask_token
+from ..decoding.noise import ACCEPT, PAPER_DRAFT, RESIDUAL, SAMPLE, NoiseKey, uniform
+from ..decoding.step import Step, denoise_step, step_noise, without_mask_token
 from ..decoding.vanilla import new_block
 from ..engine.batching import Fwd, Row
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
-from .verification import accept_in_order, exact_greedy_verdict, exact_layout, paper_layout, token_verdicts
+from .verification import accept_in_order, exact_layout, exact_step_verdict, paper_layout, token_verdicts
 
 
 class Stats:
@@ -56,8 +57,8 @@ class Draft:
 
     ``states[c] (L,)``: the block before draft step ``c`` (``c = 0..n-1``); ``final (L,)``: after
     the ``n`` steps; ``tau (L,)`` int64: 1-based reveal step, ``TAU_INF`` where not revealed;
-    ``probs (L, V)``: the draft's sampling distribution at each position's reveal step (None
-    when greedy); ``remaining``: MASK positions left in ``final`` (a host int, known without
+    ``probs (L, V)``: the draft's sampling distribution at each position's reveal step (paper
+    mode's rejection sampling; None when greedy and in exact mode); ``remaining``: MASK positions left in ``final`` (a host int, known without
     reading the device for the schedule strategies).
     """
     states: list
@@ -79,9 +80,18 @@ class Draft:
 
 
 class SpecRow:
-    """One request's SimSD rounds as a :mod:`simsd.engine.batching` program: its generator, its
+    """One request's SimSD rounds as a :mod:`simsd.engine.batching` program: its seed, its
     counters, and the draft / verify / commit logic. Methods that run forwards are generators
     (``yield`` a :class:`Fwd`, receive the logits).
+
+    Noise (:mod:`simsd.decoding.noise`, row seed ``seed``): every sampling step at block step
+    ``s`` of the block at absolute position ``start`` uses ``NoiseKey(seed, start)`` and ``s``
+    -- the target's steps (fallback, exact verification) and, in exact mode, the draft's too, so
+    exact mode commits what vanilla decoding with the same seed commits and the draft agrees
+    with the target whenever the coupled draws agree. Paper mode's draft samples from the
+    ``PAPER_DRAFT`` stream keyed by the round as well (fresh noise for every round's proposal,
+    as rejection sampling needs), its acceptance test and residual draws from ``ACCEPT`` and
+    ``RESIDUAL``.
 
     Host reads: one per round, the accept decision (new block and counters, see
     :meth:`decide`); the ``dynamic`` and ``entropy`` draft strategies add one per draft step
@@ -89,25 +99,42 @@ class SpecRow:
     target step reads its new block. Everything else stays on the devices.
     """
 
-    def __init__(self, dec, row: Row, generator: torch.Generator, optimistic: bool = False,
-                 draft_generator: torch.Generator | None = None):
-        self.dec, self.row, self.generator = dec, row, generator
+    def __init__(self, dec, row: Row, seed: int, optimistic: bool = False):
+        self.dec, self.row, self.seed = dec, row, seed
         self.cfg, self.mask_id = dec.cfg, dec.mask_id
         self.optimistic = optimistic
-        # the draft samples from its own stream, on its own device (with speculation its draws
-        # may run before the target's acceptance draws)
-        self.draft_generator = draft_generator
+        self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.stats = Stats()
 
+    def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
+        return NoiseKey(self.seed, start, stream, round_index)
+
+    @property
+    def rejection_sampling(self) -> bool:
+        """Whether sampled proposals are judged token by token by rejection sampling (paper
+        mode): then the draft keeps its distributions and needs fresh noise every round."""
+        return self.dec.spec.mode == "paper"
+
+    def draft_key(self, start: int, round_index: int) -> NoiseKey:
+        """The draft's noise key: the target's (exact mode: coupled draws) or, for rejection
+        sampling, a stream of its own that is fresh every round."""
+        if not self.rejection_sampling:
+            return self.key(start)
+        return self.key(start, PAPER_DRAFT, round_index)
+
     # -- draft ---------------------------------------------------------------------------
-    def propose(self, block: torch.Tensor, block_step: int, masks: int):
-        """Draft up to gamma steps from ``block`` (``masks`` MASK positions); returns a :class:`Draft`."""
+    def propose(self, block: torch.Tensor, block_step: int, masks: int, start: int, round_index: int):
+        """Draft up to gamma steps from ``block`` (``masks`` MASK positions), the block at
+        absolute position ``start`` after ``block_step`` steps, for round ``round_index``;
+        returns a :class:`Draft`. Draft step ``c`` is block step ``block_step + c`` (its noise key)."""
         dev = self.row.devices["draft"]
         dcfg = self.dec.draft_cfg
         state = block.to(dev)
         L = state.shape[0]
         tau = torch.full((L,), TAU_INF, dtype=torch.int64, device=dev)
-        probs = None if dcfg.sampling.greedy else torch.zeros(L, self.dec.d.config.vocab_size, device=dev)
+        key = self.draft_key(start, round_index)
+        keep_probs = not dcfg.sampling.greedy and self.rejection_sampling
+        probs = torch.zeros(L, self.dec.d.config.vocab_size, device=dev) if keep_probs else None
         states = []
         counts_known = dcfg.strategy in ("sequential", "static")
         for c in range(self.dec.gamma):
@@ -115,7 +142,7 @@ class SpecRow:
                 break
             states.append(state)
             state, revealed, p = yield self.row.denoise(
-                "draft", state, Step(state, block_step + c, dcfg, self.mask_id, self.draft_generator))
+                "draft", state, Step(state, block_step + c, dcfg, self.mask_id, key))
             tau = torch.where(revealed, c + 1, tau)
             if probs is not None:
                 probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
@@ -134,29 +161,23 @@ class SpecRow:
             states.append(draft.final)
         return self.row.exact("target", *exact_layout(states, self.row.start("target")))
 
-    def judge_exact(self, draft: Draft, logits: torch.Tensor, block_step: int):
+    def judge_exact(self, draft: Draft, logits: torch.Tensor, block_step: int, start: int):
         """``(new_block, steps_taken, accepted, proposed)`` from the exact verify logits, as
-        device tensors (the decision, read by :meth:`decide`)."""
+        device tensors (the decision, read by :meth:`decide`): copy ``c`` gets the target's own
+        step ``block_step + c`` on its state, with that step's noise, and the draft's step is
+        accepted when it is the same decision (:func:`exact_step_verdict`)."""
         bonus = draft.remaining > 0
         states = torch.stack(draft.states)
         verified = torch.cat([states, draft.final[None]]) if bonus else states
         C, L = verified.shape
         logits = logits.view(C, L, -1)
-        if self.cfg.sampling.greedy:
-            steps = block_step + torch.arange(C, device=logits.device)
-            mine, _, _ = denoise_step(logits, verified, self.mask_id, self.cfg, steps, None)
-            return exact_greedy_verdict(mine, states, draft.final, draft.tau, bonus)
-        # each proposal is judged by the copy of the state it was revealed from
-        at = logits[(draft.tau - 1).clamp(0, draft.n - 1), torch.arange(L, device=logits.device)]
-        ok, repl = token_verdicts(without_mask_token(at, self.mask_id), draft.final, draft.probs,
-                                  self.cfg.sampling, self.generator)
-        new, rejected, taken, acc, prop = accept_in_order(states[0], draft.final, draft.tau, draft.n, ok, repl)
-        if bonus:  # every draft step accepted: the bonus copy gives the target's own next step
-            mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg, block_step + draft.n,
-                                      self.generator)
-            new = torch.where(rejected, new, mine)
-            taken = torch.where(rejected, taken, draft.n + 1)
-        return new, taken, acc, prop
+        steps = block_step + torch.arange(C, device=logits.device)
+        noise = None
+        if not self.cfg.sampling.greedy:
+            noise = step_noise([self.key(start)] * C, [block_step + c for c in range(C)], L, logits.shape[-1],
+                               logits.device)
+        mine, _, _ = denoise_step(logits, verified, self.mask_id, self.cfg, steps, noise)
+        return exact_step_verdict(mine, states, draft.final, draft.tau, bonus)
 
     def paper_request(self, block: torch.Tensor, block_host: list, draft: Draft):
         """The paper verify forward ``[leftover | D | M]`` and ``m_index`` (see :func:`paper_layout`)."""
@@ -166,12 +187,17 @@ class SpecRow:
                                               self.mask_id, self.dec.spec.rope_copy)
         return Fwd("target", ids[0], pos[0], lab[0], "paper"), m_index
 
-    def judge_paper(self, block: torch.Tensor, draft: Draft, logits: torch.Tensor, m_index):
+    def judge_paper(self, block: torch.Tensor, draft: Draft, logits: torch.Tensor, m_index, start: int):
         """``(new_block, steps_taken, accepted, proposed)`` from the paper verify logits (each
         proposal judged at its M slot), as device tensors."""
-        at = logits[m_index.clamp_min(0)]
-        ok, repl = token_verdicts(without_mask_token(at, self.mask_id), draft.final, draft.probs,
-                                  self.cfg.sampling, self.generator)
+        at = without_mask_token(logits[m_index.clamp_min(0)], self.mask_id)
+        rng = None
+        if not self.cfg.sampling.greedy:
+            L, V = at.shape
+            r = self.round_index
+            u = uniform([self.key(start, ACCEPT, r)], 0, L, 1, at.device)[0, :, 0]
+            rng = (u, step_noise([self.key(start, RESIDUAL, r)], 0, L, V, at.device)[0])
+        ok, repl = token_verdicts(at, draft.final, draft.probs, self.cfg.sampling, rng)
         new, _, taken, acc, prop = accept_in_order(block, draft.final, draft.tau, draft.n, ok, repl)
         return new, taken, acc, prop
 
@@ -216,16 +242,17 @@ class SpecRow:
             diag["total"] += 1
 
     # -- main loop -----------------------------------------------------------------------
-    def target_step(self, block: torch.Tensor, block_step: int):
+    def target_step(self, block: torch.Tensor, block_step: int, start: int):
         """One vanilla target step (fallback); returns ``(block, block_host)`` (one host read)."""
         block, _, _ = yield self.row.denoise("target", block,
-                                             Step(block, block_step, self.cfg, self.mask_id, self.generator))
+                                             Step(block, block_step, self.cfg, self.mask_id, self.key(start)))
         self.stats.fallback_steps += 1
         return block, block.tolist()
 
-    def speculate(self, draft: Draft, block_step: int, ends):
+    def speculate(self, draft: Draft, block_step: int, ends, start: int):
         """Draft the next round from the assumed outcome of this one (see :mod:`simsd.speculative.optimistic`);
-        returns a :class:`Speculation` or None."""
+        returns a :class:`Speculation` or None. Its noise keys are those of the round it is for,
+        so a kept speculation is exactly the draft that round would compute."""
         out = assumed_outcome(draft, block_step, self.mask_id, ends)
         if out is None:
             return None
@@ -234,7 +261,8 @@ class SpecRow:
         if committed is not None:
             yield self.row.commit("draft", committed.to(self.row.devices["draft"]))
         masks = draft.remaining if committed is None else block.shape[0]
-        proposal = yield from self.propose(block, step, masks)
+        next_start = start if committed is None else start + block.shape[0]
+        proposal = yield from self.propose(block, step, masks, next_start, self.round_index + 1)
         self.stats.speculations += 1
         return Speculation(block, step, proposal, cached, committed)
 
@@ -265,6 +293,7 @@ class SpecRow:
             block_host = list(tail) + [self.mask_id] * (B - len(tail))
             self.origin = [None] * B  # per position: True = from the draft, False = the target's
             block = new_block(tail, B, self.mask_id, device)
+            start = self.row.start("target")  # absolute position of the block (noise keys)
             first_gen, tail, block_step = len(tail), [], 0
 
             def ends(full: torch.Tensor) -> bool:
@@ -276,14 +305,14 @@ class SpecRow:
                 if spec.on_reject == "fallback" and masks < dec.gamma:
                     carried = None
                     before = block_host
-                    block, block_host = yield from self.target_step(block, block_step)
+                    block, block_host = yield from self.target_step(block, block_step, start)
                     self.mark(before, block_host)
                     block_step += 1
                     continue
                 draft = self.take(carried, block_host, block_step, device)
                 carried = None
                 if draft is None:
-                    draft = (yield from self.propose(block, block_step, masks)).to(device)
+                    draft = (yield from self.propose(block, block_step, masks, start, self.round_index)).to(device)
                 self.stats.rounds += 1
                 if spec.mode == "exact":
                     logits = yield self.exact_request(draft)
@@ -296,11 +325,12 @@ class SpecRow:
                     if self.dec.diagnostics is not None:
                         yield from self.compare_with_exact(draft, logits, m_index)
                 if self.optimistic:  # before the decision is read
-                    carried = yield from self.speculate(draft, block_step, ends)
+                    carried = yield from self.speculate(draft, block_step, ends, start)
                 if spec.mode == "exact":
-                    verdict = self.judge_exact(draft, logits, block_step)
+                    verdict = self.judge_exact(draft, logits, block_step, start)
                 else:
-                    verdict = self.judge_paper(block, draft, logits, m_index)
+                    verdict = self.judge_paper(block, draft, logits, m_index, start)
+                self.round_index += 1
                 block, block_host, taken = self.decide(verdict, draft, block_host)
                 block_step += taken
                 if carried is not None and carried.committed is not None and not keep_commit(carried, block_host):

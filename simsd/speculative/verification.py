@@ -1,12 +1,13 @@
-"""SimSD verification layouts and acceptance rules (DESIGN.md §4, §4.1).
+"""SimSD verification layouts and acceptance rules (DESIGN.md §4, §4.1, §4.2).
 
 * :func:`paper_layout`: ``[leftover | D_1..D_n | M_1..M_n]`` with the RoPE copy and the
   four-quadrant temporal mask labels (paper mode).
 * :func:`exact_layout`: one copy of the block per verified draft step (exact mode).
 * :func:`token_verdicts`, :func:`accept_in_order`: greedy matching or speculative rejection
-  sampling of the draft tokens in the draft's temporal order; :func:`exact_greedy_verdict`:
-  exact mode's greedy step comparison. All three run on the device without host reads: a
-  round's decision is read once, by the caller.
+  sampling of the draft tokens in the draft's temporal order (paper mode);
+  :func:`exact_step_verdict`: exact mode's comparison of whole steps (greedy or sampling).
+  All three run on the device without host reads: a round's decision is read once, by the
+  caller.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from simsd_kernels import KIND_DRAFT, KIND_KNOWN, KIND_MASK, TAU_INF
 
-from ..decoding.sampling import draw, filtered_probs
+from ..decoding.sampling import draw, exponential_noise, filtered_probs
 from ..decoding.strategies import stable_rank
 from ..engine.host_sync import to_device
 
@@ -78,7 +79,7 @@ def exact_layout(states: list, start: int):
 
 
 def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: torch.Tensor | None,
-                   params, generator: torch.Generator | None):
+                   params, rng=None):
     """Per-position verdicts on draft tokens, on the device and without host reads.
 
     Args:
@@ -88,14 +89,18 @@ def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: tor
         draft_probs: ``(L, V)`` the draft's sampling distribution per position (unused when
             greedy).
         params: :class:`~simsd.decoding.sampling.SamplingParams` (shared by draft and target).
-        generator: on the logits' device (sampling only).
+        rng: the randomness of rejection sampling (unused when greedy): a pair ``(u (L,),
+            exponential (L, V))`` of keyed noise (:mod:`simsd.decoding.noise`, streams
+            ``ACCEPT`` and ``RESIDUAL``; what :class:`~simsd.speculative.spec_row.SpecRow`
+            passes), or a ``torch.Generator`` on the logits' device.
 
     Returns:
         ``ok (L,) bool`` and ``replacement (L,) int64``. Greedy: accept iff the draft token is
         the target's argmax; the replacement is the argmax. Sampling (speculative rejection
-        sampling, Leviathan et al. 2023): accept with probability
-        ``min(1, p_t(x) / p_d(x))``; the replacement is drawn from ``normalize(max(0, p_t - p_d))``
-        (``p_t`` where that is all zero), so a committed token follows ``p_t``.
+        sampling, Leviathan et al. 2023): accept when ``u * p_d(x) < p_t(x)``, i.e. with
+        probability ``min(1, p_t(x) / p_d(x))``; the replacement is drawn from
+        ``normalize(max(0, p_t - p_d))`` (``p_t`` where that is all zero), so a committed token
+        follows ``p_t``.
     """
     if params.greedy:
         best = logits.argmax(-1)
@@ -104,11 +109,15 @@ def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: tor
     p_d = draft_probs.to(p_t.dtype)
     x = drafted[:, None]
     pt_x, pd_x = p_t.gather(-1, x)[:, 0], p_d.gather(-1, x)[:, 0]
-    u = torch.rand(pt_x.shape, generator=generator, device=pt_x.device, dtype=torch.float64)
-    ok = (pd_x > 0) & (u * pd_x.double() < pt_x.double())
+    if isinstance(rng, torch.Generator) or rng is None:
+        u = torch.rand(pt_x.shape, generator=rng, device=pt_x.device, dtype=torch.float64)
+        noise = exponential_noise(p_t.shape, p_t.device, rng)
+    else:
+        u, noise = rng
+    ok = (pd_x > 0) & (u.double() * pd_x.double() < pt_x.double())
     residual = (p_t - p_d).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_t)
-    return ok, draw(residual, generator)
+    return ok, draw(residual, noise=noise)
 
 
 def accept_in_order(block: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor, n: int,
@@ -146,10 +155,14 @@ def accept_in_order(block: torch.Tensor, drafted: torch.Tensor, tau: torch.Tenso
     return new, rejected, taken, r, (prop & (tau <= taken)).sum()
 
 
-def exact_greedy_verdict(mine: torch.Tensor, states: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor,
-                         bonus: bool):
-    """Greedy exact verification: draft step ``c`` is accepted iff the target's own step on
+def exact_step_verdict(mine: torch.Tensor, states: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor,
+                       bonus: bool):
+    """Exact verification: draft step ``c`` is accepted iff the target's own step on
     ``states[c]`` (``mine[c]``: same positions, same tokens) equals the draft's next state.
+
+    Greedy or sampling alike: ``mine[c]`` is the step vanilla decoding would take at that state
+    (under sampling with the same keyed noise, :mod:`simsd.decoding.noise`), so the committed
+    block is always one vanilla decoding reaches.
 
     Args:
         mine: ``(n + bonus, L)`` the target's own denoising step on each verified state
@@ -174,3 +187,7 @@ def exact_greedy_verdict(mine: torch.Tensor, states: torch.Tensor, drafted: torc
     new = torch.index_select(candidates, 0, n_ok.view(1))[0]
     taken = (n_ok + 1).clamp(max=n + int(bonus))
     return new, taken, accepted, proposed
+
+
+#: the former name (greedy was the only case before keyed noise)
+exact_greedy_verdict = exact_step_verdict

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
-from simsd.decoding.step import denoise_step
+from simsd.decoding.noise import NoiseKey
+from simsd.decoding.step import denoise_step, step_noise
 from simsd.models.model import labels_for
 from simsd.decoding.vanilla import new_block
 from tests.helpers import random_checkpoint
@@ -18,7 +19,6 @@ def uncached_generate(model, prompt, cfg, mask_id, stop_ids):
     """Reference without a KV cache: every step recomputes the whole sequence with the
     full block-causal mask (token i sees j iff j // B <= i // B)."""
     B = cfg.block_length
-    g = torch.Generator().manual_seed(cfg.seed)
     seq = list(prompt)
     aligned = (len(prompt) // B) * B
     tail = seq[aligned:]
@@ -32,7 +32,10 @@ def uncached_generate(model, prompt, cfg, mask_id, stop_ids):
             pos = torch.arange(ids.shape[1])[None]
             logits = model(ids, pos, labels_for(ids.shape[1], "cpu", grp=pos // B), "block_causal",
                            model.new_cache(1, 0))[0, -B:]
-            block, _, _ = denoise_step(logits, block, mask_id, cfg, step, g)
+            noise = None
+            if not cfg.sampling.greedy:  # the keyed noise of the block at len(seq), this step
+                noise = step_noise([NoiseKey(cfg.seed, len(seq))], step, B, logits.shape[-1], "cpu")[0]
+            block, _, _ = denoise_step(logits, block, mask_id, cfg, step, noise)
             step += 1
         seq += block.tolist()
         generated += block[first:].tolist()

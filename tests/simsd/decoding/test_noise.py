@@ -1,0 +1,178 @@
+"""The keyed sampling noise (simsd.decoding.noise, DESIGN.md §4.2): the words equal a pure-Python
+SplitMix64, the uniforms are unbiased and independent across keys, and vanilla sampling with
+them follows the target's exact step distribution computed in float64 (chi-square)."""
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.decoding import noise
+from simsd.decoding.noise import ACCEPT, PAPER_DRAFT, SAMPLE, NoiseKey, mix64
+from simsd.decoding.sampling import filtered_probs
+from simsd.decoding.step import Step, step_noise, without_mask_token
+from simsd.decoding.vanilla import vanilla_generate_batch
+from simsd.models.model import labels_for
+from tests.helpers import random_checkpoint
+
+MASK64 = (1 << 64) - 1
+
+
+def python_word(key: NoiseKey, step: int, position: int, token: int) -> int:
+    g = noise.GOLDEN
+    s = mix64(mix64(mix64(key.seed) + key.stream * g) + key.round * g)
+    s = mix64(mix64(s + position * g) + step * g)
+    w = mix64(s + (token + 1) * g)
+    return w - (1 << 64) if w >> 63 else w
+
+
+def test_words_match_python_reference():
+    keys = [NoiseKey(0, 0), NoiseKey(7, 4096, ACCEPT, 3), NoiseKey((1 << 63) + 5, 12, PAPER_DRAFT, 1 << 40),
+            NoiseKey(-3, 2040)]
+    steps = [0, 5, 1, 7]
+    w = noise.words(keys, steps, 5, 40, "cpu")
+    for r, key in enumerate(keys):
+        for p in range(5):
+            for t in (0, 1, 17, 39):
+                assert int(w[r, p, t]) == python_word(key, steps[r], key.start + p, t), (r, p, t)
+
+
+def test_noise_of_a_key_does_not_depend_on_the_batch():
+    keys = [NoiseKey(s, 8 * s) for s in range(5)]
+    together = noise.exponential(keys, [0, 1, 2, 3, 4], 4, 33, "cpu")
+    as_tensor = noise.exponential(keys, torch.arange(5), 4, 33, "cpu")
+    assert torch.equal(together, as_tensor)
+    for r, key in enumerate(keys):
+        assert torch.equal(noise.exponential([key], r, 4, 33, "cpu")[0], together[r])
+
+
+def test_uniforms_unbiased_and_independent():
+    keys = [NoiseKey(seed, 100 * seed, stream) for seed in range(16) for stream in (SAMPLE, ACCEPT)]
+    u = torch.stack([noise.uniform(keys, step, 8, 512, "cpu") for step in range(4)])  # (4, 32, 8, 512)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    n = u.numel()
+    counts = torch.histc(u.double(), bins=64, min=0, max=1)
+    assert chisquare(counts.numpy()).pvalue > 1e-3
+    e = -u.double().log()
+    assert abs(float(e.mean()) - 1) < 4 / n ** 0.5 and abs(float(e.var()) - 1) < 10 / n ** 0.5
+    # neighbours along every key field are uncorrelated
+    x = u.double() - 0.5
+    for dim in range(4):  # step, (seed, stream), position, token
+        a, b = x.narrow(dim, 0, x.shape[dim] - 1), x.narrow(dim, 1, x.shape[dim] - 1)
+        r = float((a * b).mean() / (x * x).mean())
+        assert abs(r) < 5 / a.numel() ** 0.5, (dim, r)
+    # and so are the same cells under two seeds, two steps, two streams
+    for a, b in ((u[:, 0], u[:, 2]), (u[0], u[1]), (u[:, 0::2], u[:, 1::2])):
+        r = float(((a.double() - 0.5) * (b.double() - 0.5)).mean() * 12)
+        assert abs(r) < 5 / a.numel() ** 0.5
+
+
+# ---- vanilla sampling against the exact step distribution (float64) -------------------
+
+VOCAB = 12  # mask id 11
+
+
+@pytest.fixture(scope="module")
+def target():
+    path = random_checkpoint("noise-target", tokenizer=False, vocab_size=VOCAB, num_hidden_layers=2, seed=2, std=0.6)
+    return dataclasses.replace(load_checkpoint(path, dtype="float64", with_tokenizer=False), stop_ids=[])
+
+
+def block_logits(model, prompt, block):
+    cache = model.new_cache(1, 32)
+    P = len(prompt)
+    pos = torch.arange(P)[None]
+    model(torch.tensor([prompt]), pos, labels_for(P, "cpu", grp=pos // 4), "block_causal", cache, num_write=P,
+          logits_slice=None)
+    return model(torch.tensor([block]), torch.arange(P, P + 4)[None], labels_for(4, "cpu"), "bidirectional",
+                 cache)[0]
+
+
+def step_dists(logits, params, mask_id):
+    """Per position: the sampling distribution (float64 over the support the filter keeps) and
+    the confidence of each token (float64, unfiltered, temperature-scaled), MASK excluded."""
+    support = filtered_probs(without_mask_token(logits, mask_id), params) > 0
+    logits = without_mask_token(logits, mask_id).double()  # the model's float32 logits, in float64 from here
+    scaled = torch.softmax(logits / params.temperature, -1)
+    sampling = torch.where(support, scaled, 0.0)
+    return sampling / sampling.sum(-1, keepdim=True), scaled
+
+
+def chi2_pvalue(counts, probs):
+    N = counts.sum()
+    keep = probs * N >= 5
+    assert keep.sum() >= 8 and probs[keep].sum() > 0.8  # enough cells for the test to have power
+    expected = probs[keep] * N
+    observed = counts[keep]
+    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+
+
+# the random model is confident: high temperatures give flat enough distributions for the test to have power
+@pytest.mark.parametrize("params", [SamplingParams(temperature=5.0), SamplingParams(temperature=8.0, top_k=7, top_p=0.9)])
+def test_static_first_step_follows_the_exact_distribution(target, params):
+    """One static step from an all-MASK block reveals (position, token) with probability
+    f_p(x) * prod_{q<p} P(c_q(X_q) < c_p(x)) * prod_{q>p} P(c_q(X_q) <= c_p(x)) (ties go to the
+    lower position): every position's token is sampled with its own key, the most confident
+    one is revealed. 4000 seeds through the vanilla step (Step.run_batch)."""
+    mask = target.mask_token_id
+    block = [mask] * 4
+    logits = block_logits(target.model, [1, 2, 3, 4], block)
+    f, conf = step_dists(logits, params, mask)
+    exact = torch.zeros(4, VOCAB, dtype=torch.float64)
+    for p in range(4):
+        for x in range(VOCAB):
+            if f[p, x] == 0:
+                continue
+            c = conf[p, x]
+            prob = f[p, x]
+            for q in range(4):
+                if q != p:
+                    prob = prob * f[q][(conf[q] < c) if q < p else (conf[q] <= c)].sum()
+            exact[p, x] = prob
+    assert abs(float(exact.sum()) - 1) < 1e-9
+    N = 4000
+    cfg = DecodeConfig(block_length=4, strategy="static", sampling=params)
+    blk = torch.tensor(block)
+    steps = [Step(blk, 0, cfg, mask, NoiseKey(seed, 4)) for seed in range(N)]
+    out = Step.run_batch(steps, [logits] * N)
+    counts = torch.zeros(4, VOCAB, dtype=torch.float64)
+    for new, revealed, _ in out:
+        p = int(revealed.nonzero())
+        counts[p, int(new[p])] += 1
+    assert counts.sum() == N
+    assert float(counts[exact == 0].sum()) == 0
+    assert chi2_pvalue(counts.flatten(), exact.flatten()) > 1e-3
+
+
+def test_two_sequential_steps_follow_the_exact_joint(target):
+    """Vanilla decoding of N rows (row i seeded i): the first two tokens (steps 0 and 1 of the
+    block, positions 0 and 1) follow p_0(x0) * p_1(x1 | x0), the product of the target's step
+    distributions (the second computed from the block with x0 revealed): the noise is
+    independent across positions and steps."""
+    mask = target.mask_token_id
+    params = SamplingParams(temperature=5.0)
+    prompt = [1, 2, 3, 4]
+    f0, _ = step_dists(block_logits(target.model, prompt, [mask] * 4), params, mask)
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for x0 in range(VOCAB):
+        if f0[0, x0] > 0:
+            f1, _ = step_dists(block_logits(target.model, prompt, [x0, mask, mask, mask]), params, mask)
+            joint[x0] = f0[0, x0] * f1[1]
+    N = 1500
+    cfg = DecodeConfig(block_length=4, strategy="sequential", max_new_tokens=2, sampling=params)
+    out = vanilla_generate_batch(target.model, [prompt] * N, cfg, mask, [])
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for r in out.results:
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    assert chi2_pvalue(counts.flatten(), joint.flatten()) > 1e-3
+
+
+def test_step_noise_is_keyed_by_position_and_step():
+    """The noise of a block step is the same wherever it is computed, and differs across
+    positions, steps, seeds and streams."""
+    a = step_noise([NoiseKey(1, 8)], 2, 4, 50, "cpu")[0]
+    assert torch.equal(a, step_noise([NoiseKey(9, 0), NoiseKey(1, 8)], [0, 2], 4, 50, "cpu")[1])
+    assert torch.equal(a[1:], step_noise([NoiseKey(1, 9)], 2, 3, 50, "cpu")[0])  # positions are absolute
+    for other in ([NoiseKey(1, 8)], 3), ([NoiseKey(2, 8)], 2), ([NoiseKey(1, 8, PAPER_DRAFT)], 2):
+        assert not torch.equal(a, step_noise(other[0], other[1], 4, 50, "cpu")[0])
