@@ -183,6 +183,13 @@ class SpecRow:
             diag["total"] += 1
 
     # -- main loop -----------------------------------------------------------------------
+    def check_progress(self, block_host: list, masks: int, block_step: int) -> None:
+        """A round (or a fallback step) commits at least one token; raise instead of looping
+        when it did not (checked on the host copy already read, no extra read)."""
+        if block_host.count(self.mask_id) >= masks:
+            raise RuntimeError(f"row {self.row.index}: the {self.dec.spec.mode} round at block step {block_step} "
+                               f"committed no token ({masks} MASK left): decoding would not progress")
+
     def target_step(self, block: torch.Tensor, block_step: int):
         """One vanilla target step (fallback); returns ``(block, block_host)`` (one host read)."""
         block, _, _ = yield self.row.denoise("target", block,
@@ -242,6 +249,7 @@ class SpecRow:
                 if spec.on_reject == "fallback" and masks < dec.gamma:
                     carried = None
                     block, block_host = yield from self.target_step(block, block_step)
+                    self.check_progress(block_host, masks, block_step)
                     block_step += 1
                     continue
                 draft = self.take(carried, block_host, block_step, device)
@@ -266,6 +274,7 @@ class SpecRow:
                 else:
                     verdict = self.judge_paper(block, draft, logits, m_index)
                 block, block_host, taken = self.decide(verdict)
+                self.check_progress(block_host, masks, block_step)
                 block_step += taken
                 if carried is not None and carried.committed is not None and not keep_commit(carried, block_host):
                     self.row.truncate("draft", carried.draft_cached)  # roll back the speculative commit
