@@ -1,8 +1,8 @@
 """Token sampling for denoising steps: temperature, top-k, top-p, greedy.
 
 Confidence is the probability of the chosen token under the temperature-scaled distribution
-*before* top-k/top-p filtering (SDAR's evaluation code; DESIGN.md §3.6). ``temperature == 0``
-or ``top_k == 1`` is greedy (argmax); the confidence then uses temperature 1.
+*before* top-k/top-p filtering (SDAR's evaluation code; docs/design.md §3.6). ``temperature == 0``
+or ``top_k == 1`` is greedy (argmax); with ``temperature == 0`` the confidence uses temperature 1.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Vanilla SDAR block decoding with one model (the baseline; DESIGN.md §3)."""
+"""Vanilla SDAR block decoding with one model (the baseline; docs/design.md §3)."""
 from __future__ import annotations
 
 import torch

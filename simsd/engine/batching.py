@@ -1,4 +1,4 @@
-"""Batched decoding with independent per-row progress (DESIGN.md §6).
+"""Batched decoding with independent per-row progress (docs/design.md §6).
 
 Each request (batch row) runs its decoding logic as a Python generator (a *program*) that
 yields :class:`Fwd` requests — "run these query tokens of mine through model X over my cache"

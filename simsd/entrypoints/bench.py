@@ -5,7 +5,7 @@ warm-up prompts excluded; with ``--batch-size N`` the prompts run in batches of 
 batch's decode time counts once), speedup over vanilla, acceptance rate, target and draft forwards
 per token, accepted tokens per round, whether the output equals vanilla's token for token;
 for ``paper`` also the top-1 agreement and mean KL(exact || paper) of its verification
-distributions against the exact ones (the approximation of DESIGN.md §4.1), measured in a
+distributions against the exact ones (the approximation of docs/design.md §4.1), measured in a
 separate untimed pass.
 """
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_paper_one_layer_equals_sequential():
 def test_paper_two_layers_is_an_approximation():
     c = ckpt("two-layer", layers=2)
     got, want = verification_vs_sequential(c.model, c.mask_token_id, "paper")
-    assert (got - want).abs().max() > 1e-6  # the approximation of DESIGN §4.1 is real
+    assert (got - want).abs().max() > 1e-6  # the approximation of docs/design.md §4.1 is real
 
 
 @pytest.mark.parametrize("layers", [1, 3])
@@ -254,7 +254,7 @@ def test_rejection_sampling_committed_token_matches_target(mode):
     """The first committed token of a block follows the target's own distribution (chi-square)."""
     from scipy.stats import chisquare
     vocab = 12
-    # paper mode is exact only for a one-layer target (DESIGN §4.1): deeper targets let the
+    # paper mode is exact only for a one-layer target (docs/design.md §4.1): deeper targets let the
     # draft token leak into its own verification, so its guarantee is checked on one layer
     layers = 1 if mode == "paper" else 2
     target = ckpt(f"tiny-vocab-target{layers}", vocab=vocab, layers=layers, dtype="float32", std=0.6)
