@@ -12,6 +12,9 @@ versions written here (transformers computes both in float32 whatever the model 
 * :func:`filtered`, :func:`confidences`, :func:`choose`: the sampling rule, the confidence
   rule and the four remasking strategies.
 * :func:`reference_generate`: greedy block decoding with stops (returns a trace of every step).
+* :func:`reference_paper_generate`: greedy SimSD in the paper's layout (§4): the draft's steps,
+  the ``[leftover | D | M]`` query with the four-quadrant mask and the RoPE copy, acceptance
+  in the draft's temporal order, gamma and the fallback.
 * :func:`step_outcomes`: the exact probability of every outcome of one denoising step under
   sampling (enumeration of the joint draw), for chi-square tests of simsd's sampled steps.
 """
@@ -97,12 +100,13 @@ class ReferenceModel:
         self.stop_ids = [] if eos is None else sorted(set(eos if isinstance(eos, list) else [eos]))
 
     @torch.no_grad()
-    def logits(self, ids: list, visible) -> torch.Tensor:
-        """float64 logits ``(len(ids), V)`` of the whole sequence ``ids`` at positions 0..n-1,
-        where token ``i`` attends token ``j`` iff ``visible(i, j)``."""
+    def logits(self, ids: list, visible, positions: list | None = None) -> torch.Tensor:
+        """float64 logits ``(len(ids), V)`` of the whole sequence ``ids`` at ``positions``
+        (default 0..n-1), where token ``i`` attends token ``j`` iff ``visible(i, j)``."""
         n = len(ids)
         mask = torch.tensor([[bool(visible(i, j)) for j in range(n)] for i in range(n)])
-        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(n)[None],
+        pos = torch.arange(n) if positions is None else torch.tensor(positions)
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=pos[None],
                          attention_mask=mask[None, None], use_cache=False)
         return out.logits[0].to(torch.float64)
 
@@ -207,7 +211,7 @@ def choose(strategy: str, masked: list, conf: list, ent: list, k: int, threshold
     return sorted(out)
 
 
-DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}
+DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}  # docs/design.md §3.5
 
 
 @dataclass
@@ -295,3 +299,130 @@ def step_outcomes(logits: torch.Tensor, masked: list, strategy: str, k: int, thr
         key = tuple((i, draw[i]) for i in pos)
         out[key] = out.get(key, 0.0) + prob
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# SimSD, paper layout (greedy)
+
+INF = float("inf")
+
+
+def quadrant(kind_q: str, tau_q: float, kind_k: str, tau_k: float) -> bool:
+    """The four-quadrant rule of §4 (kinds "K" leftover, "D", "M")."""
+    if kind_k == "K":
+        return kind_q in ("K", "D", "M")
+    if kind_q == "D":
+        return tau_k <= tau_q if kind_k == "D" else tau_k > tau_q
+    if kind_q == "M":
+        return tau_k < tau_q if kind_k == "D" else tau_k >= tau_q
+    return False
+
+
+def greedy_step(ref: ReferenceModel, context: list, block: list, B: int, strategy: str, k: int, threshold):
+    """One greedy denoising step of ``block`` by ``ref``: ``(new block, revealed positions)``."""
+    logits = ref.block_logits(context, block, B)
+    masked = [t == ref.mask_id for t in block]
+    best = [int(torch.argmax(logits[i])) for i in range(B)]
+    conf = [softmax64(logits[i], 1.0)[best[i]] for i in range(B)]
+    ent = [entropy(logits[i], 1.0) for i in range(B)]
+    pos = choose(strategy, masked, conf, ent, k, threshold)
+    assert pos, "a step must reveal a position"
+    return [best[i] if i in pos else t for i, t in enumerate(block)], pos
+
+
+def paper_verify(target: ReferenceModel, context: list, block: list, drafted: list, tau: list, B: int,
+                 rope_copy: bool) -> dict:
+    """The target's argmax at each unknown position's M slot: ``{position: token}``."""
+    mask_id = target.mask_id
+    left = [i for i in range(B) if block[i] != mask_id]
+    unk = [i for i in range(B) if block[i] == mask_id]
+    C = len(context)
+    kinds = ["K"] * len(left) + ["D"] * len(unk) + ["M"] * len(unk)
+    taus = [0.0] * len(left) + [tau[i] for i in unk] * 2
+    ids = [block[i] for i in left] + [drafted[i] for i in unk] + [mask_id] * len(unk)
+    m_pos = [C + i for i in unk] if rope_copy else [C + B + j for j in range(len(unk))]
+    positions = list(range(C)) + [C + i for i in left] + [C + i for i in unk] + m_pos
+
+    def visible(i, j):
+        if i < C:  # context tokens: block-causal among themselves, never the query
+            return j < C and j // B <= i // B
+        if j < C:
+            return True
+        a, b = i - C, j - C
+        return quadrant(kinds[a], taus[a], kinds[b], taus[b])
+
+    logits = target.logits(context + ids, visible, positions)
+    logits[:, mask_id] = -math.inf
+    first_m = C + len(left) + len(unk)
+    return {p: int(torch.argmax(logits[first_m + j])) for j, p in enumerate(unk)}
+
+
+def reference_paper_generate(target: ReferenceModel, draft: ReferenceModel, prompt: list, *, block_length: int,
+                             steps: int | None = None, strategy: str = "static", threshold: float | None = None,
+                             gamma: int | None = None, on_reject: str = "redraft", rope_copy: bool = True,
+                             max_new_tokens: int = 16, stop_ids=None) -> ReferenceResult:
+    """Greedy SimSD with the paper's verification, recomputing everything from scratch.
+
+    A round: unless the fallback applies (``on_reject == "fallback"`` and fewer MASK than
+    ``gamma`` left: one vanilla target step), the draft makes up to ``gamma`` steps of its own
+    (schedule entries ``block_step + c``), each revealed position gets ``tau = c + 1``; the
+    target reads every unknown position at its M slot; proposals are taken in (tau, position)
+    order while the draft token is the target's argmax; the first mismatch takes the argmax and
+    ends the round. ``block_step`` advances by the steps the round used (the rejected
+    proposal's tau, else the draft's step count). ``trace``: per block, per round, the tokens
+    committed as ``(positions, tokens)``.
+    """
+    B = block_length
+    sched = schedule(B, steps or B)
+    gamma = gamma or B
+    if threshold is None:
+        threshold = DEFAULT_THRESHOLD.get(strategy)
+    mask_id = target.mask_id
+    stops = set(target.stop_ids if stop_ids is None else stop_ids)
+    cut = len(prompt) - len(prompt) % B
+    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    generated, trace = [], []
+    while True:
+        block = tail + [mask_id] * (B - len(tail))
+        first, tail, block_step, rounds = len(tail), [], 0, []
+        while mask_id in block:
+            masks = block.count(mask_id)
+            if on_reject == "fallback" and masks < gamma:
+                block, pos = greedy_step(target, context, block, B, strategy, tokens_at(sched, block_step), threshold)
+                rounds.append((pos, [block[i] for i in pos]))
+                block_step += 1
+                continue
+            state, tau, n = list(block), [INF] * B, 0
+            for c in range(gamma):
+                if mask_id not in state:
+                    break
+                state, pos = greedy_step(draft, context, state, B, strategy, tokens_at(sched, block_step + c),
+                                         threshold)
+                for i in pos:
+                    tau[i] = c + 1
+                n += 1
+            best = paper_verify(target, context, block, state, tau, B, rope_copy)
+            order = sorted((p for p in range(B) if tau[p] <= n), key=lambda p: (tau[p], p))
+            new, taken, done = list(block), n, []
+            for p in order:
+                if state[p] == best[p]:
+                    new[p] = state[p]
+                    done.append(p)
+                    continue
+                new[p] = best[p]
+                done.append(p)
+                taken = int(tau[p])
+                break
+            rounds.append((sorted(done), [new[p] for p in sorted(done)]))
+            block, block_step = new, block_step + taken
+        trace.append(rounds)
+        context += block
+        generated += block[first:]
+        if stops & set(block[first:]) or len(generated) >= max_new_tokens:
+            break
+    out = []
+    for t in generated[:max_new_tokens]:
+        out.append(t)
+        if t in stops:
+            break
+    return ReferenceResult(out, trace)
