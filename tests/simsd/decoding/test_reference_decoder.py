@@ -79,6 +79,17 @@ def test_vanilla_equals_reference(ck, ref, strategy, B, steps):
         assert max(sizes) > 1  # the case has steps that reveal several tokens
 
 
+@pytest.mark.parametrize("strategy", ["dynamic", "entropy"])
+def test_default_thresholds_equal_reference(ck, ref, strategy):
+    """No threshold given: the documented defaults (0.9 and 0.35 nats, docs/design.md §3.5)."""
+    for n in (8, 11):
+        prompt = prompt_of(n)
+        want = reference_generate(ref, prompt, block_length=8, steps=4, strategy=strategy, max_new_tokens=24,
+                                  stop_ids=[])
+        cfg = DecodeConfig(block_length=8, steps=4, strategy=strategy, max_new_tokens=24)
+        assert vanilla_generate(ck.model, prompt, cfg, ck.mask_token_id, []).token_ids == want.token_ids
+
+
 def test_stop_ids_equal_reference(ck, ref):
     """Several stop ids; a stop id that is the first token of a block, the last token of a
     block, or in the middle: decoding ends after that block and the ids end at the stop."""
