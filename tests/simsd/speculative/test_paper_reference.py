@@ -71,12 +71,17 @@ def test_paper_equals_reference(pair, refs, strategy, B, steps):
 
 VARIANTS = [("static", dict(gamma=2)), ("static", dict(gamma=3, on_reject="fallback")),
             ("dynamic", dict(gamma=4, on_reject="fallback")), ("static", dict(rope_copy=False)),
-            ("dynamic", dict(self_draft=True)), ("static", dict(self_draft=True, gamma=2))]
+            ("dynamic", dict(self_draft=True)), ("static", dict(self_draft=True, gamma=2)),
+            ("static", dict(self_draft=True, gamma=1, steps=5))]
 
 
 @pytest.mark.parametrize("strategy,spec", VARIANTS, ids=["gamma2", "fallback3", "fallback4", "no-rope-copy", "self",
-                                                         "self-gamma2"])
+                                                         "self-gamma2", "self-gamma1-steps5"])
 def test_paper_variants_equal_reference(pair, refs, spec, strategy):
-    """B = 8 with 3 steps (schedule 3, 3, 2), prompt tails of 1 and 5 tokens."""
+    """B = 8 with 3 steps (schedule 3, 3, 2) or 5 (2, 2, 2, 1, 1), prompt tails of 1 and 5 tokens.
+    With the target as its own draft whole rounds are accepted and the schedule must go on at
+    the right step."""
+    spec = dict(spec)
+    steps = spec.pop("steps", 3)
     for n in (9, 13):
-        check(pair, refs, prompt_of(n), 8, 3, strategy, **spec)
+        check(pair, refs, prompt_of(n), 8, steps, strategy, **spec)
