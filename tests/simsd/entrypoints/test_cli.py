@@ -120,7 +120,12 @@ def test_prompts_file(ckdir, capsys, tmp_path):
     code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", str(f),
                          "--max-new-tokens", "4", "--json")
     assert code == 0, err
-    assert len(out.splitlines()) == 2
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["p.jsonl:1", "p.jsonl:3"]
+    from simsd import load_checkpoint
+    ck = load_checkpoint(ckdir)
+    assert rows[0]["token_ids"] == api_run(ckdir, chat_ids(ck, "Let x be"), 4)[0].token_ids
+    assert rows[1]["token_ids"] == api_run(ckdir, [4, 5, 6], 4)[0].token_ids
 
 
 @pytest.mark.parametrize("content,needle", [("{not json", ":1: invalid JSON"), ('{"text": 1}', ':1: need exactly one'),

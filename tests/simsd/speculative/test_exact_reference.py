@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from simsd import DecodeConfig, load_checkpoint, vanilla_generate
+from simsd import DecodeConfig, load_checkpoint
 from simsd.speculative import SpecConfig, speculative_generate
 from tests.helpers import random_checkpoint
 from tests.reference_decoder import ReferenceModel, reference_generate
