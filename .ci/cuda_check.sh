@@ -91,7 +91,7 @@ PY
 ) 2>&1 | grep -v "No CUDA runtime is found" || fail "importing simsd_kernels._C"
 if ! SIMSD_REQUIRE_CUDA_EXT=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_cuda_mask_rule.py tests/kernels/test_expected_masks.py tests/kernels/test_cuda_attention.py \
-    >"$WORK/pytest.log" 2>&1; then
+    -k "not engine_padding" >"$WORK/pytest.log" 2>&1; then
   tail -40 "$WORK/pytest.log" >&2
   fail "CUDA backend tests"
 fi

@@ -5,7 +5,8 @@ test_cuda_mask_rule.py), but the same wrong rule in every copy passes those. Her
 masks are written out cell by cell from the four quadrants of docs/design.md §4 and the copies
 of §4.1, for small layouts with leftover tokens, D and M slots, ties in tau, a never-revealed
 token (TAU_INF), the exact mode's shared prefix (grp -1) and the engine's padding labels
-(``simsd.engine.batching.PAD_LABEL``), and over a cache with per-row lengths. Held to them:
+(``simsd.engine.batching.PAD_LABEL``, written here too), and over a cache with per-row lengths.
+Held to them:
 ``mask_rule.allowed`` (dense), the dense torch mask with the cache, the FlexAttention
 ``mask_mod``, the Triton kernel (interpreted on the CPU), the torch attention backend, and the
 C++ mirror when the CUDA extension is built.
@@ -18,10 +19,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simsd.engine.batching import PAD_LABEL
 from simsd_kernels import KIND_DRAFT as D, KIND_KNOWN as K, KIND_MASK as M, TAU_INF as INF
 from simsd_kernels.mask_rule import MaskMode, dense_new_token_mask
 from simsd_kernels.reference import full_mask
+
+
+#: the padding labels of the engine's batched forwards (simsd.engine.batching.PAD_LABEL; this file
+#: imports only simsd_kernels so that .ci/cuda_check.sh runs it in a torch-only venv)
+PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (M, 0, 0), "block_causal": (0, 0, 1 << 30)}
 
 
 def rows(text: str) -> torch.Tensor:
@@ -121,6 +126,12 @@ def test_hand_written_masks_follow_the_quadrants():
     assert torch.equal(want, PAPER_EXPECTED)
     assert not PAPER_EXPECTED[:-1, -1].any() and not EXACT_EXPECTED[:-1, -1].any()
     assert not CAUSAL_EXPECTED[:-1, -1].any()
+
+
+def test_engine_padding_labels():
+    """The engine pads batched forwards with exactly the labels held to the masks above."""
+    from simsd.engine.batching import PAD_LABEL as ENGINE_PAD
+    assert ENGINE_PAD == PAD_LABEL
 
 
 @pytest.mark.parametrize("name", list(CASES))
