@@ -8,7 +8,7 @@ temperature, four ways:
 
 * ``vanilla``: the target alone (the reference for identity);
 * ``exact``: exact mode, coupled matching: the draft samples with the target's keyed noise and
-  a draft step is accepted when it is the target's own step at that state (DESIGN.md §4.2);
+  a draft step is accepted when it is the target's own step at that state (docs/design.md §4.2);
 * ``exact_rs``: the same exact verify forward, each draft token judged on its own by
   speculative rejection sampling against the copy it was revealed from (what exact mode did
   before keyed noise: the reveal order comes from the draft unverified, so it is not exact);

@@ -1,4 +1,4 @@
-"""Divergence rate of exact-mode verify copies from denoise forwards (DESIGN.md §4.2).
+"""Divergence rate of exact-mode verify copies from denoise forwards (docs/design.md §4.2).
 
     python bench/bench_invariance.py [--device cuda] [--backends torch,triton,cuda] [--trials 20]
         [--target DIR] [--out bench/results/invariance.jsonl]

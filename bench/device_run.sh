@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared run on the lent GPU machine (DESIGN.md §8): build, GPU tests, both benchmarks.
+# One prepared run on the lent GPU machine (docs/design.md §8): build, GPU tests, both benchmarks.
 #
 #   bash bench/device_run.sh            # from the repository root; writes everything under $OUT
 #

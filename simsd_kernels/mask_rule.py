@@ -1,7 +1,8 @@
 """The verification mask rule, written once.
 
 Every backend (PyTorch reference, FlexAttention ``mask_mod``, Triton, CUDA) mirrors
-:func:`allowed`; ``tests/kernels/test_mask_rule.py`` checks the mirrors against it.
+:func:`allowed`; ``tests/kernels/test_mask_mirror.py`` (and the Flex and C++ tests) check the mirrors
+against it, ``tests/kernels/test_expected_masks.py`` holds all of them to masks written by hand.
 
 Each new (query-side) token carries three int32 labels ``(kind, tau, grp)``:
 
@@ -12,7 +13,7 @@ Each new (query-side) token carries three int32 labels ``(kind, tau, grp)``:
   ``exact``.
 
 Cache entries are always visible to every new token; the rule only concerns new-to-new
-attention. Query ``i`` may attend key ``j`` when (SimSD paper, DESIGN.md §4 and §5):
+attention. Query ``i`` may attend key ``j`` when (SimSD paper, docs/design.md §4 and §5):
 
 * ``bidirectional`` (denoise, commit): always;
 * ``block_causal`` (prefill): ``grp_j <= grp_i``;

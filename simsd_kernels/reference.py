@@ -51,7 +51,7 @@ def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, p
     order -- without a mask, on freshly gathered (contiguous) tensors. A token's output thus
     depends only on its group's tokens and the keys it sees, never on the other tokens of the
     forward, on its batch neighbours or on padding: an exact-mode copy gets the same bits as a
-    denoise forward of that state, in every dtype (DESIGN.md §4.2; padding keys to a common
+    denoise forward of that state, in every dtype (docs/design.md §4.2; padding keys to a common
     length, or a dense mask over all new tokens, would change SDPA's blocking and hence the
     rounding). The grouping reads the labels and cache lengths on the host (this backend is
     not CUDA-graph safe).

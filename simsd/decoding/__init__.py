@@ -1,4 +1,4 @@
-"""Decoding: SDAR block decoding with one model (the baseline, DESIGN.md §3).
+"""Decoding: SDAR block decoding with one model (the baseline, docs/design.md §3).
 
 Holds the decode configuration and prompt checks (``config``), sampling (``sampling``:
 temperature, top-k, top-p, confidences, the exponential race), the keyed sampling noise

@@ -1,6 +1,6 @@
 """Decoding configuration, prompt checks, results and the decode timer.
 
-Semantics follow SDAR's reference decoding (DESIGN.md §3): blocks aligned to absolute
+Semantics follow SDAR's reference decoding (docs/design.md §3): blocks aligned to absolute
 position 0, block-causal prefill of the aligned prompt part, the unaligned prompt tail inside
 the first decode block, a read-only cache while denoising, a commit forward per finished block.
 """

@@ -1,4 +1,4 @@
-"""Stateless sampling noise: a counter-based generator keyed by what a draw is for (DESIGN.md §4.2).
+"""Stateless sampling noise: a counter-based generator keyed by what a draw is for (docs/design.md §4.2).
 
 Every random number of decoding is a pure function of its key, never of how many numbers were
 drawn before: ``(seed, stream, round, position, step, token)``.

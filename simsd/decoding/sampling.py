@@ -1,7 +1,7 @@
 """Token sampling for denoising steps: temperature, top-k, top-p, greedy.
 
 Confidence is the probability of the chosen token under the temperature-scaled distribution
-*before* top-k/top-p filtering (SDAR's evaluation code; DESIGN.md §3.6). Greedy (argmax) is
+*before* top-k/top-p filtering (SDAR's evaluation code; docs/design.md §3.6). Greedy (argmax) is
 ``temperature == 0``, ``top_k == 1`` at any temperature, or a temperature below
 ``MIN_TEMPERATURE`` (too small to divide float32 logits by); a greedy run is the same whatever
 its temperature: its confidences use temperature 1. Every accepted setting gives finite

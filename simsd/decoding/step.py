@@ -1,4 +1,4 @@
-"""One denoising step of a block (DESIGN.md §3, items 2 and 4-6) and its batched form.
+"""One denoising step of a block (docs/design.md §3, items 2 and 4-6) and its batched form.
 
 :func:`denoise_step` samples every position of a block (or a batch of blocks), picks the
 positions to reveal by the remasking strategy and writes their tokens, on the logits' device

@@ -1,4 +1,4 @@
-"""Which masked positions a denoising step reveals (SDAR remasking strategies, DESIGN.md §3.5).
+"""Which masked positions a denoising step reveals (SDAR remasking strategies, docs/design.md §3.5).
 
 :func:`select_positions` takes tensors over the block positions (a leading batch of blocks is
 allowed) and returns a bool tensor of the positions to reveal; a step never reveals more

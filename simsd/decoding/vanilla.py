@@ -1,4 +1,4 @@
-"""Vanilla SDAR block decoding with one model (the baseline; DESIGN.md §3)."""
+"""Vanilla SDAR block decoding with one model (the baseline; docs/design.md §3)."""
 from __future__ import annotations
 
 import torch
@@ -32,8 +32,12 @@ def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_
         tail = []
         step = 0
         while mask_id in block_host:
+            masks = block_host.count(mask_id)
             block, _, _ = yield row.denoise("target", block, Step(block, step, cfg, mask_id, key))
             block_host = block.tolist()
+            if block_host.count(mask_id) >= masks:  # a step reveals at least one position
+                raise RuntimeError(f"row {row.index}: denoising step {step} of block {blocks} revealed no position "
+                                   f"({masks} MASK left): decoding would not progress")
             step += 1
         blocks += 1
         new = block_host[first_gen:]

@@ -1,4 +1,4 @@
-"""Batched decoding with independent per-row progress (DESIGN.md §6).
+"""Batched decoding with independent per-row progress (docs/design.md §6).
 
 Each request (batch row) runs its decoding logic as a Python generator (a *program*) that
 yields :class:`Fwd` requests — "run these query tokens of mine through model X over my cache"
@@ -225,11 +225,23 @@ class BatchEngine:
         row.prefill_forwards = 1 if len(prompt_ids) >= self.B else 0
         return tail
 
+    def max_requests(self) -> int:
+        """An upper bound on the forward requests of a row program that makes progress: every
+        request of a round either commits a token or belongs to a round that does (at most
+        ``2 B + 8`` requests per committed token, optimistic drafts included), over the capacity."""
+        return (self.capacity + self.B) * (2 * self.B + 8) + 64
+
     def run(self, programs: list) -> list:
         """Run one program per row (``programs[i]`` for row ``i``) until all return; returns
         their return values. Draft forwards run before target ones so that the target's
-        forwards batch as many rows as possible."""
+        forwards batch as many rows as possible.
+
+        Raises:
+            RuntimeError: a program issued more than :meth:`max_requests` requests (it makes no
+                progress; the loop would not end).
+        """
         pending, results = {}, [None] * len(programs)
+        served, limit = [0] * len(programs), self.max_requests()
         for i, prog in enumerate(programs):
             self._advance(i, prog, None, pending, results)
         while pending:
@@ -237,6 +249,10 @@ class BatchEngine:
             name, mode, rows = max(groups, key=lambda g: (g[0] != "target", len(g[2])))
             outs = self._forward(name, mode, {i: pending[i][1] for i in rows})
             for i in rows:
+                served[i] += 1
+                if served[i] > limit:
+                    raise RuntimeError(f"row {i}: {served[i]} forward requests without finishing (a program that "
+                                       f"progresses needs at most {limit} for {self.capacity} tokens)")
                 self._advance(i, pending.pop(i)[0], outs[i], pending, results)
         return results
 

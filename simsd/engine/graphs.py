@@ -1,4 +1,4 @@
-"""CUDA-graph replay of a model's forwards over a static KV cache (DESIGN.md §6).
+"""CUDA-graph replay of a model's forwards over a static KV cache (docs/design.md §6).
 
 :class:`GraphRunner` captures one graph per forward shape — ``(mask_mode, B, Lq, writes,
 logits)`` — with static input buffers (ids, positions, labels, per-row ``num_write``) and a

@@ -1,4 +1,4 @@
-"""Host <-> device traffic of the decoding loop (DESIGN.md §6: no host sync inside a round
+"""Host <-> device traffic of the decoding loop (docs/design.md §6: no host sync inside a round
 except reading the accept decision).
 
 * :func:`to_device` moves small host values (ids, per-row counts) to a device without a

@@ -1,4 +1,4 @@
-"""Tensor-parallel target over ``torch.distributed`` (DESIGN.md §6).
+"""Tensor-parallel target over ``torch.distributed`` (docs/design.md §6).
 
 Megatron-style sharding of the SDAR decoder across ``world`` ranks: each rank keeps
 ``Hq / world`` query heads and ``Hkv / world`` kv heads (their q/k/v projection rows and

@@ -13,7 +13,7 @@ Counters (device independent, from the first pass): acceptance rate (accepted / 
 tokens), draft share (output tokens that came from the draft / output tokens), target and draft
 forwards per token, accepted tokens per round, whether the output equals vanilla's token for
 token (whatever the order of ``--modes``); for ``paper`` also the top-1 agreement and mean
-KL(exact || paper) of its verification distributions against the exact ones (DESIGN.md §4.1),
+KL(exact || paper) of its verification distributions against the exact ones (docs/design.md §4.1),
 measured in a separate untimed pass.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ The forward takes explicit position ids and per-token mask labels and runs atten
 :func:`simsd_kernels.temporal_attention` over a static :class:`~simsd.models.cache.KVCache`.
 No shift: the logits at position ``p`` predict the token at ``p`` (SDAR).
 
-Shape-invariant numerics (``SDARForCausalLM.invariant``, DESIGN.md §4.2): a token's logits
+Shape-invariant numerics (``SDARForCausalLM.invariant``, docs/design.md §4.2): a token's logits
 must not depend on how many other tokens share its forward, so that an exact-mode verify
 copy gets the bits of a denoise forward of the same state. Matrix products round in an order
 that may depend on the number of rows (BLAS blocking: measured on the CPU, float32 products of

@@ -1,4 +1,4 @@
-"""Speculative: SimSD, a draft dLLM proposes and the target verifies in one forward (DESIGN.md §4).
+"""Speculative: SimSD, a draft dLLM proposes and the target verifies in one forward (docs/design.md §4).
 
 Holds the decoder and its settings (``decoder``: ``paper`` and ``exact`` modes, batches), one
 request's rounds as an engine program (``spec_row``: draft, verify, accept, commit), the

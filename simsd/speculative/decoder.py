@@ -1,6 +1,6 @@
 """SimSD speculative decoding: a draft dLLM proposes, the target verifies in one forward.
 
-Modes (DESIGN.md §4):
+Modes (docs/design.md §4):
 
 * ``paper``: the paired ``[leftover | D | M]`` layout with RoPE copy and the four-quadrant
   temporal mask; greedy matching or rejection sampling in the draft's temporal order.

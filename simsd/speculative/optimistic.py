@@ -1,4 +1,4 @@
-"""Optimistic drafting: bookkeeping of a draft started before the target's verdict (DESIGN.md §6).
+"""Optimistic drafting: bookkeeping of a draft started before the target's verdict (docs/design.md §6).
 
 When draft and target sit on different devices, the next round's draft can run while the
 target verifies: the row launches the verify forward (asynchronously), drafts from the state

@@ -242,6 +242,13 @@ class SpecRow:
             diag["total"] += 1
 
     # -- main loop -----------------------------------------------------------------------
+    def check_progress(self, block_host: list, masks: int, block_step: int) -> None:
+        """A round (or a fallback step) commits at least one token; raise instead of looping
+        when it did not (checked on the host copy already read, no extra read)."""
+        if block_host.count(self.mask_id) >= masks:
+            raise RuntimeError(f"row {self.row.index}: the {self.dec.spec.mode} round at block step {block_step} "
+                               f"committed no token ({masks} MASK left): decoding would not progress")
+
     def target_step(self, block: torch.Tensor, block_step: int, start: int):
         """One vanilla target step (fallback); returns ``(block, block_host)`` (one host read)."""
         block, _, _ = yield self.row.denoise("target", block,
@@ -307,6 +314,7 @@ class SpecRow:
                     before = block_host
                     block, block_host = yield from self.target_step(block, block_step, start)
                     self.mark(before, block_host)
+                    self.check_progress(block_host, masks, block_step)
                     block_step += 1
                     continue
                 draft = self.take(carried, block_host, block_step, device)
@@ -332,6 +340,7 @@ class SpecRow:
                     verdict = self.judge_paper(block, draft, logits, m_index, start)
                 self.round_index += 1
                 block, block_host, taken = self.decide(verdict, draft, block_host)
+                self.check_progress(block_host, masks, block_step)
                 block_step += taken
                 if carried is not None and carried.committed is not None and not keep_commit(carried, block_host):
                     self.row.truncate("draft", carried.draft_cached)  # roll back the speculative commit

@@ -1,4 +1,4 @@
-"""SimSD verification layouts and acceptance rules (DESIGN.md §4, §4.1, §4.2).
+"""SimSD verification layouts and acceptance rules (docs/design.md §4, §4.1, §4.2).
 
 * :func:`paper_layout`: ``[leftover | D_1..D_n | M_1..M_n]`` with the RoPE copy and the
   four-quadrant temporal mask labels (paper mode).

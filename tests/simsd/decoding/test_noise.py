@@ -1,4 +1,4 @@
-"""The keyed sampling noise (simsd.decoding.noise, DESIGN.md §4.2): the words equal a pure-Python
+"""The keyed sampling noise (simsd.decoding.noise, docs/design.md §4.2): the words equal a pure-Python
 SplitMix64, the uniforms are unbiased and independent across keys, and vanilla sampling with
 them follows the target's exact step distribution computed in float64 (chi-square)."""
 import dataclasses

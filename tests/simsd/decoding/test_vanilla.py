@@ -16,8 +16,9 @@ def ckpt():
 
 
 def uncached_generate(model, prompt, cfg, mask_id, stop_ids):
-    """Reference without a KV cache: every step recomputes the whole sequence with the
-    full block-causal mask (token i sees j iff j // B <= i // B)."""
+    """Cache equivalence: every step recomputes the whole sequence with the full block-causal
+    mask (token i sees j iff j // B <= i // B) and applies simsd's own step. The step rules
+    themselves are held to the independent decoder in test_reference_decoder.py."""
     B = cfg.block_length
     seq = list(prompt)
     aligned = (len(prompt) // B) * B

@@ -1,4 +1,4 @@
-"""Batched decoding: a batch of N prompts equals N single runs, in every mode (DESIGN.md §6)."""
+"""Batched decoding: a batch of N prompts equals N single runs, in every mode (docs/design.md §6)."""
 import dataclasses
 
 import pytest

@@ -1,5 +1,5 @@
 """The decoding loop reads device data on the host once per round: the accept decision
-(DESIGN.md §6). On a GPU every such read waits for the stream; here they are counted on the CPU
+(docs/design.md §6). On a GPU every such read waits for the stream; here they are counted on the CPU
 with :class:`simsd.engine.host_sync.HostReads`, and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
 import dataclasses
 import warnings

@@ -1,5 +1,6 @@
 """The ``simsd`` command-line contract (run in-process)."""
 import json
+import re
 import shutil
 
 import pytest
@@ -20,6 +21,23 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def api_run(path, prompt_ids, max_new_tokens, mode="vanilla", draft=None, **cfg):
+    """The tokens and stats of the Python API for what the CLI is asked (greedy, B = 4)."""
+    from simsd import DecodeConfig, load_checkpoint, vanilla_generate
+    from simsd.speculative import SpecConfig, speculative_generate
+    ck = load_checkpoint(path)
+    config = DecodeConfig(block_length=4, max_new_tokens=max_new_tokens, **cfg)
+    if mode == "vanilla":
+        return vanilla_generate(ck.model, prompt_ids, config, ck.mask_token_id, ck.stop_ids), ck
+    return speculative_generate(ck, load_checkpoint(draft), prompt_ids, config, SpecConfig(mode=mode)), ck
+
+
+def chat_ids(ck, text):
+    formatted = ck.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+    return ck.tokenizer(formatted, add_special_tokens=False)["input_ids"]
+
+
 def test_generate_json(ckdir, capsys):
     code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt", "def add(a, b):",
                          "--max-new-tokens", "10", "--json")
@@ -27,17 +45,28 @@ def test_generate_json(ckdir, capsys):
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 1
     row = rows[0]
-    assert isinstance(row["text"], str) and 0 < len(row["token_ids"]) <= 10
-    for key in ("mode", "new_tokens", "decode_seconds", "tokens_per_second", "target_forwards"):
-        assert key in row["stats"]
-    assert row["stats"]["new_tokens"] == len(row["token_ids"])
+    from simsd import load_checkpoint
+    ids = chat_ids(load_checkpoint(ckdir), "def add(a, b):")
+    want, ck = api_run(ckdir, ids, 10)
+    assert row["token_ids"] == want.token_ids and len(want.token_ids) == 10
+    assert row["text"] == ck.tokenizer.decode(want.token_ids, skip_special_tokens=False)
+    assert row["prompt"] == "def add(a, b):" and row["id"] == "prompt"
+    s = row["stats"]
+    assert s["mode"] == "vanilla" and s["new_tokens"] == 10 and s["blocks"] == want.stats["blocks"]
+    assert s["target_forwards"] == want.stats["target_forwards"]
+    assert s["tokens_per_second"] == pytest.approx(10 / s["decode_seconds"])
 
 
 def test_generate_text_summary(ckdir, capsys):
     code, out, _ = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6,7,8,9",
                        "--max-new-tokens", "6")
     assert code == 0
-    assert "[vanilla]" in out.splitlines()[-1] and "tokens/s" in out
+    want, ck = api_run(ckdir, [5, 6, 7, 8, 9], 6)
+    lines = out.rstrip("\n").split("\n")
+    assert "\n".join(lines[:-1]) == ck.tokenizer.decode(want.token_ids, skip_special_tokens=False)
+    fwd = want.stats["target_forwards"] / 6
+    assert re.fullmatch(rf"\[vanilla\] 6 tokens in [0-9.]+ s \([0-9.]+ tokens/s\), target forwards/token {fwd:.3f}",
+                        lines[-1]), lines[-1]
 
 
 @pytest.mark.parametrize("mode", ["paper", "exact"])
@@ -45,10 +74,35 @@ def test_generate_speculative_modes(ckdir, capsys, mode):
     code, out, err = run(capsys, "generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", mode,
                          "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "8", "--json")
     assert code == 0, err
-    stats = json.loads(out)["stats"]
-    for key in ("proposed", "accepted", "acceptance_rate", "accepted_per_round", "rounds", "target_forwards",
-                "draft_forwards", "new_tokens", "decode_seconds", "tokens_per_second"):
-        assert key in stats
+    row = json.loads(out)
+    want, _ = api_run(ckdir, [5, 6, 7, 8, 9], 8, mode=mode, draft=ckdir)
+    assert row["token_ids"] == want.token_ids and len(want.token_ids) == 8
+    if mode == "exact":
+        assert want.token_ids == api_run(ckdir, [5, 6, 7, 8, 9], 8)[0].token_ids
+    stats = row["stats"]
+    assert stats["mode"] == mode and stats["new_tokens"] == 8
+    for key in ("target_forwards", "draft_forwards", "rounds", "blocks"):
+        assert stats[key] == want.stats[key], key
+
+
+def test_stop_id_ends_the_output_and_not_the_text(ckdir, capsys, tmp_path):
+    """A checkpoint whose generation_config names a token the model generates: the ids end at
+    that stop id, the printed text leaves it out."""
+    free, ck = api_run(ckdir, [5, 6, 7, 8, 9], 12)
+    g = next(i for i in range(2, 12) if free.token_ids.index(free.token_ids[i]) == i)
+    stop = free.token_ids[g]
+    path = tmp_path / "stopping"
+    shutil.copytree(ckdir, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop, 1]}))
+    for mode in ("vanilla", "exact"):
+        extra = [] if mode == "vanilla" else ["--mode", "exact", "--draft", str(ckdir)]
+        code, out, err = run(capsys, "generate", "--target", str(path), *extra, "--prompt-ids", "5,6,7,8,9",
+                             "--max-new-tokens", "12", "--json")
+        assert code == 0, err
+        row = json.loads(out)
+        assert row["token_ids"] == free.token_ids[:g + 1], mode
+        assert row["text"] == ck.tokenizer.decode(free.token_ids[:g], skip_special_tokens=False)
+        assert row["stats"]["new_tokens"] == g + 1
 
 
 def test_exact_mode_cli_equals_vanilla(ckdir, capsys):
@@ -66,7 +120,12 @@ def test_prompts_file(ckdir, capsys, tmp_path):
     code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompts-file", str(f),
                          "--max-new-tokens", "4", "--json")
     assert code == 0, err
-    assert len(out.splitlines()) == 2
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["p.jsonl:1", "p.jsonl:3"]
+    from simsd import load_checkpoint
+    ck = load_checkpoint(ckdir)
+    assert rows[0]["token_ids"] == api_run(ckdir, chat_ids(ck, "Let x be"), 4)[0].token_ids
+    assert rows[1]["token_ids"] == api_run(ckdir, [4, 5, 6], 4)[0].token_ids
 
 
 @pytest.mark.parametrize("content,needle", [("{not json", ":1: invalid JSON"), ('{"text": 1}', ':1: need exactly one'),
@@ -86,6 +145,7 @@ def test_bad_inputs(ckdir, capsys, tmp_path):
         return err
 
     assert "not found" in err_of("--target", str(tmp_path / "nope"), "--prompt-ids", "1")
+    assert "not found" in err_of("--draft", str(tmp_path / "nope"), "--mode", "exact", "--prompt-ids", "1")
     assert "not found" in err_of("--target", str(ckdir), "--prompts-file", str(tmp_path / "none.jsonl"))
     assert "outside the vocabulary" in err_of("--target", str(ckdir), "--prompt-ids", "1,999999")
     assert "comma-separated" in err_of("--target", str(ckdir), "--prompt-ids", "1,x")

@@ -35,14 +35,35 @@ def test_pair_shares_the_tokenizer():
     assert a == b
 
 
-def test_target_continues_a_heldout_prompt():
-    ck = load_checkpoint(PAIR[0], dtype="float32")
-    ck.model.attention_backend = "torch"
+def heldout_ids(ck) -> list:
     p = bundled_prompts()[0]
     out = ck.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
                                            tokenize=True)
-    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
-    res = vanilla_generate(ck.model, list(ids), DecodeConfig(max_new_tokens=16), ck.mask_token_id, ck.stop_ids)
-    assert 1 <= len(res.token_ids) <= 16
-    assert ck.mask_token_id not in res.token_ids
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 returns a BatchEncoding
+
+
+def test_target_continues_a_heldout_prompt_like_the_reference():
+    """The bundled target (float64) decodes a held-out prompt token for token like the
+    independent reference decoder (tests/reference_decoder.py) on the same files."""
+    from tests.reference_decoder import ReferenceModel, reference_generate
+    ck = load_checkpoint(PAIR[0], dtype="float64")
+    ck.model.attention_backend = "torch"
+    ids = heldout_ids(ck)
+    res = vanilla_generate(ck.model, ids, DecodeConfig(max_new_tokens=16), ck.mask_token_id, ck.stop_ids)
+    want = reference_generate(ReferenceModel(PAIR[0]), ids, block_length=4, strategy="static", max_new_tokens=16)
+    assert res.token_ids == want.token_ids and len(res.token_ids) == 16
     assert isinstance(simsd.__version__, str)
+
+
+def test_exact_mode_with_the_bundled_draft_equals_vanilla():
+    """The bundled pair as ``make demo`` runs it (float32): exact mode with the bundled draft
+    gives the target's vanilla tokens, and the draft's proposals are not all accepted (a real
+    draft, not the target)."""
+    from simsd.speculative import SpecConfig, speculative_generate
+    target, draft = (load_checkpoint(p, dtype="float32") for p in PAIR)
+    ids = heldout_ids(target)
+    cfg = DecodeConfig(max_new_tokens=24)
+    want = vanilla_generate(target.model, ids, cfg, target.mask_token_id, target.stop_ids)
+    got = speculative_generate(target, draft, ids, cfg, SpecConfig(mode="exact"))
+    assert got.token_ids == want.token_ids
+    assert got.stats["draft_forwards"] > 0 and got.stats["target_forwards"] < want.stats["target_forwards"]

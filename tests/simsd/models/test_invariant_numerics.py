@@ -1,4 +1,4 @@
-"""Shape-invariant numerics (DESIGN.md §4.2): a state's logits inside an exact-mode verify forward
+"""Shape-invariant numerics (docs/design.md §4.2): a state's logits inside an exact-mode verify forward
 equal, bit for bit, the logits of a denoise forward of that state, in every dtype.
 
 The torch attention reference computes each group of query tokens over exactly its visible keys;

@@ -1,4 +1,4 @@
-"""Exact mode under sampling (DESIGN.md §4.2): with the keyed noise, exact SimSD gives the same
+"""Exact mode under sampling (docs/design.md §4.2): with the keyed noise, exact SimSD gives the same
 tokens as vanilla decoding with the target and the same seed, for any draft, strategy,
 temperature, top-k and top-p; the draft's agreement comes from the shared noise.
 

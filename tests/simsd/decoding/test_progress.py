@@ -1,0 +1,98 @@
+"""A decoder that makes no progress fails with a clear error instead of spinning.
+
+A denoising step that reveals no position (for example one that "reveals" the MASK token), a
+SimSD round that commits no token, or a row program that never finishes raise RuntimeError;
+the per-test timeout (pytest-timeout, pyproject.toml) is the last resort.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from simsd import DecodeConfig, load_checkpoint, vanilla_generate
+from simsd.engine.batching import BatchEngine
+from simsd.speculative import SpecConfig, speculative_generate
+from tests.helpers import random_checkpoint
+
+V = 64
+
+
+class PrefersMask(torch.nn.Module):
+    """A model whose MASK logit beats every other token by far (a step must still never
+    reveal MASK)."""
+
+    def __init__(self, model, mask_id):
+        super().__init__()
+        self.inner, self.mask_id = model, mask_id
+        self.config = model.config
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if out is not None:
+            out = out.clone()
+            out[..., self.mask_id] += 1e4
+        return out
+
+
+@pytest.fixture(scope="module")
+def ck():
+    return load_checkpoint(random_checkpoint("progress", tokenizer=False, vocab_size=V), with_tokenizer=False)
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "static", "dynamic", "entropy"])
+def test_mask_logit_is_never_revealed(ck, strategy):
+    model = PrefersMask(ck.model, ck.mask_token_id)
+    cfg = DecodeConfig(block_length=4, strategy=strategy, max_new_tokens=8)
+    r = vanilla_generate(model, list(range(1, 7)), cfg, ck.mask_token_id, [])
+    assert len(r.token_ids) == 8 and ck.mask_token_id not in r.token_ids
+
+
+@pytest.mark.parametrize("mode", ["exact", "paper"])
+def test_speculative_mask_logit_is_never_revealed(ck, mode):
+    m = dataclasses.replace(ck, model=PrefersMask(ck.model, ck.mask_token_id))
+    cfg = DecodeConfig(block_length=4, max_new_tokens=8)
+    r = speculative_generate(m, m, list(range(1, 7)), cfg, SpecConfig(mode=mode))
+    assert len(r.token_ids) == 8 and ck.mask_token_id not in r.token_ids
+
+
+def test_a_step_that_reveals_nothing_raises(ck, monkeypatch):
+    """Forgetting to remove the MASK logit: the step 'reveals' MASK and nothing changes."""
+    import simsd.decoding.step as step
+    monkeypatch.setattr(step, "without_mask_token", lambda logits, mask_id: logits)
+    model = PrefersMask(ck.model, ck.mask_token_id)
+    with pytest.raises(RuntimeError, match="revealed no position"):
+        vanilla_generate(model, list(range(1, 7)), DecodeConfig(max_new_tokens=8), ck.mask_token_id, [])
+
+
+@pytest.mark.parametrize("mode", ["exact", "paper"])
+def test_a_round_that_commits_nothing_raises(ck, monkeypatch, mode):
+    import simsd.speculative.spec_row as spec_row
+    verdict = "judge_exact" if mode == "exact" else "judge_paper"
+    original = getattr(spec_row.SpecRow, verdict)
+
+    def nothing_committed(self, *args):
+        new, taken, acc, prop = original(self, *args)
+        return args[0].states[0] if mode == "exact" else args[0], taken, acc, prop
+
+    monkeypatch.setattr(spec_row.SpecRow, verdict, nothing_committed)
+    with pytest.raises(RuntimeError, match="committed no token"):
+        speculative_generate(ck, ck, list(range(1, 7)), DecodeConfig(max_new_tokens=8), SpecConfig(mode=mode))
+
+
+def test_engine_stops_a_program_that_never_finishes(ck):
+    engine = BatchEngine({"target": ck.model}, 4, 1, capacity=16, margin=8)
+    row = engine.rows[0]
+
+    def forever():
+        block = torch.full((4,), ck.mask_token_id)
+        while True:
+            yield row.denoise("target", block)
+
+    with pytest.raises(RuntimeError, match="without finishing"):
+        engine.run([forever()])

@@ -1,0 +1,130 @@
+"""Speculative rejection sampling keeps the target's distribution (docs/design.md §4).
+
+* :func:`token_verdicts` alone: draft and target distributions with overlapping but different
+  supports; the committed token follows p_t exactly (chi-square against ``N * p_t``, no
+  rescaling) and each draft token is accepted with probability ``min(1, p_t / p_d)``.
+* End to end, several draft steps per round (gamma = B, and gamma = 1 where the bonus copy
+  samples the target's own next step): the joint distribution of a whole block's tokens equals
+  the target's own sequential sampling, computed exactly in float64 by the independent
+  reference forward (tests/reference_decoder.py). Paper mode is checked on a one-layer target,
+  where its mask is exact (§4.1); exact mode on two layers.
+
+With the ``sequential`` strategy the reveal order does not depend on the sampled tokens, so a
+per-token rejection test is the whole verification (for the confidence strategies exact
+mode's reveal set is a separate matter, issue 14). These tests check the rule, not a random
+stream.
+"""
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.speculative import SpecConfig
+from simsd.speculative.decoder import speculative_generate_batch
+from simsd.speculative.verification import token_verdicts
+from tests.helpers import random_checkpoint
+from tests.reference_decoder import ReferenceModel, filtered
+
+
+def test_committed_token_follows_target_with_overlapping_supports():
+    """p_t on {0, 1, 2, 3}, p_d on {2, 3, 4, 5}: tokens the target cannot emit are always
+    rejected; tokens the draft never proposes come from the residual."""
+    p_t = torch.tensor([0.3, 0.25, 0.25, 0.2, 0.0, 0.0])
+    p_d = torch.tensor([0.0, 0.0, 0.1, 0.4, 0.3, 0.2])
+    N = 40000
+    g = torch.Generator().manual_seed(0)
+    x = torch.multinomial(p_d, N, replacement=True, generator=g)
+    logits = p_t.log().expand(N, 6)
+    ok, repl = token_verdicts(logits, x, p_d.expand(N, 6), SamplingParams(temperature=1.0), g)
+    committed = torch.where(ok, x, repl)
+    counts = torch.bincount(committed, minlength=6).double()
+    assert counts[4:].sum() == 0
+    assert chisquare(counts[:4].numpy(), (p_t[:4].double() * N).numpy()).pvalue > 1e-4
+    for t in range(2, 6):  # acceptance of each proposed token: min(1, p_t / p_d), binomial bounds
+        rate = min(1.0, float(p_t[t] / p_d[t]))
+        n = int((x == t).sum())
+        got = float(ok[x == t].double().mean())
+        assert abs(got - rate) <= 5 * (rate * (1 - rate) / n) ** 0.5 + 1e-12, (t, got, rate)
+
+
+def test_verdicts_use_the_filtered_target():
+    """The target side is filtered by the sampling parameters too (top-k 2 at temperature 2):
+    the committed token follows the filtered target distribution."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    params = SamplingParams(temperature=2.0, top_k=2)
+    p_t = torch.tensor(filtered(logits, 2.0, top_k=2), dtype=torch.float64)
+    p_d = torch.tensor([0.1, 0.2, 0.5, 0.2, 0.0])
+    N = 40000
+    g = torch.Generator().manual_seed(1)
+    x = torch.multinomial(p_d, N, replacement=True, generator=g)
+    ok, repl = token_verdicts(logits.expand(N, 5), x, p_d.expand(N, 5), params, g)
+    counts = torch.bincount(torch.where(ok, x, repl), minlength=5).double()
+    assert counts[2:].sum() == 0
+    assert chisquare(counts[:2].numpy(), (p_t[:2] * N).numpy()).pvalue > 1e-4
+
+
+# -- end to end: the joint distribution of a block ----------------------------------------------
+
+V, MASK = 8, 7
+PARAMS = dict(temperature=3.0, top_k=3)  # three tokens per position: draft and target supports differ
+PROMPT = [1]  # no prefill: the first block holds the prompt token and three MASKs
+
+
+def pair(target_layers: int):
+    t = random_checkpoint(f"rs-target{target_layers}", tokenizer=False, vocab_size=V,
+                          num_hidden_layers=target_layers, std=0.5, seed=2)
+    d = random_checkpoint("rs-draft", tokenizer=False, vocab_size=V, num_hidden_layers=1, std=0.5, seed=3)
+    return t, d
+
+
+def target_joint(ref: ReferenceModel) -> dict:
+    """``{(x1, x2, x3): p}``: the target's sequential sampling of the block's three positions."""
+    out = {}
+
+    def walk(block, prob):
+        pos = block.index(MASK) if MASK in block else None
+        if pos is None:
+            out[tuple(block[1:])] = prob
+            return
+        p = filtered(ref.block_logits([], block, 4)[pos], **PARAMS)
+        for tok, q in enumerate(p):
+            if q > 0:
+                walk(block[:pos] + [tok] + block[pos + 1:], prob * q)
+
+    walk(PROMPT + [MASK] * 3, 1.0)
+    return out
+
+
+@pytest.mark.parametrize("mode,layers,gamma", [("exact", 2, 4), ("exact", 2, 1), ("paper", 1, 4)],
+                         ids=["exact-gamma4", "exact-gamma1-bonus", "paper-1layer-gamma4"])
+def test_block_joint_distribution_equals_target(mode, layers, gamma):
+    tpath, dpath = pair(layers)
+    ref = ReferenceModel(tpath)
+    want = target_joint(ref)
+    assert abs(sum(want.values()) - 1) < 1e-9
+    target = dataclasses.replace(load_checkpoint(tpath, with_tokenizer=False), stop_ids=[])
+    draft = dataclasses.replace(load_checkpoint(dpath, with_tokenizer=False), stop_ids=[])
+    # the draft's first-position distribution overlaps the target's but differs from it
+    d_first = filtered(ReferenceModel(dpath).block_logits([], PROMPT + [MASK] * 3, 4)[1], **PARAMS)
+    t_first = filtered(ref.block_logits([], PROMPT + [MASK] * 3, 4)[1], **PARAMS)
+    support = lambda p: {t for t, q in enumerate(p) if q > 0}  # noqa: E731
+    assert support(d_first) & support(t_first) and support(d_first) != support(t_first)
+    N = 700
+    cfg = DecodeConfig(block_length=4, strategy="sequential", max_new_tokens=3, seed=11,
+                       sampling=SamplingParams(**PARAMS))
+    res = speculative_generate_batch(target, draft, [PROMPT] * N, cfg, SpecConfig(mode=mode, gamma=gamma))
+    counts: dict = {}
+    for r in res.results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    impossible = [k for k in counts if want.get(k, 0.0) == 0.0]
+    assert not impossible, impossible[:3]
+    big = [k for k, p in want.items() if p * N >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [want[k] * N for k in big]
+    if N - sum(exp) > 1e-6:  # the outcomes of small probability, pooled
+        obs.append(N - sum(obs))
+        exp.append(N - sum(exp))
+    assert len(big) >= 8
+    assert chisquare(obs, exp).pvalue > 1e-4

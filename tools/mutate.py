@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""A small mutation runner: does the test suite notice one-line changes to the code?
+
+Each mutant is a list of edits (file, the exact text of one line or part of it, its
+replacement; the text must occur exactly once in the file) and the tests that should notice
+it. Most mutants are one line; a few change the same rule in every mirror at once (the Python
+mask rule, the Triton and the C++ copies), which a mirror-vs-mirror test cannot see.
+
+For each mutant: apply the edits, run ``pytest -x`` on its tests, restore the files (always:
+also on an error, a timeout or Ctrl-C), and record
+
+* ``killed``: a test failed (or errored);
+* ``killed (timeout)``: the tests ran past ``--timeout`` seconds (a hang counts as caught;
+  the process group is killed);
+* ``survived``: every test passed;
+* ``error``: pytest could not run the tests (exit 3/4/5: internal error, usage, none collected).
+
+Usage (from the repository root)::
+
+    python tools/mutate.py --list              # the mutants
+    python tools/mutate.py                     # run them all, print the table
+    python tools/mutate.py --only 3,7-9        # some of them
+    python tools/mutate.py --markdown out.md   # also write the table as Markdown
+
+A baseline run of all the named tests without any mutant comes first (``--no-baseline`` skips
+it): a mutant is only meaningful against a green suite. A mutant whose text is no longer in the
+code (the code moved on) is reported as stale and not run.
+
+The C++ edit of a multi-mirror mutant (``csrc/mask_rule.cuh``) takes effect only once the CUDA
+extension is rebuilt (``.ci/cuda_check.sh`` builds it and runs tests/kernels/test_expected_masks.py
+against it); in a CPU-only install the tests see the Python and Triton copies of the change.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# test groups -------------------------------------------------------------------------------------
+REF = "tests/simsd/decoding/test_reference_decoder.py"
+EXACT_REF = "tests/simsd/speculative/test_exact_reference.py"
+STRAT = "tests/simsd/decoding/test_strategies.py"
+SAMPLING = "tests/simsd/decoding/test_sampling_rules.py"
+REJECT = "tests/simsd/speculative/test_rejection_sampling.py"
+SPEC = "tests/simsd/speculative/test_speculative.py"
+VANILLA = "tests/simsd/decoding/test_vanilla.py"
+MASKS = "tests/kernels/test_expected_masks.py"
+MIRROR = "tests/kernels/test_mask_mirror.py"
+FLEX = "tests/kernels/test_flex_mask.py"
+USER = "tests/simsd/entrypoints/test_console_script.py"
+CLI = "tests/simsd/entrypoints/test_cli.py"
+PROGRESS = "tests/simsd/decoding/test_progress.py"
+PAPER_REF = "tests/simsd/speculative/test_paper_reference.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    kind: str
+    edits: tuple  # ((file, original, replacement), ...)
+    tests: tuple
+    note: str = ""
+
+
+def m(kind, file, original, replacement, *tests, note=""):
+    return Mutant(kind, ((file, original, replacement),), tuple(tests), note)
+
+
+def multi(kind, edits, *tests, note=""):
+    return Mutant(kind, tuple(edits), tuple(tests), note)
+
+
+MR, TR, CR = "simsd_kernels/mask_rule.py", "triton_ops/common.py", "csrc/mask_rule.cuh"
+SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
+SAMP, STRATS = "simsd/decoding/sampling.py", "simsd/decoding/strategies.py"
+
+MUTANTS = [
+    # 1. exact == vanilla with several tokens per step: verdicts and the schedule -------------------
+    m("verdict", VER, "taken = (n_ok + 1).clamp(max=n + int(bonus))", "taken = n_ok.clamp(max=n + int(bonus))",
+      EXACT_REF, note="issue 13 item 1: steps taken n_ok + 1 -> n_ok"),
+    m("schedule", "simsd/decoding/config.py", "return self.schedule[min(step, len(self.schedule) - 1)]",
+      "return self.schedule[min(step + 1, len(self.schedule) - 1)]", REF, EXACT_REF,
+      note="issue 13 item 1: schedule lookup shifted by one"),
+    m("schedule", "simsd/decoding/config.py", "return table[step.clamp(max=len(self.schedule) - 1)]",
+      "return table[(step + 1).clamp(max=len(self.schedule) - 1)]", EXACT_REF,
+      note="the tensor form of the lookup (batched steps of the exact verdict)"),
+    m("schedule", STRATS, "return [base + (1 if i < rem else 0) for i in range(steps)]",
+      "return [base + (1 if i >= steps - rem else 0) for i in range(steps)]", REF, STRAT,
+      note="remainder added to the last steps"),
+    m("verdict", SR, "steps = block_step + torch.arange(C, device=logits.device)",
+      "steps = block_step + 1 + torch.arange(C, device=logits.device)", EXACT_REF,
+      note="the target's own decision at copy c taken at the wrong step of the schedule"),
+    m("verdict", VER, "ok_prefix = (mine[:n] == after).all(-1).long().cumprod(0)",
+      "ok_prefix = (mine[:n] == after).any(-1).long().cumprod(0)", EXACT_REF,
+      note="a draft step accepted when any position agrees"),
+    m("verdict", VER, "new = torch.index_select(candidates, 0, n_ok.view(1))[0]",
+      "new = torch.index_select(candidates, 0, n_ok.clamp(max=n - 1).view(1))[0]", EXACT_REF,
+      note="the bonus copy's step never committed"),
+    m("verdict", VER, "return best == drafted, best", "return best == drafted, drafted", SPEC, EXACT_REF,
+      note="greedy: the rejected draft token kept instead of the target's argmax"),
+    m("verdict", VER, "key = torch.where(prop, tau * L + torch.arange(L, device=tau.device), big)",
+      "key = torch.where(prop, torch.arange(L, device=tau.device), big)", SPEC, REJECT,
+      note="proposals accepted in position order, not in the draft's temporal order"),
+    # 2. strategies (held to the independent reference) ---------------------------------------------
+    m("strategy", STRATS, "return masked & (masked.long().cumsum(-1) <= k)",
+      "return masked & (masked.flip(-1).long().cumsum(-1).flip(-1) <= k)", REF,
+      note="sequential from the right"),
+    m("strategy", STRATS, "top = masked & (stable_rank(confidence.double().masked_fill(~masked, float(\"-inf\")), True) < k)",
+      "top = masked & (stable_rank(confidence.double(), True) < k)", REF,
+      note="top-k ranks known positions too (fewer reveals)"),
+    m("strategy", STRATS, "return torch.where(above.sum(-1, keepdim=True) >= k, above, top)",
+      "return torch.where(above.sum(-1, keepdim=True) >= 1, above, top)", REF, STRAT,
+      note="dynamic: the positions above the threshold even when fewer than k"),
+    m("strategy", STRATS, "n = ((ranked.cumsum(-1) <= threshold).sum(-1, keepdim=True)).clamp_min(1)",
+      "n = ((ranked <= threshold).sum(-1, keepdim=True)).clamp_min(1)", REF, STRAT,
+      note="entropy bound on each entropy, not on their sum"),
+    m("strategy", STRATS, "above = masked & (confidence > threshold)", "above = masked & (confidence >= threshold)",
+      STRAT, note="dynamic's strict '>'"),
+    # 4. confidence, temperature, top-k, top-p ------------------------------------------------------
+    m("confidence", SAMP, "confidence = base.gather(-1, tokens[..., None]).squeeze(-1)",
+      "confidence = (base if params.greedy else probs).gather(-1, tokens[..., None]).squeeze(-1)", SAMPLING,
+      note="issue 13 item 4: confidence from the filtered distribution when sampling"),
+    m("confidence", SAMP, "t = params.temperature if params.temperature > 0 else 1.0", "t = 1.0", SAMPLING,
+      note="issue 13 item 4: confidence ignores the temperature"),
+    m("confidence", SAMP, "t = params.temperature if params.temperature > 0 else 1.0",
+      "t = params.temperature if params.temperature > 0 else 2.0", REF, SAMPLING,
+      note="greedy confidence at temperature 2 instead of 1"),
+    m("sampling", SAMP, "scores = scores.masked_fill(scores < kth, float(\"-inf\"))",
+      "scores = scores.masked_fill(scores <= kth, float(\"-inf\"))", SAMPLING, note="top-k keeps k - 1"),
+    m("sampling", SAMP, "drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p",
+      "drop = cum >= params.top_p", SAMPLING, note="top-p drops the token that crosses p"),
+    m("sampling", SAMP, "scores = logits.float() / params.temperature", "scores = logits.float()", SAMPLING,
+      note="sampling ignores the temperature"),
+    m("sampling", SAMP, "return (weights.float() / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)",
+      "return (weights.float() * noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)", SAMPLING,
+      note="a biased draw"),
+    m("sampling", SAMP, "entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1) if with_entropy else None",
+      "entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1) / 2 if with_entropy else None", SAMPLING, REF,
+      note="entropy off by a factor"),
+    # 3. rejection sampling and reveal-step bookkeeping -----------------------------------------------
+    m("reveal step", SR, "at = logits[(draft.tau - 1).clamp(0, draft.n - 1), torch.arange(L, device=logits.device)]",
+      "at = logits[torch.zeros_like(draft.tau), torch.arange(L, device=logits.device)]", REJECT,
+      note="issue 13 item 3: every proposal judged at copy 0"),
+    m("reveal step", SR, "probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)",
+      "probs = p.to(probs.dtype)", REJECT, note="the draft distribution of the last step, not the reveal step"),
+    m("reveal step", SR, "tau = torch.where(revealed, c + 1, tau)", "tau = torch.where(revealed, c + 2, tau)",
+      REJECT, EXACT_REF, note="reveal steps off by one"),
+    m("rejection", VER, "ok = (pd_x > 0) & (u * pd_x.double() < pt_x.double())",
+      "ok = (pd_x > 0) & (u * pt_x.double() < pd_x.double())", REJECT, note="accept with min(1, p_d / p_t)"),
+    m("rejection", VER, "residual = (p_t - p_d).clamp_min(0)", "residual = p_t.clone()", REJECT,
+      note="a rejected token resampled from p_t instead of the residual"),
+    m("rejection", SR, "mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg, block_step + draft.n,",
+      "mine, _, _ = denoise_step(logits[draft.n - 1], draft.final, self.mask_id, self.cfg, block_step + draft.n,",
+      REJECT, note="sampling: the bonus step read from the last draft copy"),
+    # 5. stop ids ---------------------------------------------------------------------------------------
+    m("stop ids", SR, "stops = set(dec.t.stop_ids)", "stops = set(dec.d.stop_ids)", EXACT_REF,
+      note="issue 13 item 5: stop ids of the draft checkpoint"),
+    m("stop ids", "simsd/speculative/decoder.py", "token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)",
+      "token_ids = finish(generated, self.d.stop_ids, cfg.max_new_tokens)", EXACT_REF,
+      note="output cut at the draft's stop ids"),
+    m("stop ids", "simsd/decoding/config.py", "        if t in stops:", "        if t in stops and len(out) > 1:",
+      REF, EXACT_REF, note="a stop id as the first generated token is missed"),
+    m("stop ids", "simsd/decoding/vanilla.py", "new = block_host[first_gen:]", "new = block_host[first_gen:-1]", REF,
+      note="a stop id as the last token of a block does not end decoding"),
+    m("stop ids", SR, "new = block_host[first_gen:]", "new = block_host[first_gen + 1:]", EXACT_REF,
+      note="a stop id as the first token of a block does not end decoding"),
+    # 7. the mask rule, in every mirror -------------------------------------------------------------------
+    multi("mask rule (all mirrors)", [
+        (MR, "from_draft = q_draft & (k_known | (k_draft & (tau_k <= tau_q)) | (k_mask & (tau_k > tau_q)))",
+         "from_draft = q_draft & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k > tau_q)))"),
+        (TR, "from_draft = q_draft & (k_known | (k_draft & (tau_k <= tau_q)) | (k_mask & (tau_k > tau_q)))",
+         "from_draft = q_draft & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k > tau_q)))"),
+        (CR, "if (kq == kDraft) return (kk == kDraft && tk <= tq)", "if (kq == kDraft) return (kk == kDraft && tk < tq)"),
+    ], MASKS, MIRROR, FLEX, note="D_i does not see D_j with tau_j = tau_i (itself, ties)"),
+    multi("mask rule (all mirrors)", [
+        (MR, "from_mask = q_mask & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k >= tau_q)))",
+         "from_mask = q_mask & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k > tau_q)))"),
+        (TR, "from_mask = q_mask & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k >= tau_q)))",
+         "from_mask = q_mask & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k > tau_q)))"),
+        (CR, "(kk == kMask && tk >= tq)", "(kk == kMask && tk > tq)"),
+    ], MASKS, MIRROR, FLEX, note="M_i does not see M_j with tau_j = tau_i"),
+    multi("mask rule (all mirrors)", [
+        (MR, "from_known = (kind_q == KIND_KNOWN) & k_known", "from_known = (kind_q == KIND_KNOWN)"),
+        (TR, "from_known = (kind_q == KIND_KNOWN) & k_known", "from_known = (kind_q == KIND_KNOWN)"),
+        (CR, "if (kq == kDraft) return", "if (kq == kKnown) return true;\n      if (kq == kDraft) return"),
+    ], MASKS, MIRROR, FLEX, note="leftover sees D and M"),
+    multi("mask rule (all mirrors)", [
+        (MR, "return (grp_k == grp_q) | (grp_k == SHARED_GRP)", "return (grp_k == grp_q) | (grp_q == SHARED_GRP)"),
+        (TR, "res = (grp_k == grp_q) | (grp_k == -1)", "res = (grp_k == grp_q) | (grp_q == -1)"),
+        (CR, "return gk == gq || gk == kSharedGrp;", "return gk == gq || gq == kSharedGrp;"),
+    ], MASKS, MIRROR, FLEX, note="exact: the shared prefix sees every copy, copies do not see it"),
+    m("mask rule (one mirror)", TR, "res = (grp_k == grp_q) | (grp_k == -1)", "res = grp_k == grp_q", MASKS,
+      note="Triton only: the shared prefix invisible"),
+    m("mask rule (one mirror)", "simsd_kernels/flex.py", "return torch.where(in_cache, kv_idx < cache_seqlens[b], new)",
+      "return torch.where(in_cache, kv_idx <= cache_seqlens[b], new)", MASKS, note="Flex: one cache slot too many"),
+    m("mask rule (one mirror)", "simsd_kernels/reference.py",
+      "cache_vis = torch.arange(cache_len, device=labels.device)[None, :] < cache_seqlens[:, None].to(torch.int64)",
+      "cache_vis = torch.arange(cache_len, device=labels.device)[None, :] <= cache_seqlens[:, None].to(torch.int64)",
+      MASKS, note="dense torch mask: one cache slot too many"),
+    m("mask padding", "simsd/engine/batching.py", '"paper": (KIND_MASK, 0, 0)', '"paper": (KIND_MASK, 1, 0)', MASKS,
+      note="paper padding visible to M slots with tau = 1"),
+    m("mask padding", "simsd/engine/batching.py", '"exact": (0, 0, 1 << 30)', '"exact": (0, 0, 0)', MASKS,
+      note="exact padding joins copy 0"),
+    # cache commits and the layouts ---------------------------------------------------------------------
+    m("cache commit", "simsd/engine/batching.py", "grp = (torch.arange(2 * L, device=dev) >= L).int()",
+      "grp = (torch.arange(2 * L, device=dev) > L).int()", REF, EXACT_REF,
+      note="folded commit: the next block's first token joins the committed block"),
+    m("cache commit", "simsd/engine/batching.py",
+      "torch.cat([labels_for(P, dev, grp=SHARED_GRP)[0], labels[0]]), \"exact\", num_write=P,",
+      "torch.cat([labels_for(P, dev, grp=0)[0], labels[0]]), \"exact\", num_write=P,", EXACT_REF,
+      note="folded commit in exact mode seen by copy 0 only"),
+    m("cache commit", SR, "if carried is None or carried.committed is None:",
+      "if carried is not None and carried.committed is None:", SPEC,
+      note="the draft never commits its blocks (its cache goes stale)"),
+    m("layout", VER, "m_pos = [start + i for i in unk] if rope_copy else [start + L + j for j in range(n)]",
+      "m_pos = [start + i + 1 for i in unk] if rope_copy else [start + L + j for j in range(n)]", SPEC,
+      note="RoPE copy off by one position"),
+    m("layout", VER, "taus = torch.cat([torch.zeros(nl, dtype=torch.int64, device=device), t, t])",
+      "taus = torch.cat([torch.zeros(nl, dtype=torch.int64, device=device), t, t + 1])", SPEC,
+      note="M slots labelled one step late (a draft token sees its own verification)"),
+    # further instances of the kinds above (tried after the tests were written) ----------------------
+    m("verdict", VER, "taken = torch.where(rejected, torch.where(at_r, tau, 0).max(), n)",
+      "taken = torch.where(rejected, torch.where(at_r, tau, 0).max() - 1, n)", PAPER_REF,
+      note="paper: the steps a rejected round used, one short"),
+    m("verdict", VER, "taken = torch.where(rejected, torch.where(at_r, tau, 0).max(), n)",
+      "taken = torch.where(rejected, torch.where(at_r, tau, 0).max(), n - 1)", PAPER_REF,
+      note="paper: the steps an accepted round used, one short"),
+    m("verdict", VER, "last = mine[n] if bonus else drafted", "last = drafted", EXACT_REF,
+      note="exact: the bonus copy's step replaced by the draft's final state"),
+    m("verdict", SR, "at = logits[m_index.clamp_min(0)]",
+      "at = logits[(m_index - int((block == self.mask_id).sum())).clamp_min(0)]", PAPER_REF, SPEC,
+      note="paper: proposals judged at their D slot instead of their M slot"),
+    m("schedule", SR, "\"draft\", state, Step(state, block_step + c, dcfg, self.mask_id, self.draft_generator))",
+      "\"draft\", state, Step(state, c, dcfg, self.mask_id, self.draft_generator))", PAPER_REF,
+      note="the draft's schedule restarts at every round"),
+    m("schedule", SR, "if spec.on_reject == \"fallback\" and masks < dec.gamma:",
+      "if spec.on_reject == \"fallback\" and masks <= dec.gamma:", PAPER_REF,
+      note="the paper's fallback one position early"),
+    m("strategy", STRATS, 'DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}',
+      'DEFAULT_THRESHOLD = {"dynamic": 0.8, "entropy": 0.35}', REF, note="another default threshold"),
+    m("sampling", SAMP, "kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]",
+      "kth = torch.topk(scores, params.top_k, dim=-1).values[..., :1]", SAMPLING, note="top-k keeps the top 1"),
+    m("rejection", VER, "p_t = filtered_probs(logits, params)", "p_t = torch.softmax(logits.float(), -1)", REJECT,
+      note="rejection sampling against the unfiltered target at temperature 1"),
+    m("layout", VER, "positions = [start + i for i in left] + [start + i for i in unk] + m_pos",
+      "positions = [start + i for i in left] + [start + L + j for j in range(n)] + m_pos", PAPER_REF, SPEC,
+      note="paper: D slots at fresh positions"),
+    m("layout", VER, "positions = torch.arange(start, start + L, device=device).repeat(n)[None]",
+      "positions = torch.arange(start + 1, start + L + 1, device=device).repeat(n)[None]", EXACT_REF,
+      note="exact: copies one position late"),
+    m("cache commit", SR, "return self.row.exact(\"target\", *exact_layout(states, self.row.start(\"target\")))",
+      "return self.row.exact(\"target\", *exact_layout(states, self.row.cached[\"target\"]))", EXACT_REF,
+      note="exact with a folded commit: copies placed before the pending block"),
+    # 8-9. what the user runs; hangs ------------------------------------------------------------------------
+    m("user path", "simsd/assets/__init__.py", 'DEFAULT_DRAFT = ASSETS / "tiny-sdar-draft"',
+      'DEFAULT_DRAFT = ASSETS / "tiny-sdar-draft-missing"', USER, note="issue 13 item 8: bundled draft missing"),
+    m("user path", "simsd/assets/__init__.py", 'DEFAULT_TARGET = ASSETS / "tiny-sdar-target"',
+      'DEFAULT_TARGET = ASSETS / "tiny-sdar-draft"', USER, note="the bundled target is the draft"),
+    m("user path", "simsd/entrypoints/commands.py", "max_new_tokens=args.max_new_tokens, seed=args.seed,",
+      "max_new_tokens=args.max_new_tokens + 1, seed=args.seed,", CLI, USER, note="--max-new-tokens off by one"),
+    m("user path", "simsd/entrypoints/commands.py", "ids = ids[:-1]", "ids = ids", CLI, USER,
+      note="the text keeps the stop token"),
+    m("hang", "simsd/decoding/step.py", "logits = without_mask_token(logits, mask_id)", "logits = logits",
+      PROGRESS, VANILLA, note="issue 13 item 9: MASK can be 'revealed' (no progress)"),
+    m("hang", VER, "new = torch.index_select(candidates, 0, n_ok.view(1))[0]", "new = states[0]", PROGRESS,
+      note="an exact round that commits nothing"),
+]
+
+
+def parse_only(text: str, n: int) -> list:
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        lo, hi = int(a), int(b or a)
+        if not 1 <= lo <= hi <= n:
+            raise SystemExit(f"--only: {part!r} is outside 1..{n}")
+        out.extend(range(lo, hi + 1))
+    return out
+
+
+def line_of(path: Path, text: str) -> int:
+    src = path.read_text()
+    return src[:src.index(text)].count("\n") + 1
+
+
+class Applied:
+    """Apply a mutant's edits; restore every file on exit, whatever happens."""
+
+    def __init__(self, mutant: Mutant):
+        self.mutant = mutant
+        self.saved: dict = {}
+
+    def __enter__(self):
+        try:
+            for file, old, new in self.mutant.edits:
+                path = ROOT / file
+                self.saved.setdefault(path, path.read_text())
+                cur = path.read_text()
+                count = cur.count(old)
+                if count != 1:
+                    raise ValueError(f"{file}: the text to mutate occurs {count} times: {old!r}")
+                path.write_text(cur.replace(old, new))
+        except BaseException:
+            self.restore()
+            raise
+        return self
+
+    def restore(self):
+        for path, src in self.saved.items():
+            path.write_text(src)
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def run_tests(tests, timeout: float) -> tuple[str, float, str]:
+    per_test = max(10, int(min(timeout, 120)))  # pytest-timeout: a hanging test fails on its own
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", f"timeout={per_test}", *tests]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "killed (timeout)", time.perf_counter() - t0, ""
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    secs = time.perf_counter() - t0
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if proc.returncode == 0:
+        return "survived", secs, last
+    if proc.returncode in (1, 2):
+        return "killed", secs, last
+    return f"error (pytest exit {proc.returncode})", secs, out[-2000:]
+
+
+def applies(mu: Mutant) -> bool:
+    """Every edit's text occurs exactly once (otherwise the code moved on: the mutant is stale)."""
+    return all((ROOT / file).is_file() and (ROOT / file).read_text().count(old) == 1 for file, old, _ in mu.edits)
+
+
+def where(mu: Mutant) -> str:
+    file, old, _ = mu.edits[0]
+    line = line_of(ROOT / file, old) if applies(mu) else "?"
+    return f"{file}:{line}" + (f" (+{len(mu.edits) - 1} mirrors)" if len(mu.edits) > 1 else "")
+
+
+def describe(i: int, mu: Mutant) -> str:
+    stale = "" if applies(mu) else "  [stale: the text to mutate is gone]"
+    return f"{i:3d}  {mu.kind:24s} {where(mu):48s} {mu.note}{stale}"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed runner restores the files too
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--only", help="mutant numbers to run, e.g. 3,7-9 (1-based, as --list shows)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant before it counts as a hang")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the run without mutants")
+    ap.add_argument("--markdown", help="also write the result table to this Markdown file")
+    args = ap.parse_args(argv)
+    chosen = parse_only(args.only, len(MUTANTS)) if args.only else list(range(1, len(MUTANTS) + 1))
+    if args.list:
+        for i in chosen:
+            print(describe(i, MUTANTS[i - 1]))
+        return 0
+    stale = [i for i in chosen if not applies(MUTANTS[i - 1])]
+    for i in stale:
+        print(f"mutant {i} is stale (its text is not in the code once): {MUTANTS[i - 1].edits}", file=sys.stderr)
+    chosen = [i for i in chosen if i not in stale]
+    if not args.no_baseline:
+        tests = sorted({t for i in chosen for t in MUTANTS[i - 1].tests})
+        status, secs, last = run_tests(tests, args.timeout * 3)
+        print(f"baseline ({len(tests)} test files): {'green' if status == 'survived' else status} in {secs:.0f} s"
+              f" {last}", flush=True)
+        if status != "survived":
+            return 1
+    rows = []
+    try:
+        for i in chosen:
+            mu = MUTANTS[i - 1]
+            with Applied(mu):
+                status, secs, last = run_tests(mu.tests, args.timeout)
+            rows.append((i, mu, status, secs))
+            print(f"{describe(i, mu)}\n     -> {status} ({secs:.0f} s) {last if status != 'survived' else ''}",
+                  flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: files restored", file=sys.stderr)
+        return 130
+    killed = sum(r[2].startswith("killed") for r in rows)
+    survived = [r for r in rows if r[2] == "survived"]
+    errors = [r for r in rows if r[2].startswith("error")]
+    total = (f"{killed} killed, {len(survived)} survived, {len(errors)} errors, of {len(rows)} mutants"
+             + (f" ({len(stale)} stale, not run)" if stale else ""))
+    print(f"\n{total}")
+    if args.markdown:
+        lines = ["| # | kind | where | mutant | result | s |", "|---|---|---|---|---|---|"]
+        for i, mu, status, secs in rows:
+            lines.append(f"| {i} | {mu.kind} | `{where(mu)}` | {mu.note} | {status} | {secs:.0f} |")
+        lines.append(f"\n{total}")
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+    return 0 if not survived and not errors and not stale else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
