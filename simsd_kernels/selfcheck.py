@@ -101,17 +101,17 @@ def attention_case(device, dtype, head_dim: int, group: int, mask_mode, cache_le
     return clean, poisoned
 
 
-def check_attention_case(backend, device, dtype, head_dim, group, mask_mode, cache_lens, capacity,
-                         seed: int = 0) -> CheckResult:
-    """One attention case of ``backend`` against float64 (and the torch backend's error)."""
-    clean, poisoned = attention_case(device, dtype, head_dim, group, mask_mode, cache_lens, capacity, seed=seed)
-    scale = head_dim ** -0.5
+def reference(clean, mask_mode, scale):
+    """``(ref, torch_err)``: the float64 reference of the case and the torch backend's error."""
     f64 = [t.to(torch.float64) if t.is_floating_point() else t for t in clean]
     ref = temporal_attention_naive(*f64, int(mask_mode), THETA, scale)
-    base_err = max_err(temporal_attention_torch(*clean, int(mask_mode), THETA, scale), ref)
-    tol = 2 * base_err + ERR_FLOOR[dtype]
-    out = backend.attention(*poisoned, int(mask_mode), THETA, scale)
+    return ref, max_err(temporal_attention_torch(*clean, int(mask_mode), THETA, scale), ref)
+
+
+def judge(out, clean, ref, torch_err, cache_lens) -> CheckResult:
+    """Shape, dtype, finiteness and ``max_err(out, ref) <= 2 * torch_err + ERR_FLOOR[dtype]``."""
     q = clean[0]
+    tol = 2 * torch_err + ERR_FLOOR[q.dtype]
     if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
         return CheckResult(False, float("inf"), tol, f"output {tuple(out.shape)} {out.dtype}, expected "
                                                       f"{tuple(q.shape)} {q.dtype}")
@@ -120,8 +120,18 @@ def check_attention_case(backend, device, dtype, head_dim, group, mask_mode, cac
     err = max_err(out, ref)
     if not err <= tol:
         return CheckResult(False, err, tol, f"max error {err:.3g} > tolerance {tol:.3g} against float64 "
-                                            f"(torch error {base_err:.3g}, cache lengths {tuple(cache_lens)})")
+                                            f"(torch error {torch_err:.3g}, cache lengths {tuple(cache_lens)})")
     return CheckResult(True, err, tol, f"max error {err:.3g} <= {tol:.3g}")
+
+
+def check_attention_case(backend, device, dtype, head_dim, group, mask_mode, cache_lens, capacity,
+                         seed: int = 0) -> CheckResult:
+    """One attention case of ``backend`` against float64 (and the torch backend's error)."""
+    clean, poisoned = attention_case(device, dtype, head_dim, group, mask_mode, cache_lens, capacity, seed=seed)
+    scale = head_dim ** -0.5
+    ref, torch_err = reference(clean, mask_mode, scale)
+    out = backend.attention(*poisoned, int(mask_mode), THETA, scale)
+    return judge(out, clean, ref, torch_err, cache_lens)
 
 
 def check_append_kv(backend, device, dtype, head_dim, seed: int = 0) -> CheckResult:
