@@ -242,3 +242,19 @@ def test_registry_names_and_errors(register):
         backends.resolve_backend("nope", CPU)
     backends.unregister_backend("extra")
     assert "extra" not in backends.backend_names()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_auto_uses_a_checked_fused_backend_and_skips_a_wrong_one(register):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = OpConfig("attention", torch.bfloat16, 128, 4, 3)
+    fused = backends.resolve_backend("auto", dev, cfg)
+    assert fused.name in ("cuda", "triton"), "no fused backend passed its check on this GPU"
+    assert backends._VERDICTS[(fused.name, dev, cfg)] == (True, backends._VERDICTS[(fused.name, dev, cfg)][1])
+    wrong = dataclasses.replace(_wrapping("wrong", _scaled_softmax)[0], auto_devices=("cuda",))
+    register(wrong)
+    args = [a.to(dev) for a in make_inputs(10, 2, 9, 8, 2, 128, [40, 600], dtype=torch.bfloat16, lmax=640)]
+    out, caught = _recorded(lambda: _attention(args, "paper"))
+    assert len(caught) == 1 and "'wrong'" in str(caught[0].message) and "cuda" in str(caught[0].message)
+    assert backends.resolve_backend("auto", dev, cfg).name == fused.name
+    torch.testing.assert_close(out, fused.attention(*args, 3, 1e4, 128 ** -0.5), atol=0, rtol=0)
