@@ -14,7 +14,8 @@ Columns: ``status`` (``pass``; ``FAIL``: max error above ``tol`` = 2x the torch 
 ``refused``: an unsupported shape rejected cleanly), ``max_err`` against float64, ``us``
 (median microseconds of the backend call: CUDA events on a GPU, wall clock on the CPU), and for
 ``auto`` the backend it resolved to. ``--json``: one JSON object per row on stdout, written as
-each row is produced; the table then goes to stderr. Exit status 1 when a row fails.
+each row is produced; the table then goes to stderr (``--quiet``: only the per-backend summary
+and the failures). Exit status 1 when a row fails.
 
 A user with a GPU runs this first; it is the first check of ``bench/device_run.sh``.
 """
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device to check (default: cuda when available, else cpu)")
     p.add_argument("--backends", default="all",
                    help="comma list of backends (and/or 'auto'); default: every available one and auto")
+    p.add_argument("--exclude", default="", help="comma list of backends to leave out of --backends all")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of float16, bfloat16, float32")
     p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma list of head dims")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of mask modes")
@@ -51,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed calls per row (default 20 on a GPU, 1 on the CPU)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (compiles Triton kernels in parallel)")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout as produced; the table on stderr")
+    p.add_argument("--quiet", action="store_true", help="with --json: only the summary and the failures on stderr")
 
 
 def _csv(value: str, allowed, what: str, cast=str) -> list:
@@ -87,9 +90,10 @@ def plan(args) -> tuple:
         os.environ["TRITON_INTERPRET"] = "1"  # the only way Triton kernels run on the CPU (before import)
     names = [n for n in backend_names() if n != "auto"]
     unavailable = {}
+    excluded = set(_csv(args.exclude, names, "exclude")) if args.exclude.strip() else set()
     if args.backends == "all":
         chosen = []
-        for n in names:
+        for n in (n for n in names if n not in excluded):
             ok, why = availability(n, device)
             (chosen.append(n) if ok else unavailable.__setitem__(n, why))
         chosen.append("auto")
@@ -184,8 +188,9 @@ def run_task(task, device_str: str, reps: int | None) -> list:
                     continue
                 ref, torch_err = reference(clean, mode, scale)
                 res = judge(call(), clean, ref, torch_err, lens)
-                row.update(status="pass" if res.ok else "FAIL", max_err=res.max_err, tol=res.tol,
-                           detail=(note + "; " if note else "") + res.detail)
+                row.update(status="pass" if res.ok else "FAIL", max_err=res.max_err, tol=res.tol)
+                if note or not res.ok:
+                    row["detail"] = (note + "; " if note else "") + res.detail
                 if res.ok:
                     row["us"] = round(_time_us(call, device, reps), 2)
             except Exception as exc:  # noqa: BLE001
@@ -205,14 +210,11 @@ def _fmt(x, spec):
     return format(x, spec) if ok else "-".rjust(int(spec.split(".")[0]))
 
 
-def table(rows: list, out=sys.stdout) -> None:
-    """The human-readable table of ``rows`` and a per-backend summary."""
-    print(f"{'backend':8} {'->':7} {'dtype':9} {'D':>4} {'mode':14} {'cache':6} {'G':>2} {'status':8} "
-          f"{'max_err':>9} {'tol':>9} {'us':>9}", file=out)
-    for r in rows:
-        print(f"{r['backend']:8} {(r.get('resolved') or '-'):7} {r['dtype']:9} {r['head_dim']:>4} {r['mask_mode']:14} "
-              f"{r['cache']:6} {r['group']:>2} {r['status']:8} {_fmt(r.get('max_err'), '9.2e')} "
-              f"{_fmt(r.get('tol'), '9.2e')} {_fmt(r.get('us'), '9.1f')}", file=out)
+def table(rows: list, out=sys.stdout, summary_only: bool = False) -> None:
+    """The human-readable table of ``rows`` (unless ``summary_only``), a per-backend summary and
+    the failures."""
+    if not summary_only:
+        _rows_table(rows, out)
     for backend in dict.fromkeys(r["backend"] for r in rows):
         mine = [r for r in rows if r["backend"] == backend]
         counts = {s: sum(r["status"] == s for r in mine) for s in ("pass", "FAIL", "refused")}
@@ -222,6 +224,15 @@ def table(rows: list, out=sys.stdout) -> None:
         if r["status"] == "FAIL":
             print(f"# FAIL {r['backend']} {r['dtype']} D={r['head_dim']} {r['mask_mode']} {r['cache']} "
                   f"G={r['group']}: {r.get('detail')}", file=out)
+
+
+def _rows_table(rows: list, out) -> None:
+    print(f"{'backend':8} {'->':7} {'dtype':9} {'D':>4} {'mode':14} {'cache':6} {'G':>2} {'status':8} "
+          f"{'max_err':>9} {'tol':>9} {'us':>9}", file=out)
+    for r in rows:
+        print(f"{r['backend']:8} {(r.get('resolved') or '-'):7} {r['dtype']:9} {r['head_dim']:>4} {r['mask_mode']:14} "
+              f"{r['cache']:6} {r['group']:>2} {r['status']:8} {_fmt(r.get('max_err'), '9.2e')} "
+              f"{_fmt(r.get('tol'), '9.2e')} {_fmt(r.get('us'), '9.1f')}", file=out)
 
 
 def run(args) -> int:
@@ -253,7 +264,7 @@ def run(args) -> int:
     order = {t[:5]: i for i, t in enumerate(tasks)}
     rows.sort(key=lambda r: (order[(r["backend"], r["dtype"], r["head_dim"], r["mask_mode"], r["group"])],
                              list(CACHES).index(r["cache"])))
-    table(rows, out=info)
+    table(rows, out=info, summary_only=args.json and args.quiet)
     print(f"# {len(rows)} rows in {time.time() - t0:.1f} s", file=info)
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 
