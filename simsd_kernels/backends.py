@@ -275,13 +275,18 @@ def resolve_backend(requested: str, device: torch.device, config: OpConfig | Non
             does not support ``config``.
         BackendCheckError: an explicitly requested backend failed its self-check.
     """
-    device = torch.device(device)
-    env = os.environ.get(ENV_VAR, "")
-    key = (requested, env, trusted(), device, config)
-    hit = _RESOLVED.get(key)
-    if hit is not None:
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if requested != "auto":  # an explicit name resolves the same whatever the environment once it passed
+        key = (requested, device, config)
+        hit = _RESOLVED.get(key)
+        if hit is None:
+            hit = _RESOLVED[key] = _explicit(_requested_name(requested), device, config)
         return hit
-    name = _requested_name(requested)
-    backend = _auto(device, config) if name == "auto" else _explicit(name, device, config)
-    _RESOLVED[key] = backend
-    return backend
+    environ = os.environ
+    key = (requested, environ.get(ENV_VAR), environ.get(TRUST_ENV_VAR), device, config)
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        name = _requested_name(requested)
+        hit = _RESOLVED[key] = _auto(device, config) if name == "auto" else _explicit(name, device, config)
+    return hit
