@@ -16,8 +16,11 @@ import os
 import statistics
 import sys
 
-TEST_GROUPS = {"cuda-kernels": "tests: CUDA kernels", "triton-kernels": "tests: Triton kernels (GPU-compiled)",
+TEST_GROUPS = {"cuda-kernels": "tests: CUDA kernels",
+               "triton-kernels": "tests: Triton kernels (GPU-compiled), ops",
                "engine": "tests: engine (graphs == eager, host reads)"}
+#: warnings printed when a backend or a CUDA graph fails its self-check during a run
+CHECK_WARNINGS = ("BackendCheckWarning", "GraphCheckWarning", "BackendCheckError")
 
 
 def _jsonl(path) -> list:
@@ -118,7 +121,8 @@ def bench_verdicts(rows) -> list:
         mine = [r for r in rows if r["provider"] == prov]
         ran = [r for r in mine if "ms" in r]
         invalid = [r for r in ran if r.get("valid") is False]
-        if invalid:
+        refused = [r for r in mine if "self-check" in r.get("error", "") or "failed simsd check" in r.get("error", "")]
+        if invalid or refused:
             verdict = "wrong"
         elif ran:
             verdict = "correct" if any(r.get("valid") for r in ran) else "n/a"
@@ -130,6 +134,21 @@ def bench_verdicts(rows) -> list:
             detail += f" ({skipped[0]['error'][:90]})"
         res.append((f"bench: {prov}", verdict, detail))
     return res
+
+
+def warning_verdict(out) -> tuple:
+    """Self-check failures reported while the benchmarks ran (their logs)."""
+    found, seen_logs = [], False
+    for name in ("attention.log", "e2e.log"):
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            seen_logs = True
+            found += [line.strip() for line in open(path, errors="replace") if any(w in line for w in CHECK_WARNINGS)]
+    if not seen_logs:
+        return "self-checks during the benchmarks", "not run", "no benchmark logs"
+    if found:
+        return "self-checks during the benchmarks", "wrong", f"{len(found)} warnings: {found[0][:150]}"
+    return "self-checks during the benchmarks", "correct", "no backend or graph self-check failed"
 
 
 def _case(r):
@@ -212,6 +231,7 @@ def summary(out) -> tuple:
     e2e = _jsonl(os.path.join(out, "e2e.jsonl"))
     e2e_v, e2e_r = e2e_lines(e2e)
     verdicts += e2e_v
+    verdicts.append(warning_verdict(out))
     lines = ["== simsd device run", env, "", f"{'step':18} {'exit':>5} {'seconds':>8} {'limit':>6}"]
     lines += [f"{n:18} {rc:>5} {s:>8} {lim:>6}" for n, rc, s, lim in st]
     total = sum(int(s) for _, _, s, _ in st if s.isdigit())

@@ -57,15 +57,17 @@ def test_summary_verdicts(tmp_path):
         dict(case, provider="simsd-cuda", ms=0.03, valid=True, frac_4tbs=0.4),
         dict(case, provider="simsd-triton", ms=0.05, valid=False, frac_4tbs=0.2),
         dict(case, provider="flex", error="RuntimeError: not run: flex time budget of 25 s spent")])
+    (tmp_path / "e2e.log").write_text("x.py:1: GraphCheckWarning: simsd: CUDA graph on cuda:0: the first replay ...\n")
     text, ok = ds.summary(str(tmp_path))
     verdict = {line[:44].strip(): line[45:53].strip() for line in text.splitlines()
-               if line.startswith(("build:", "check:", "tests:", "bench:", "e2e"))}
+               if line.startswith(("build:", "check:", "tests:", "bench:", "e2e", "self-checks"))}
     assert verdict["build: CUDA extension"] == "correct"
     assert verdict["check: cuda"] == "correct" and verdict["check: triton"] == "wrong"
     assert verdict["tests: CUDA kernels"] == "correct"
     assert verdict["tests: engine (graphs == eager, host reads)"] == "wrong", "tests left unrun are not a pass"
     assert verdict["bench: simsd-cuda"] == "correct" and verdict["bench: simsd-triton"] == "wrong"
     assert verdict["bench: flex"] == "not run" and verdict["e2e"] == "not run"
+    assert verdict["self-checks during the benchmarks"] == "wrong"
     assert "time simsd-cuda / sdpa-nomask: median 1.50" in text
     assert "simsd-triton / sdpa-nomask" not in text, "an INVALID row gives no ratio"
     assert not ok and "NOT OK" in text
