@@ -9,6 +9,8 @@ downloaded. Install torch first, then::
 Environment:
 
 * ``SIMSD_SKIP_CUDA_BUILD=1``  never build the extension;
+* ``SIMSD_REQUIRE_CUDA_EXT=1`` fail (exit status 1, the reason on stderr) instead of installing
+  pure Python when the extension cannot be built (the GPU device script sets it);
 * ``SIMSD_CUDA_ARCHS="80;90"`` SM archs to compile for (default ``80;90``; PTX of the highest
   is embedded too); sm_80 is the minimum (mma.sync bf16);
 * ``MAX_JOBS``                  parallel compile jobs (torch's ninja builder reads it);
@@ -85,24 +87,28 @@ def _git_sha() -> str | None:
         return None
 
 
+def _pure_python(reason: str):
+    """``([], {})`` with ``reason`` logged; with ``SIMSD_REQUIRE_CUDA_EXT=1`` a loud failure instead."""
+    if _truthy("SIMSD_REQUIRE_CUDA_EXT"):
+        raise SystemExit(f"simsd setup: error: SIMSD_REQUIRE_CUDA_EXT=1 but the CUDA extension cannot be built: "
+                         f"{reason}")
+    _log(f"{reason}: pure-Python install, no CUDA extension")
+    return [], {}
+
+
 def _cuda_extension():
     """``(ext_modules, cmdclass)`` for the CUDA build, or ``([], {})`` with the reason logged."""
     if _truthy("SIMSD_SKIP_CUDA_BUILD"):
-        _log("SIMSD_SKIP_CUDA_BUILD is set: pure-Python install, no CUDA extension")
-        return [], {}
+        return _pure_python("SIMSD_SKIP_CUDA_BUILD is set")
     try:
         import torch
     except ImportError:
-        _log("torch is not importable (install torch first, then pip install --no-build-isolation .): "
-             "pure-Python install, no CUDA extension")
-        return [], {}
+        return _pure_python("torch is not importable (install torch first, then pip install --no-build-isolation .)")
     if not torch.version.cuda:
-        _log(f"torch {torch.__version__} is not a CUDA build: pure-Python install, no CUDA extension")
-        return [], {}
+        return _pure_python(f"torch {torch.__version__} is not a CUDA build")
     cuda_home = _find_cuda_home()
     if cuda_home is None:
-        _log("nvcc / the CUDA toolkit was not found (set CUDA_HOME): pure-Python install, no CUDA extension")
-        return [], {}
+        return _pure_python("nvcc / the CUDA toolkit was not found (set CUDA_HOME)")
     archs = _parse_archs(os.environ.get("SIMSD_CUDA_ARCHS", DEFAULT_ARCHS))
 
     # torch.utils.cpp_extension reads CUDA_HOME when first imported; a wrapper nvcc on PATH

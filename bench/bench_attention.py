@@ -9,8 +9,13 @@ bidirectional). Every row of the batch has the same cache length.
 
 Providers (a provider that cannot run is reported and skipped):
 * ``simsd-<name>``: every simsd backend available by name (``triton``, ``cuda`` once the
-  compiled extension exists), RoPE fused (q, k un-rotated);
-* ``flex``: compiled FlexAttention, block mask from ``simsd_kernels.flex.make_mask_mod``;
+  compiled extension exists), RoPE fused (q, k un-rotated). Only backends that pass: each
+  case's configuration goes through the backend's self-check first
+  (:func:`simsd_kernels.backends.resolve_backend`), and with ``--check FILE`` (the rows of
+  ``simsd check --json``) a backend with a failing row is not benchmarked at all;
+* ``flex``: compiled FlexAttention, block mask from ``simsd_kernels.flex.make_mask_mod``; last
+  in each case and behind ``--flex-budget`` seconds in all (its cold ``torch.compile`` builds
+  are slow): once spent, its rows say so;
 * ``sdpa-dense``: SDPA with a dense boolean mask (the torch backend's method);
 * ``sdpa-nomask``: SDPA over the same keys with no mask, the speed-of-light for this token count
   (SDPA's ``is_causal`` is top-left aligned when Lq != Lk, so it is not a valid causal here);
@@ -21,8 +26,15 @@ Metrics: median time of ``triton.testing.do_bench``; bytes = K/V cache read
 ``2 * B * cache_len * Hkv * D * elt`` + q/k/v/out ``B * Lq * (2*Hq + 2*Hkv) * D * elt``;
 GB/s = bytes / time; fractions of a 4 TB/s floor and of the measured device copy bandwidth;
 TFLOP/s = ``4 * B * Hq * Lq * (cache_len + Lq) * D`` / time. ``max_diff`` is each provider's max
-abs difference to ``sdpa-dense``. Rows (json lines, with GPU name, versions, git sha) are
-appended to ``bench/results/attention.jsonl``.
+abs difference to ``sdpa-dense``; ``err`` its max abs error against SDPA on float32 copies of
+the inputs, and ``tol = 2 * err(sdpa-dense) + REL_FLOOR[dtype] * max|reference|``: a row above
+it has ``valid: false`` (printed INVALID) and must not be quoted (``sdpa-nomask`` computes
+another function: ``valid: null``). Rows (json lines, with GPU name, versions, git sha) are
+appended to ``--out`` (default ``bench/results/attention.jsonl``) and flushed one by one, so a
+run killed by a time limit keeps what it measured.
+
+``--cpu-smoke``: tiny float32 shapes on the CPU, the Triton kernels under the interpreter,
+wall-clock timing: only checks this script's code paths (the device script's dry run).
 """
 from __future__ import annotations
 
@@ -36,7 +48,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODELS = {"8b": (32, 8, 128), "1.7b": (16, 8, 128)}
+SMOKE_MODELS = {"8b": (4, 2, 64), "1.7b": (2, 2, 64)}
 FLOOR_BYTES_PER_S = 4e12
+#: relative error floor per dtype name, times max |reference| (a couple of units in the last place)
+REL_FLOOR = {"bf16": 2 ** -7, "fp16": 2 ** -10, "fp32": 1e-5}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention.jsonl")
 
 
@@ -50,9 +65,17 @@ def parse_args(argv=None):
     p.add_argument("--layouts", default="paper,exact,denoise")
     p.add_argument("--providers", default="", help="comma list to restrict providers (default: all)")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--check", default=None, help="simsd check --json rows: skip backends with a failing row")
+    p.add_argument("--flex-budget", type=float, default=120.0,
+                   help="seconds FlexAttention may use in all (compiles included); 0 = no flex rows")
+    p.add_argument("--warm-only", action="store_true",
+                   help="only compile (and self-check) the simsd providers of every case: no timing, no rows")
+    p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.caches, args.batches, args.blocks = "8b", "4096,16384", "1,8", "4"
+    if args.cpu_smoke:
+        args.models, args.caches, args.batches, args.blocks = "8b", "40", "1,2", "4"
     return args
 
 
@@ -76,10 +99,29 @@ def layout_labels(layout, bk, batch, device):
     return labels.to(device), pos[None].repeat(batch, 1).to(device), mode
 
 
-def build_providers(names_filter):
+def failed_backends(path) -> dict:
+    """backend -> why, for every backend with a FAIL row in ``simsd check --json`` rows at ``path``
+    (a missing file: none; the per-case self-checks still apply)."""
+    bad = {}
+    if not os.path.isfile(path):
+        print(f"# --check {path}: no such file; relying on the per-case self-checks", flush=True)
+        return bad
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("status") == "FAIL" and r.get("backend") != "auto":
+                bad.setdefault(r["backend"], f"failed simsd check ({r['dtype']} D={r['head_dim']} {r['mask_mode']} "
+                                             f"{r['cache']} G={r['group']}: {r.get('detail', '')})"[:300])
+    return bad
+
+
+def build_providers(names_filter, failed=None):
     """name -> factory(case) returning a zero-argument callable (or raising to skip).
 
     Every callable returns ``(B, Lq, Hq, D)`` (baselines return a transposed view: no copy).
+    ``failed``: backend -> reason, backends not to benchmark.
     """
     import torch
     import torch.nn.functional as F
@@ -88,10 +130,15 @@ def build_providers(names_filter):
     from simsd_kernels.reference import full_mask
     from simsd_kernels.rope import apply_rope
 
+    failed = failed or {}
     provs = {}  # sdpa-dense first: the others are diffed against it
     for name in ("triton", "cuda"):
         def simsd(c, name=name):
-            impl = backends.resolve_backend(name, c["q"].device)
+            if name in failed:
+                raise RuntimeError(failed[name])
+            q, k = c["args"][0], c["args"][1]
+            config = backends.OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2], int(c["mode"]))
+            impl = backends.resolve_backend(name, q.device, config)  # raises if its self-check fails
             a = c["args"]
             return lambda: impl.attention(*a, c["mode"], 1e6, c["scale"])
         provs[f"simsd-{name}"] = simsd
@@ -123,7 +170,7 @@ def build_providers(names_filter):
         qr, keys, vals = dense_inputs(c)
         mask_mod = make_mask_mod(c["args"][6], c["args"][5], c["cache_len"], c["mode"])
         bm = create_block_mask(mask_mod, qr.shape[0], None, qr.shape[2], keys.shape[2], device=qr.device)
-        fn = torch.compile(flex_attention, dynamic=False)
+        fn = torch.compile(flex_attention, dynamic=False) if qr.is_cuda else flex_attention
         return lambda: fn(qr, keys, vals, block_mask=bm, enable_gqa=True).transpose(1, 2)
     provs["flex"] = flex
 
@@ -137,13 +184,14 @@ def build_providers(names_filter):
     provs["flash-kvcache"] = flash_kvcache
 
     provs = {"sdpa-dense": provs.pop("sdpa-dense"), **provs}
+    provs["flex"] = provs.pop("flex")  # last: its compiles are slow and budgeted
     if names_filter:
         keep = set(names_filter.split(","))
         provs = {k: v for k, v in provs.items() if k in keep}
     return provs
 
 
-def environment():
+def environment(device):
     import torch
     import triton
     try:
@@ -151,17 +199,36 @@ def environment():
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         sha = ""
-    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu-smoke"
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 git_sha=sha, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
-def make_case(batch, Lq, Hq, Hkv, D, L):
-    """bf16 ``q, k, v, k_cache, v_cache, cache_seqlens`` on the GPU (capacity L + Lq)."""
+def make_case(batch, Lq, Hq, Hkv, D, L, device="cuda", dtype=None):
+    """``q, k, v, k_cache, v_cache, cache_seqlens`` (bf16 on the GPU; capacity L + Lq)."""
     import torch
-    rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    dtype = dtype or torch.bfloat16
+    rnd = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
     return [rnd(batch, Lq, Hq, D), rnd(batch, Lq, Hkv, D), rnd(batch, Lq, Hkv, D),
             rnd(batch, L + Lq, Hkv, D), rnd(batch, L + Lq, Hkv, D),
-            torch.full((batch,), L, dtype=torch.int32, device="cuda")]
+            torch.full((batch,), L, dtype=torch.int32, device=device)]
+
+
+def reference_fp32(case):
+    """SDPA with the dense mask on float32 copies of the (rotated) inputs: ``(B, Lq, Hq, D)``."""
+    import torch
+    import torch.nn.functional as F
+
+    from simsd_kernels.reference import full_mask
+    from simsd_kernels.rope import apply_rope
+    q, k, v, kc, vc, lens, labels, pos = case["args"]
+    L = case["cache_len"]
+    f = lambda t: t.float()  # noqa: E731
+    qr = apply_rope(f(q), pos, 1e6).transpose(1, 2)
+    keys = torch.cat([f(kc[:, :L]), apply_rope(f(k), pos, 1e6)], 1).transpose(1, 2)
+    vals = torch.cat([f(vc[:, :L]), f(v)], 1).transpose(1, 2)
+    mask = full_mask(lens, labels, case["mode"], L)[:, None]
+    return F.scaled_dot_product_attention(qr, keys, vals, attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
 def copy_bandwidth():
@@ -173,62 +240,128 @@ def copy_bandwidth():
     return 2 * src.numel() / (ms * 1e-3)
 
 
+def _wall_bench(fn, warmup=1, rep=3, return_mode="median"):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def cases(args, device, dtype, models):
+    """``(model, layout, bk, batch, L, case, Hq, Hkv, D)`` for every combination of the options."""
+    for model in args.models.split(","):
+        Hq, Hkv, D = models[model]
+        for layout in args.layouts.split(","):
+            for bk in map(int, args.blocks.split(",")):
+                for batch in map(int, args.batches.split(",")):
+                    for L in map(int, args.caches.split(",")):
+                        labels, offs, mode = layout_labels(layout, bk, batch, device)
+                        Lq = labels.shape[1]
+                        a = make_case(batch, Lq, Hq, Hkv, D, L, device, dtype) + [labels, offs + L]
+                        yield model, layout, bk, batch, L, dict(args=a, q=a[0], mode=mode, scale=D ** -0.5,
+                                                                  cache_len=L), Hq, Hkv, D
+
+
+def warm(args, device, dtype, models) -> int:
+    """Compile and self-check the simsd providers of every case (the device script runs this
+    while the CUDA extension builds, so the timed run finds the Triton kernels compiled)."""
+    providers = build_providers("simsd-triton")
+    t0 = time.time()
+    for model, layout, bk, batch, L, case, *_ in cases(args, device, dtype, models):
+        for pname, make in providers.items():
+            try:
+                make(case)()
+                status = "ok"
+            except Exception as exc:  # reported, the timed run will report it again
+                status = f"{type(exc).__name__}: {str(exc)[:120]}"
+            print(f"warm {model} {layout} Bk={bk} B={batch} cache={L} {pname}: {status} ({time.time() - t0:.0f} s)",
+                  flush=True)
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    if not torch.cuda.is_available():
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+        device, dtype, dname, models = "cpu", torch.float32, "fp32", SMOKE_MODELS
+        bench = lambda fn, warmup, rep, return_mode: _wall_bench(fn)  # noqa: E731
+        copy_bw = None
+    elif not torch.cuda.is_available():
         print("bench_attention: no CUDA device; nothing to measure (this benchmark needs a GPU).")
         return 0
-    from triton.testing import do_bench
-
-    env = environment()
-    copy_bw = copy_bandwidth()
+    else:
+        from triton.testing import do_bench
+        device, dtype, dname, models = "cuda", torch.bfloat16, "bf16", MODELS
+        bench = lambda fn, warmup, rep, return_mode: do_bench(fn, warmup=warmup, rep=rep,  # noqa: E731
+                                                              return_mode=return_mode)
+        copy_bw = None if args.warm_only else copy_bandwidth()
+    if args.warm_only:
+        return warm(args, device, dtype, models)
+    env = environment(device)
     print(f"# {env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}  "
-          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    providers = build_providers(args.providers)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+          f"copy bandwidth {copy_bw / 1e9 if copy_bw else float('nan'):.0f} GB/s", flush=True)
+    failed = failed_backends(args.check) if args.check else {}
+    for name, why in failed.items():
+        print(f"# simsd-{name}: not benchmarked: {why}", flush=True)
+    providers = build_providers(args.providers, failed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     print(f"{'model':6} {'layout':8} {'Bk':>3} {'B':>3} {'cache':>6} {'Lq':>4} {'provider':16} "
-          f"{'ms':>8} {'GB/s':>7} {'%4TB':>5} {'%copy':>5} {'TF/s':>6} {'diff':>8}")
+          f"{'ms':>8} {'GB/s':>7} {'%4TB':>5} {'%copy':>5} {'TF/s':>6} {'diff':>8} {'err/tol':>8}", flush=True)
+    flex_spent = 0.0
     with open(args.out, "a") as f:
-        for model in args.models.split(","):
-            Hq, Hkv, D = MODELS[model]
-            for layout in args.layouts.split(","):
-                for bk in map(int, args.blocks.split(",")):
-                    for batch in map(int, args.batches.split(",")):
-                        for L in map(int, args.caches.split(",")):
-                            labels, offs, mode = layout_labels(layout, bk, batch, "cuda")
-                            Lq = labels.shape[1]
-                            a = make_case(batch, Lq, Hq, Hkv, D, L) + [labels, offs + L]
-                            case = dict(args=a, q=a[0], mode=mode, scale=D ** -0.5, cache_len=L)
-                            elt = 2
-                            nbytes = 2 * batch * L * Hkv * D * elt + batch * Lq * (2 * Hq + 2 * Hkv) * D * elt
-                            flops = 4 * batch * Hq * Lq * (L + Lq) * D
-                            ref = None
-                            for pname, make in providers.items():
-                                row = dict(env, model=model, layout=layout, block=bk, batch=batch,
-                                           cache_len=L, Lq=Lq, Hq=Hq, Hkv=Hkv, D=D, dtype="bf16",
-                                           provider=pname, copy_gbps=copy_bw / 1e9)
-                                try:
-                                    fn = make(case)
-                                    out = fn()
-                                    if pname == "sdpa-dense":
-                                        ref = out
-                                    diff = (out.float() - ref.float()).abs().max().item() if ref is not None else None
-                                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                                    row.update(ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9,
-                                               frac_4tbs=nbytes / (ms * 1e-3) / FLOOR_BYTES_PER_S,
-                                               frac_copy=nbytes / (ms * 1e-3) / copy_bw,
-                                               tflops=flops / (ms * 1e-3) / 1e12, max_diff=diff)
-                                    print(f"{model:6} {layout:8} {bk:3} {batch:3} {L:6} {Lq:4} {pname:16} "
-                                          f"{ms:8.4f} {row['gbps']:7.0f} {100 * row['frac_4tbs']:5.1f} "
-                                          f"{100 * row['frac_copy']:5.1f} {row['tflops']:6.1f} "
-                                          f"{diff if diff is not None else float('nan'):8.1e}", flush=True)
-                                except Exception as exc:  # record and go on: one provider failing is data
-                                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                                    print(f"{model:6} {layout:8} {bk:3} {batch:3} {L:6} {Lq:4} {pname:16} "
-                                          f"skipped: {row['error'][:100]}", flush=True)
-                                    torch.cuda.empty_cache()
-                                f.write(json.dumps(row) + "\n")
+        for model, layout, bk, batch, L, case, Hq, Hkv, D in cases(args, device, dtype, models):
+            Lq = case["q"].shape[1]
+            elt = case["q"].element_size()
+            nbytes = 2 * batch * L * Hkv * D * elt + batch * Lq * (2 * Hq + 2 * Hkv) * D * elt
+            flops = 4 * batch * Hq * Lq * (L + Lq) * D
+            ref32 = reference_fp32(case)
+            ref_scale = ref32.abs().max().item()
+            ref, base_err = None, None
+            for pname, make in providers.items():
+                row = dict(env, model=model, layout=layout, block=bk, batch=batch,
+                           cache_len=L, Lq=Lq, Hq=Hq, Hkv=Hkv, D=D, dtype=dname,
+                           provider=pname, copy_gbps=copy_bw / 1e9 if copy_bw else None)
+                t_start = time.perf_counter()
+                try:
+                    if pname == "flex" and flex_spent >= args.flex_budget:
+                        raise RuntimeError(f"not run: flex time budget of {args.flex_budget:.0f} s "
+                                           "spent")
+                    fn = make(case)
+                    out = fn()
+                    err = (out.float() - ref32).abs().max().item()
+                    if pname == "sdpa-dense":
+                        ref, base_err = out, err
+                    diff = (out.float() - ref.float()).abs().max().item() if ref is not None else None
+                    tol = 2 * (base_err or 0.0) + REL_FLOOR[dname] * ref_scale
+                    valid = None if pname == "sdpa-nomask" else bool(err <= tol)
+                    ms = bench(fn, warmup=25, rep=100, return_mode="median")
+                    row.update(ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9,
+                               frac_4tbs=nbytes / (ms * 1e-3) / FLOOR_BYTES_PER_S,
+                               frac_copy=nbytes / (ms * 1e-3) / copy_bw if copy_bw else None,
+                               tflops=flops / (ms * 1e-3) / 1e12, max_diff=diff, err=err, tol=tol,
+                               valid=valid)
+                    flag = "" if valid is not False else "  INVALID"
+                    print(f"{model:6} {layout:8} {bk:3} {batch:3} {L:6} {Lq:4} {pname:16} "
+                          f"{ms:8.4f} {row['gbps']:7.0f} {100 * row['frac_4tbs']:5.1f} "
+                          f"{100 * (row['frac_copy'] or 0):5.1f} {row['tflops']:6.1f} "
+                          f"{diff if diff is not None else float('nan'):8.1e} "
+                          f"{err / tol if valid is not None and tol else float('nan'):8.2f}{flag}",
+                          flush=True)
+                except Exception as exc:  # record and go on: one provider failing is data
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"{model:6} {layout:8} {bk:3} {batch:3} {L:6} {Lq:4} {pname:16} "
+                          f"skipped: {row['error'][:100]}", flush=True)
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                if pname == "flex":
+                    flex_spent += time.perf_counter() - t_start
+                f.write(json.dumps(row) + "\n")
+                f.flush()
     return 0
 
 

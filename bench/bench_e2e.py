@@ -25,7 +25,8 @@
    ``tests/simsd/engine/test_graphs.py`` checks replay against eager with the same shapes).
 
 Rows (JSON lines, with GPU name, versions and git sha) are appended to ``--out``
-(default ``bench/results/e2e.jsonl``). Without CUDA the script says so and exits 0.
+(default ``bench/results/e2e.jsonl``) as each phase ends. Without CUDA the script says so and
+exits 0.
 """
 from __future__ import annotations
 
@@ -328,20 +329,24 @@ def main(argv=None) -> int:
         t = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)
         d = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
         pair = "random-8b/1.7b"
-    rows = latency_rows({"target": t.model, "draft": d.model}, B, args.cache_len, env, pair)
-    rows += modelled_rows(rows, B, args.acceptance, env, pair)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+
+    def emit(new):  # rows reach the file as each phase ends (a run killed by a time limit keeps them)
+        rows.extend(new)
+        with open(args.out, "a") as f:
+            for r in new:
+                f.write(json.dumps(r) + "\n")
+    emit(latency_rows({"target": t.model, "draft": d.model}, B, args.cache_len, env, pair))
+    emit(modelled_rows(rows, B, args.acceptance, env, pair))
     prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
-    rows += measured_rows(t, d, prompts, args, env, pair)
+    emit(measured_rows(t, d, prompts, args, env, pair))
     import simsd.engine.batching
     simsd.engine.batching._POOL.clear()  # pooled graph engines hold the models
     del t, d
     if DEV == "cuda":
         torch.cuda.empty_cache()
-    rows += bundled_pair_rows(args, env)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    emit(bundled_pair_rows(args, env))
     print_table(rows)
     return 0
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import resolve_backend
+from .backends import OpConfig, resolve_backend
 from .custom_ops import append_kv_op, temporal_attention_op
 from .mask_rule import parse_mask_mode
 
@@ -59,12 +59,13 @@ def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, po
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _backend_name(backend, device) -> str:
-    # eager: resolve now so that a bad or unavailable backend raises ValueError here; under
+def _backend_name(backend, device, config: OpConfig) -> str:
+    # eager: resolve now (cached; the first use of a configuration runs the backend's
+    # self-check) so that a bad, unavailable or failing backend raises ValueError here; under
     # torch.compile the custom op resolves the name when it runs
     if torch.compiler.is_compiling():
         return backend
-    return resolve_backend(backend, device).name
+    return resolve_backend(backend, device, config).name
 
 
 def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, *,
@@ -91,19 +92,24 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
     Runs as the ``torch.library`` custom op ``simsd::temporal_attention`` (see
     :mod:`simsd_kernels.custom_ops`), so it works under ``torch.compile`` and CUDA graphs; the
     backend (``auto | cuda | triton | torch``) is resolved here in eager mode, inside the op
-    when compiling.
+    when compiling (:func:`simsd_kernels.backends.resolve_backend`: shape-aware, and a compiled
+    backend is self-checked against the torch reference the first time it meets a
+    configuration; ``auto`` falls back with a warning, an explicit name raises).
 
     Raises:
         ValueError: wrong dtype, device mismatch, shape, non-contiguous last dim, head_dim,
-            GQA ratio, mask mode or backend (the message names the argument).
+            GQA ratio, mask mode or backend (the message names the argument); an explicitly
+            requested backend that does not support the shape or fails its self-check
+            (:class:`simsd_kernels.backends.BackendCheckError`).
     """
     mode = parse_mask_mode(mask_mode)
     validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    config = OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2], int(mode))
     result = temporal_attention_op(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
                                    int(mode), float(rope_theta), float(softmax_scale),
-                                   _backend_name(backend, q.device))
+                                   _backend_name(backend, q.device, config))
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
@@ -133,4 +139,4 @@ def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta, n
     if positions.shape != (B, L):
         raise ValueError(f"positions must be (B={B}, L={L}), got {tuple(positions.shape)}")
     append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens),
-                 _backend_name(backend, k.device))
+                 _backend_name(backend, k.device, OpConfig("append_kv", k.dtype, D)))

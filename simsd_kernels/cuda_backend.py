@@ -19,8 +19,10 @@ Ops (same semantics as :func:`simsd_kernels.temporal_attention`, shapes B, Lq, L
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+from contextlib import nullcontext
 
 import torch
 
@@ -32,13 +34,19 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-def build_info() -> dict:
-    """What setup.py recorded about the build (``{}`` when there is no record)."""
+@functools.lru_cache(maxsize=None)
+def _read_build_info() -> dict:
     try:
         with open(BUILD_INFO_PATH) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+def build_info() -> dict:
+    """What setup.py recorded about the build (``{}`` when there is no record); read once per
+    process (``_read_build_info.cache_clear()`` forgets it)."""
+    return dict(_read_build_info())
 
 
 try:
@@ -72,6 +80,21 @@ def is_available(device) -> tuple:
     return True, ""
 
 
+def supports(dtype, head_dim) -> tuple:
+    """``(ok, reason)``: fp16/bf16 (tensor cores) or fp32 (plain path), head_dim 64/128."""
+    if dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return False, f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+    return True, ""
+
+
+def _guard(t):
+    # the binding guards the launch too; this also makes the caching allocator and the current
+    # stream those of the tensors' device for everything around it
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
+
+
 def _check_supported(name, t):
     if t.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"cuda backend: {name} dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype} "
@@ -89,15 +112,17 @@ def attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_
         RuntimeError: from the extension's argument checks or a failed launch.
     """
     _check_supported("q", q)
-    return ops.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, int(mask_mode),
-                         float(rope_theta), float(softmax_scale), int(num_splits))
+    with _guard(q):
+        return ops.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, int(mask_mode),
+                             float(rope_theta), float(softmax_scale), int(num_splits))
 
 
 def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
     """See :func:`simsd_kernels.append_kv`. Raises ValueError on an unsupported dtype."""
     if k.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"cuda backend: k dtype must be one of {SUPPORTED_DTYPES}, got {k.dtype}")
-    ops.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens))
+    with _guard(k):
+        ops.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens))
 
 
 def mask_table(labels, mask_mode):
@@ -107,4 +132,4 @@ def mask_table(labels, mask_mode):
 
 def make_backend() -> Backend:
     """The :class:`~simsd_kernels.backends.Backend` for ``cuda`` (the import above already succeeded)."""
-    return Backend("cuda", attention, append_kv, is_available)
+    return Backend("cuda", attention, append_kv, is_available, supports)

@@ -3,7 +3,8 @@
 Registering the ops makes them opaque to ``torch.compile`` (no graph break, no tracing into
 Triton or CUDA launch code) and gives them fake (meta) implementations, so compiled graphs and
 CUDA-graph capture see the output shape without running a kernel. The backend is chosen at run
-time by name (``auto | cuda | triton | torch``) with :func:`simsd_kernels.backends.resolve_backend`.
+time by name (``auto | cuda | triton | torch``) and the configuration at hand with
+:func:`simsd_kernels.backends.resolve_backend` (cached; self-checked on first use).
 
 Schemas (shapes as in :func:`simsd_kernels.temporal_attention`)::
 
@@ -19,14 +20,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .backends import resolve_backend
+from .backends import OpConfig, resolve_backend
 
 
 @torch.library.custom_op("simsd::temporal_attention", mutates_args=())
 def temporal_attention_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                           cache_seqlens: Tensor, labels: Tensor, positions: Tensor, mask_mode: int,
                           rope_theta: float, softmax_scale: float, backend: str) -> Tensor:
-    impl = resolve_backend(backend, q.device)
+    impl = resolve_backend(backend, q.device, OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2],
+                                                       mask_mode))
     out = impl.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
                          rope_theta, softmax_scale)
     return out if out.is_contiguous() else out.contiguous()
@@ -41,7 +43,7 @@ def _temporal_attention_fake(q, k, v, k_cache, v_cache, cache_seqlens, labels, p
 @torch.library.custom_op("simsd::append_kv", mutates_args=("k_cache", "v_cache"))
 def append_kv_op(k: Tensor, v: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
                  cache_seqlens: Tensor, rope_theta: float, num_tokens: int, backend: str) -> None:
-    impl = resolve_backend(backend, k.device)
+    impl = resolve_backend(backend, k.device, OpConfig("append_kv", k.dtype, k.shape[3]))
     impl.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
 
 

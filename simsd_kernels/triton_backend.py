@@ -7,10 +7,14 @@ Triton is imported), which is how the tests exercise the kernels without a GPU.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 
 from .backends import Backend
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def is_available(device) -> tuple:
@@ -32,19 +36,36 @@ def is_available(device) -> tuple:
     return False, f"device type {device.type!r} is not supported by Triton here"
 
 
+def supports(dtype, head_dim) -> tuple:
+    """``(ok, reason)``: fp16/bf16/fp32 and head_dim 64/128 (the kernels' constexpr tiles)."""
+    if dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return False, f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+    return True, ""
+
+
+def device_guard(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA tensor's device (Triton launches on the current
+    device's stream and compiles for it: inputs on another GPU must switch to it first)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
 def _attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
                softmax_scale, out=None):
     from triton_ops.ops import temporal_attention_fwd
-    return temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
-                                  mask_mode, rope_theta, softmax_scale, out=out)
+    with device_guard(q.device):
+        return temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                                      mask_mode, rope_theta, softmax_scale, out=out)
 
 
 def _append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
     from triton_ops.ops import append_kv_fwd
-    append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
+    with device_guard(k.device):
+        append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
 
 
 def make_backend() -> Backend:
     """Backend factory used by :func:`simsd_kernels.backends.get_backend`."""
     import triton  # noqa: F401  (ImportError -> backend reported unavailable)
-    return Backend("triton", _attention, _append_kv, is_available)
+    return Backend("triton", _attention, _append_kv, is_available, supports)

@@ -15,7 +15,12 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    if not torch.cuda.is_available():
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip_gpu)
+    skip_gpu2 = pytest.mark.skip(reason="needs two CUDA devices")
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu2" in item.keywords:
+            item.add_marker(pytest.mark.gpu)  # selected by -m gpu too
+            if devices < 2:
+                item.add_marker(skip_gpu2)
+        if "gpu" in item.keywords and devices < 1:
+            item.add_marker(skip_gpu)

@@ -44,6 +44,19 @@ from ..models.model import labels_for
 from .host_sync import to_device
 from .memory import check_engine_memory
 
+#: cache capacities are rounded up to a multiple of this (eager and graph engines alike)
+CAPACITY_QUANTUM = 256
+
+
+def round_capacity(capacity: int) -> int:
+    """The capacity an engine allocates for ``capacity`` tokens: the next multiple of
+    :data:`CAPACITY_QUANTUM`. Eager and graph engines use the same rounding because the
+    attention kernels choose their split-KV plan from the cache capacity (not the device-side
+    lengths, so that graphs stay valid): equal capacities give equal split counts, hence equal
+    summation orders, and graph replay can be compared with eager bit for bit."""
+    return -(-capacity // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+
+
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
 
@@ -178,9 +191,16 @@ class BatchEngine:
         capacity: tokens a row may commit (see :func:`simsd.decoding.config.check_prompt`).
         margin: the longest query a forward may carry (the per-row write margin).
 
-        cuda_graphs: replay forwards as CUDA graphs (CUDA devices, triton/cuda backend).
+        cuda_graphs: replay forwards as CUDA graphs (CUDA devices, triton/cuda backend); the
+            first replay of each shape is checked against eager (:mod:`simsd.engine.graphs`),
+            and a mismatch turns the engine's graphs off with a warning.
         static_shapes: fixed forward shapes (default: ``cuda_graphs``); an eager engine with
             static shapes runs exactly the computation the graphs replay.
+        capture: the capture function of the graph runners (default
+            :func:`simsd.engine.graphs.cuda_capture`; tests pass ``eager_capture``).
+
+    The caches hold ``capacity + margin`` tokens per row (:func:`engine_for`, which the decoders
+    use, rounds ``capacity`` with :func:`round_capacity` first).
 
     ``forwards[name]`` counts the batched forwards run per model (prefill excluded).
 
@@ -191,7 +211,7 @@ class BatchEngine:
     """
 
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
-                 cuda_graphs: bool = False, static_shapes: bool | None = None):
+                 cuda_graphs: bool = False, static_shapes: bool | None = None, capture=None):
         self.models = models
         self.B = block_length
         self.capacity = capacity
@@ -203,7 +223,9 @@ class BatchEngine:
         self.graphs = {}
         if cuda_graphs:
             from .graphs import GraphRunner
-            self.graphs = {n: GraphRunner(m, self.caches[n]) for n, m in models.items()}
+            state = {"disabled": None}  # one mismatch turns off the graphs of every model
+            self.graphs = {n: GraphRunner(m, self.caches[n], capture=capture, state=state)
+                           for n, m in models.items()}
         self.reset()
 
     def reset(self) -> None:
@@ -341,19 +363,20 @@ _POOL: dict = {}
 
 
 def engine_for(models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
-               cuda_graphs: bool = False) -> BatchEngine:
+               cuda_graphs: bool = False, capture=None) -> BatchEngine:
     """A :class:`BatchEngine` for these arguments. Without graphs a fresh one; with graphs one
     kept per ``(models, block_length, batch_size, margin)`` and reset, so that its captured
-    graphs are reused across calls (replaced by a larger one when ``capacity`` grows; capacities
-    are rounded up to a multiple of 256 tokens)."""
+    graphs are reused across calls (replaced by a larger one when ``capacity`` grows).
+    Capacities are rounded up with :func:`round_capacity` in both cases."""
+    capacity = round_capacity(capacity)
     if not cuda_graphs:
         return BatchEngine(models, block_length, batch_size, capacity, margin)
     key = (tuple((n, id(m)) for n, m in sorted(models.items())), block_length, batch_size, margin)
     engine = _POOL.get(key)
     if engine is None or engine.capacity < capacity:
         _POOL.pop(key, None)
-        engine = _POOL[key] = BatchEngine(models, block_length, batch_size, -(-capacity // 256) * 256, margin,
-                                          cuda_graphs=True)
+        engine = _POOL[key] = BatchEngine(models, block_length, batch_size, capacity, margin,
+                                          cuda_graphs=True, capture=capture)
     engine.reset()
     return engine
 

@@ -108,10 +108,17 @@ def rank_device(device: str | None) -> str:
 
 
 def init_from_env(device_type: str) -> None:
-    """Join the group described by torchrun's environment (``RANK``, ``WORLD_SIZE``, ...)."""
+    """Join the group described by torchrun's environment (``RANK``, ``WORLD_SIZE``, ...).
+
+    On CUDA the rank's device is made current and passed as ``device_id``, so NCCL binds the
+    communicator to it and initialises eagerly (not lazily inside the first collective, which
+    may be running under CUDA-graph capture)."""
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return
+    dist.init_process_group("gloo")
 
 
 def shutdown() -> None:

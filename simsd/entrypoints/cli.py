@@ -1,4 +1,4 @@
-"""The ``simsd`` command line: ``simsd generate`` and ``simsd bench``.
+"""The ``simsd`` command line: ``simsd generate``, ``simsd bench`` and ``simsd check``.
 
 Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the problem.
 """
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "speedups are the median over passes")
     bench.add_argument("--json", type=Path, default=None,
                        help="write the rows to this JSON file (its folder must exist; default: none)")
+    from .check import add_check_parser
+    add_check_parser(sub)
     for p in (gen, bench):
         p.add_argument("--batch-size", type=int, default=1,
                        help="decode this many prompts together (independent progress per prompt); prompt i of "
@@ -189,6 +191,9 @@ def launch_tp(args, argv) -> int | None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "check":
+            from .check import run_check
+            return run_check(args)
         from .commands import modes_of
         from .options import check_options
         check_options(args, modes_of(args))  # before any rank is spawned or file read

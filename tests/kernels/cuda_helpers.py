@@ -77,10 +77,12 @@ def nan_poison_beyond(cache: torch.Tensor, cache_lens) -> torch.Tensor:
     return out
 
 
-def poison_allocator(*shapes, device="cuda"):
-    """Fill freshly freed caching-allocator blocks with NaN, so a kernel output allocated with
-    ``torch.empty`` of these sizes likely starts as NaN and an unwritten tile shows."""
-    bufs = [torch.full(s, float("nan"), dtype=torch.float32, device=device) for s in shapes]
+def poison_allocator(*shapes, dtype=torch.float32, device="cuda"):
+    """Fill freshly freed caching-allocator blocks with NaN of ``dtype``, so a kernel output of
+    that dtype allocated with ``torch.empty`` of these sizes likely starts as NaN and an
+    unwritten tile shows. (A float32 NaN seen as two 16-bit halves is a NaN and a zero: 16-bit
+    outputs must be poisoned in their own dtype.)"""
+    bufs = [torch.full(s, float("nan"), dtype=dtype, device=device) for s in shapes]
     del bufs
 
 

@@ -37,12 +37,14 @@ def max_err(a, b):
 
 
 def available_backends(device) -> list:
-    """Backend names that can run on ``device``: ``torch``, plus ``triton`` when it can."""
+    """Backend names that can run on ``device``: ``torch``, plus ``triton`` and ``cuda`` when
+    they can (on a GPU with the built extension: all three)."""
     from simsd_kernels.backends import resolve_backend
     names = ["torch"]
-    try:
-        resolve_backend("triton", torch.device(device))
-        names.append("triton")
-    except ValueError:
-        pass
+    for name in ("triton", "cuda"):
+        try:
+            resolve_backend(name, torch.device(device))
+            names.append(name)
+        except ValueError:
+            pass
     return names

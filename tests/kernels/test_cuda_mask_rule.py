@@ -3,7 +3,8 @@
 ``torch.ops.simsd_cuda.mask_table`` evaluates the header's ``simsd::mask_allowed`` on the host
 (CPU tensors: runs on the CPU CI machine whenever the extension is built) and on the device
 (CUDA tensors, GPU only), over every combination of kind (including an invalid kind 3), tau
-(1, 2, 3, TAU_INF) and group.
+(0, 1, 2, 3, TAU_INF) and group (-1, 0, 1, 2, 2**30): tau 0 and group 2**30 are the engine's
+padding labels (``simsd.engine.batching.PAD_LABEL``).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from .cuda_helpers import load_cuda_backend
 
 
 def all_label_combinations() -> torch.Tensor:
-    """``(1, 64, 3)`` int32: one token per (kind, tau, grp) combination (grp -1: shared prefix)."""
-    combos = list(itertools.product((0, 1, 2, 3), (1, 2, 3, TAU_INF), (-1, 0, 1, 2)))
+    """``(1, 100, 3)`` int32: one token per (kind, tau, grp) combination (grp -1: shared prefix;
+    tau 0 and grp 2**30: padding)."""
+    combos = list(itertools.product((0, 1, 2, 3), (0, 1, 2, 3, TAU_INF), (-1, 0, 1, 2, 1 << 30)))
     return torch.tensor(combos, dtype=torch.int32)[None]
 
 

@@ -65,15 +65,23 @@ def test_triton_backend_rejects_unsupported_head_dim():
                          make_inputs(5, 1, 3, 2, 1, 64, [2])], 0, 1e4, 0.1)
 
 
+def _gpu_backends():
+    return [b for b in _backends() if b != "torch"] if DEVICE == "cuda" else ["triton", "cuda"]
+
+
 @pytest.mark.gpu
-def test_cuda_graph_replay_reads_device_lengths():
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_cuda_graph_replay_reads_device_lengths(backend):
     """Capture once; change cache_seqlens / labels in place; replay equals eager (no host sync)."""
+    if backend not in _backends():
+        pytest.skip(f"{backend} backend unavailable here")
     args = [a.cuda() for a in make_inputs(6, 2, 8, 8, 2, 128, [300, 17], dtype=torch.bfloat16, lmax=512)]
 
     def run():
-        return sk.temporal_attention(*args, mask_mode="paper", rope_theta=1e6, backend="triton")
+        return sk.temporal_attention(*args, mask_mode="paper", rope_theta=1e6, backend=backend)
 
-    run()  # compile outside the capture
+    run()  # compile (and self-check) outside the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
@@ -82,3 +90,30 @@ def test_cuda_graph_replay_reads_device_lengths():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, run(), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_cuda_graph_append_kv_writes_at_device_lengths(backend):
+    """``append_kv`` captured once writes at the lengths found in ``cache_seqlens`` at replay."""
+    if backend not in _backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    _, k, v, kc, vc, lens, _, pos = [a.cuda() for a in make_inputs(7, 2, 5, 4, 2, 128, [3, 0], dtype=torch.float16,
+                                                                    lmax=32)]
+
+    def run(k_cache, v_cache):
+        sk.append_kv(k, v, pos, k_cache, v_cache, lens, rope_theta=1e6, backend=backend)
+
+    run(kc.clone(), vc.clone())  # compile (and self-check) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(kc, vc)
+    lens.copy_(torch.tensor([20, 9], dtype=torch.int32))
+    before_k, before_v = kc.clone(), vc.clone()
+    graph.replay()
+    want_k, want_v = before_k.clone(), before_v.clone()
+    run(want_k, want_v)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert not torch.equal(kc[0, 20:25], before_k[0, 20:25]), "the replay wrote at the new lengths"

@@ -68,3 +68,19 @@ def test_cli_tp2_spawns_ranks():
     t.model.attention_backend = "torch"
     want = vanilla_generate(t.model, [5, 6, 7, 8, 9], DecodeConfig(max_new_tokens=8), t.mask_token_id, t.stop_ids)
     assert json.loads(two.stdout)["token_ids"] == want.token_ids
+
+
+def test_nccl_init_names_the_rank_device(monkeypatch):
+    """``init_from_env("cuda")`` makes the rank's GPU current and passes it as ``device_id``, so
+    NCCL initialises eagerly on it (checked without a GPU: the calls are recorded)."""
+    import simsd.engine.tp as tp
+    calls = []
+    monkeypatch.setattr(tp.torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(tp.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    tp.init_from_env("cuda")
+    assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", {"device_id": torch.device("cuda", 1)})]
+    calls.clear()
+    tp.init_from_env("cpu")
+    assert calls == [("gloo", {})]

@@ -1,0 +1,260 @@
+"""Backends prove themselves before ``auto`` trusts them (docs/design.md §5, issue 12 item 1).
+
+Deliberately wrong backends are registered on the CPU: ``auto`` must run each one's self-check
+once per configuration, fall back to the next backend with exactly one warning naming the
+backend, the configuration and the error, and keep the configuration marked bad; an explicit
+request must raise; ``SIMSD_TRUST_BACKENDS=1`` skips the checks; unsupported shapes go to the
+next backend under ``auto`` and raise when explicit.
+"""
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import simsd_kernels as sk
+from simsd_kernels import backends
+from simsd_kernels.backends import Backend, BackendCheckError, BackendCheckWarning, OpConfig
+from simsd_kernels.reference import append_kv_torch, temporal_attention_torch
+from tests.kernels.helpers import make_inputs
+
+CPU = torch.device("cpu")
+
+
+def _wrapping(name, attention=None, append_kv=None, supports=None, calls=None):
+    """A backend named ``name`` on the CPU (auto may pick it there) that counts its calls."""
+    calls = calls if calls is not None else {"attention": 0, "append_kv": 0, "available": 0}
+
+    def att(*a):
+        calls["attention"] += 1
+        return (attention or temporal_attention_torch)(*a)
+
+    def app(*a):
+        calls["append_kv"] += 1
+        return (append_kv or append_kv_torch)(*a)
+
+    def avail(device):
+        calls["available"] += 1
+        return True, ""
+
+    kw = dict(supports=supports) if supports else {}
+    return Backend(name, att, app, avail, auto_devices=("cpu",), **kw), calls
+
+
+def _scaled_softmax(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
+    return temporal_attention_torch(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale * 1.25)
+
+
+def _ignores_mask(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
+    return temporal_attention_torch(q, k, v, kc, vc, lens, labels, pos, 0, theta, scale)
+
+
+@pytest.fixture
+def register(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.delenv(backends.TRUST_ENV_VAR, raising=False)
+    added = []
+
+    def reg(backend, auto_rank=0):
+        backends.register_backend(backend, auto_rank=auto_rank)
+        added.append(backend.name)
+        return backend
+    yield reg
+    for name in added:
+        backends.unregister_backend(name)
+    backends.reset()
+
+
+def _attention(args, mode, backend="auto"):
+    return sk.temporal_attention(*args, mask_mode=mode, rope_theta=1e4, backend=backend)
+
+
+def _recorded(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [w for w in caught if issubclass(w.category, BackendCheckWarning)]
+
+
+def test_auto_falls_back_from_a_wrong_backend_with_one_warning(register):
+    backend, calls = _wrapping("wrong", _scaled_softmax)
+    register(backend)
+    args = make_inputs(1, 2, 7, 4, 2, 64, [5, 0])
+    ref = temporal_attention_torch(*args, 3, 1e4, 64 ** -0.5)
+
+    out, caught = _recorded(lambda: [_attention(args, "paper") for _ in range(3)])
+    for o in out:
+        assert torch.equal(o, ref), "auto must give the torch reference's result after the fallback"
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    msg = str(caught[0].message)
+    assert "'wrong'" in msg and "mask_mode=paper" in msg and "float32" in msg and "head_dim=64" in msg
+    assert "group=2" in msg and "max error" in msg
+    assert calls["attention"] == 1, "the check runs once per process and configuration, nothing else runs"
+    key = ("wrong", CPU, OpConfig("attention", torch.float32, 64, 2, 3))
+    assert backends._VERDICTS[key][0] is False
+
+    # another configuration is a new check (and a new warning); the first stays marked bad
+    _, caught = _recorded(lambda: _attention([a.to(torch.bfloat16) if a.is_floating_point() else a
+                                              for a in args], "exact"))
+    assert len(caught) == 1 and "bfloat16" in str(caught[0].message)
+    _, caught = _recorded(lambda: _attention(args, "paper"))
+    assert not caught
+
+
+def test_a_correct_configuration_of_the_same_backend_is_used(register):
+    """Per configuration: a backend that ignores the mask passes ``bidirectional`` (and runs it)
+    but fails ``paper``."""
+    backend, calls = _wrapping("maskless", _ignores_mask)
+    register(backend)
+    args = make_inputs(2, 2, 9, 4, 2, 64, [6, 3])
+    _, caught = _recorded(lambda: _attention(args, "bidirectional"))
+    assert not caught and calls["attention"] == 2  # the check, then the call itself
+    _, caught = _recorded(lambda: _attention(args, "paper"))
+    assert len(caught) == 1 and "mask_mode=paper" in str(caught[0].message)
+    assert calls["attention"] == 3  # only the check ran the failing configuration
+
+
+def test_explicit_request_of_a_wrong_backend_raises(register, monkeypatch):
+    register(_wrapping("wrong", _scaled_softmax)[0], auto_rank=None)
+    args = make_inputs(3, 1, 5, 2, 1, 64, [4])
+    with pytest.raises(BackendCheckError, match=r"'wrong' failed its self-check .*mask_mode=exact.*max error"):
+        _attention(args, "exact", backend="wrong")
+    assert issubclass(BackendCheckError, ValueError)
+    # the environment variable is an explicit request too
+    monkeypatch.setenv(backends.ENV_VAR, "wrong")
+    with pytest.raises(BackendCheckError):
+        _attention(args, "exact")
+    monkeypatch.delenv(backends.ENV_VAR)
+    # not in the auto order: auto never tried it
+    _, caught = _recorded(lambda: _attention(args, "exact"))
+    assert not caught
+
+
+def test_a_backend_that_raises_or_returns_nan_fails_its_check(register):
+    def raises(*a):
+        raise RuntimeError("illegal memory access\nsecond line")
+
+    def nan(*a):
+        out = temporal_attention_torch(*a)
+        out[0, 0, 0, 0] = float("nan")
+        return out
+    register(_wrapping("raises", raises)[0], auto_rank=0)
+    register(_wrapping("nans", nan)[0], auto_rank=1)
+    args = make_inputs(4, 1, 3, 2, 2, 64, [2])
+    out, caught = _recorded(lambda: _attention(args, "block_causal"))
+    assert torch.equal(out, temporal_attention_torch(*args, 1, 1e4, 64 ** -0.5))
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 2, msgs
+    assert "'raises'" in msgs[0] and "RuntimeError: illegal memory access" in msgs[0] and "second" not in msgs[0]
+    assert "'nans'" in msgs[1] and "NaN" in msgs[1]
+
+
+def test_wrong_append_kv_falls_back(register):
+    def bad_append(k, v, positions, kc, vc, lens, theta, n):
+        append_kv_torch(k, v * 2, positions, kc, vc, lens, theta, n)
+
+    def wide_append(k, v, positions, kc, vc, lens, theta, n):
+        append_kv_torch(k, v, positions, kc, vc, lens, theta, n)
+        kc[:, -1] = 0  # writes a slot it must not touch
+    register(_wrapping("badv", append_kv=bad_append)[0], auto_rank=0)
+    register(_wrapping("wide", append_kv=wide_append)[0], auto_rank=1)
+    _, k, v, kc, vc, lens, _, pos = make_inputs(5, 2, 4, 4, 2, 64, [3, 0], lmax=12)
+    kt, vt = kc.clone(), vc.clone()
+    _, caught = _recorded(lambda: sk.append_kv(k, v, pos, kc, vc, lens, rope_theta=1e4))
+    append_kv_torch(k, v, pos, kt, vt, lens, 1e4, 4)
+    assert torch.equal(kc, kt) and torch.equal(vc, vt)
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 2 and "append_kv float32 head_dim=64" in msgs[0] and "v differs" in msgs[0]
+    assert "other slots" in msgs[1]
+
+
+def test_trust_env_skips_the_checks(register, monkeypatch):
+    backend, calls = _wrapping("wrong", _scaled_softmax)
+    register(backend)
+    monkeypatch.setenv(backends.TRUST_ENV_VAR, "1")
+    args = make_inputs(6, 1, 4, 2, 1, 64, [3])
+    out, caught = _recorded(lambda: _attention(args, "paper"))
+    assert not caught and calls["attention"] == 1
+    assert not torch.allclose(out, temporal_attention_torch(*args, 3, 1e4, 64 ** -0.5)), \
+        "trusted: the wrong backend ran unchecked"
+    assert not backends._VERDICTS
+
+
+@pytest.mark.parametrize("head_dim", [48, 96])
+def test_unsupported_head_dim_goes_to_the_next_backend(register, head_dim):
+    """A kernel that supports head_dim 64/128 only: ``auto`` passes a trained pair's head_dim 48
+    (or 96) to the next backend without a warning; asking for it by name is an error."""
+    def only_64_128(dtype, d):
+        return (d in (64, 128), f"head_dim {d} is not one of (64, 128)")
+
+    def must_not_run(*a):
+        raise AssertionError("called with an unsupported head_dim")
+    narrow, calls = _wrapping("narrow", must_not_run, supports=only_64_128)
+    register(narrow)
+    args = make_inputs(7, 1, 5, 4, 2, head_dim, [6])
+    out, caught = _recorded(lambda: _attention(args, "paper"))
+    assert not caught and calls["attention"] == 0
+    assert torch.equal(out, temporal_attention_torch(*args, 3, 1e4, head_dim ** -0.5))
+    with pytest.raises(ValueError, match=rf"'narrow' does not support attention float32 head_dim={head_dim}"):
+        _attention(args, "paper", backend="narrow")
+    with pytest.raises(ValueError, match=rf"head_dim={head_dim}"):
+        sk.append_kv(*[args[i] for i in (1, 2, 7, 3, 4, 5)], rope_theta=1e4, backend="narrow")
+
+
+def test_triton_refuses_head_dim_48_by_name_and_auto_takes_torch(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    from simsd_kernels.triton_backend import supports
+    assert supports(torch.float16, 48)[0] is False and supports(torch.bfloat16, 128)[0] is True
+    assert supports(torch.float64, 64)[0] is False
+    args = make_inputs(8, 1, 3, 2, 1, 48, [2])
+    assert backends.resolve_backend("auto", CPU, OpConfig("attention", torch.float32, 48, 2, 3)).name == "torch"
+    try:
+        backends.resolve_backend("triton", CPU)
+    except ValueError as exc:
+        pytest.skip(f"triton backend unavailable here: {exc}")
+    with pytest.raises(ValueError, match="'triton' does not support attention float32 head_dim=48"):
+        _attention(args, "paper", backend="triton")
+
+
+def test_resolution_is_cached(register):
+    """After the first call of a configuration, resolving costs a lookup: no availability
+    query, no check (the eager host overhead of issue 12)."""
+    backend, calls = _wrapping("counted")
+    register(backend)
+    args = make_inputs(9, 1, 5, 4, 2, 64, [3])
+    for _ in range(4):
+        _attention(args, "exact")
+    assert calls["available"] == 1
+    assert calls["attention"] == 1 + 4  # one check, four calls
+    cfg = OpConfig("attention", torch.float32, 64, 2, 2)
+    assert backends.resolve_backend("auto", CPU, cfg) is backend
+    assert backends.resolve_backend("counted", CPU, cfg) is backend
+    assert calls["available"] == 1
+
+
+def test_registry_names_and_errors(register):
+    register(_wrapping("extra")[0], auto_rank=None)
+    assert "extra" in backends.backend_names() and set(backends.BACKEND_NAMES) <= set(backends.backend_names())
+    with pytest.raises(ValueError, match="cannot register"):
+        backends.register_backend(dataclasses.replace(_wrapping("x")[0], name="torch"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        backends.resolve_backend("nope", CPU)
+    backends.unregister_backend("extra")
+    assert "extra" not in backends.backend_names()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_auto_uses_a_checked_fused_backend_and_skips_a_wrong_one(register):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = OpConfig("attention", torch.bfloat16, 128, 4, 3)
+    fused = backends.resolve_backend("auto", dev, cfg)
+    assert fused.name in ("cuda", "triton"), "no fused backend passed its check on this GPU"
+    assert backends._VERDICTS[(fused.name, dev, cfg)] == (True, backends._VERDICTS[(fused.name, dev, cfg)][1])
+    wrong = dataclasses.replace(_wrapping("wrong", _scaled_softmax)[0], auto_devices=("cuda",))
+    register(wrong)
+    args = [a.to(dev) for a in make_inputs(10, 2, 9, 8, 2, 128, [40, 600], dtype=torch.bfloat16, lmax=640)]
+    out, caught = _recorded(lambda: _attention(args, "paper"))
+    assert len(caught) == 1 and "'wrong'" in str(caught[0].message) and "cuda" in str(caught[0].message)
+    assert backends.resolve_backend("auto", dev, cfg).name == fused.name
+    torch.testing.assert_close(out, fused.attention(*args, 3, 1e4, 128 ** -0.5), atol=0, rtol=0)
