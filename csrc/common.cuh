@@ -1,5 +1,5 @@
 // Device helpers shared by the simsd kernels: dtype traits, 16-byte vector access, RoPE, the
-// m16n8k16 tensor-core MMA and the launch-error check. No torch header.
+// m16n8k16 tensor-core MMA, cp.async / ldmatrix and the launch-error check. No torch header.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -120,6 +120,62 @@ template <> struct Mma<__nv_bfloat16> {
 #endif
   }
 };
+
+// ---- asynchronous copies and matrix loads (sm_80+; PTX ISA "cp.async", "ldmatrix") ---------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without passing through registers (LDGSTS); `valid` false writes 16
+// zero bytes and reads nothing (src-size 0), `gmem` must still be a mapped address.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(__cvta_generic_to_global(gmem)), "r"(src_size)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// ldmatrix.x4: lane l gives the shared address of row (l & 7) of 8x8 matrix (l >> 3); register i
+// receives matrix i's fragment: row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1 (the lower
+// column in the low half). .trans delivers the transpose (rows 2 (lane % 4) + {0, 1} at column
+// lane / 4 of the 8 addressed rows).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+#else
+  __trap();
+#endif
+}
 
 // ---- launch checks -----------------------------------------------------------------------
 // Return the launch error (a positive cudaError_t) from the enclosing launcher.
