@@ -1,5 +1,5 @@
-// Device helpers shared by the simsd kernels: dtype traits, 16-byte vector access, RoPE, the
-// m16n8k16 tensor-core MMA, cp.async / ldmatrix and the launch-error check. No torch header.
+// Device helpers shared by the simsd kernels: dtype traits, RoPE frequencies, the m16n8k16
+// tensor-core MMA, cp.async / ldmatrix and the launch-error check. No torch header.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,45 +45,11 @@ template <> struct Dt<float> {
   static __device__ __forceinline__ float from_float(float x) { return x; }
 };
 
-// ---- 16-byte vector access of 8 half-width elements ------------------------------------
-// `ptr` must be 16-byte aligned (checked on the host by simsd_attention_fwd).
-template <typename T>
-__device__ __forceinline__ void load8(const T* ptr, float (&x)[8]) {
-  static_assert(sizeof(T) == 2, "load8 is for 16-bit types");
-  uint4 u = *reinterpret_cast<const uint4*>(ptr);
-  const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = Dt<T>::to_float(e[i]);
-}
-
-template <typename T>
-__device__ __forceinline__ void store8(T* ptr, const float (&x)[8]) {
-  static_assert(sizeof(T) == 2, "store8 is for 16-bit types");
-  uint4 u;
-  uint32_t* w = reinterpret_cast<uint32_t*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = Dt<T>::pack2(x[2 * i], x[2 * i + 1]);
-  *reinterpret_cast<uint4*>(ptr) = u;
-}
-
 // ---- RoPE (rotate-half, as simsd_kernels/rope.py) ---------------------------------------
 // inv_freq[i] = 1 / theta ** (2 i / D) in fp32, angle = float(pos) * inv_freq[i] in fp32
 // (the transformers Qwen3 recipe). Needs accurate sincosf: never build with --use_fast_math.
 __device__ __forceinline__ float rope_inv_freq(int i, int head_dim, float theta) {
   return 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(head_dim));
-}
-
-// Rotate the pair of 8-element chunks x1 = x[c .. c+8), x2 = x[c+D/2 .. c+D/2+8) in place:
-// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with inv_freq[c .. c+8) in `inv`.
-__device__ __forceinline__ void rope8(float (&x1)[8], float (&x2)[8], float pos, const float* inv) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float s, c;
-    sincosf(pos * inv[i], &s, &c);
-    const float a = x1[i], b = x2[i];
-    x1[i] = a * c - b * s;
-    x2[i] = b * c + a * s;
-  }
 }
 
 // ---- tensor-core MMA: D(16x8 f32) += A(16x16 row) * B(16x8 col), sm_80+ ------------------

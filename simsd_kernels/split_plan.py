@@ -47,7 +47,7 @@ MAX_PARTIAL_TRAFFIC = 0.10
 #: L2-to-SM over DRAM bandwidth (estimate): up to this many CTAs may share a K/V tile for free
 L2_OVER_DRAM = 2.5
 #: plans within this fraction of the best estimated time count as equal (larger tile, fewer splits win)
-TIME_SLACK = 0.10
+TIME_SLACK = 0.03
 INVARIANT_BLOCK_M = 64
 #: the invariant plan is sized for one batch row of this many new tokens (a 4x4 exact-mode verify)
 INVARIANT_Q_LEN = 16
