@@ -15,7 +15,7 @@
 # SIMSD_CUDA_CI_TORCH (default torch==2.14.1). Idempotent; exits non-zero on any failure.
 # Measured on the 2-core CI machine: step 1 41 s, step 2 92 s, step 3 12 s, plus 146 s once to
 # create the venv (about 5 min in all from nothing). With the pipelined kernels (six attention
-# instances per dtype TU) step 1 takes about 60 s and step 2 about 190 s.
+# instances per dtype TU) step 1 takes about 50 s and step 2 about 170 s (measured, with other jobs running).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
