@@ -8,9 +8,9 @@ and kv head, and one *split* of the key range; the grid is ``(m_tiles, B * Hkv, 
 
 The plan is a function of shapes only, never of the device-side cache lengths, so a launch can be
 captured in a CUDA graph. Each CTA derives its own keys from the real length of its row with
-:func:`split_ranges` (mirrored by ``simsd::split_range`` in ``csrc/tile_layout.cuh`` and by the
-Triton kernel): surplus splits of a short row do nothing and leave an empty partial that the merge
-skips; a row with a single active split writes its output directly.
+:func:`split_ranges` (mirrored by ``simsd::layout::split_range`` in ``csrc/tile_layout.cuh`` and by
+the Triton kernel): surplus splits of a short row do nothing and the merge reads only the row's
+active splits; a row with a single active split writes its output directly.
 
 Choice (FlashAttention / FlashInfer style): for each candidate query tile (the natural one for
 ``Lq * G`` rows and the next smaller one) and each split count ``s``, the *wave efficiency* of the
@@ -27,6 +27,9 @@ smallest split count.
 dtype width and the device -- never on Lq or B; the cache part is cut from the row's own length,
 the new tokens go to the row's last active split, and the merge adds the splits in index order. So a
 query token's result does not depend on the other tokens of the forward as far as the plan goes.
+One thing the plan cannot fix: where the token's visible *new* keys sit inside a 64-key tile
+(per-thread partial sums run over fixed columns); two forwards agree bit for bit when those keys
+have the same tile offsets in both (e.g. a copy's block at the same offset modulo 64).
 """
 from __future__ import annotations
 
