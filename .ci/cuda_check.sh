@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # CUDA checks for the CPU-only CI machine (no GPU: nothing here launches a kernel).
 #
-#   1. compile every kernel translation unit csrc/*.cu with nvcc for sm_$ARCH, without torch,
-#      and syntax-check the torch-free headers as plain C / C++;
+#   1. compile every kernel translation unit csrc/*.cu with nvcc for sm_$ARCH (ptxas -v), without
+#      torch, and syntax-check the torch-free headers as plain C / C++; then
+#      .ci/kernel_static_check.py: 0 spill bytes in every kernel, the attention kernels' registers /
+#      shared memory as split_plan.CUDA_FIGURES says, LDGSTS + LDSM in their SASS main loops;
 #   2. build the extension against the CUDA build of torch (from the local package disk) in a
 #      cached throwaway venv: `pip install --no-build-isolation --no-deps -e .`;
 #   3. import simsd_kernels._C from that venv and run the CUDA-backend tests (the C++ mask-rule
@@ -12,7 +14,8 @@
 # venv, default ~/.cache/simsd-cuda-ci/venv; created when missing or broken, reused otherwise),
 # SIMSD_CUDA_CI_TORCH (default torch==2.14.1). Idempotent; exits non-zero on any failure.
 # Measured on the 2-core CI machine: step 1 41 s, step 2 92 s, step 3 12 s, plus 146 s once to
-# create the venv (about 5 min in all from nothing).
+# create the venv (about 5 min in all from nothing). With the pipelined kernels (six attention
+# instances per dtype TU) step 1 takes about 50 s and step 2 about 170 s (measured, with other jobs running).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,9 +40,11 @@ echo '#include "simsd_attention.h"' | cc -fsyntax-only -Wall -x c -std=c99 -I"$R
   || fail "simsd_attention.h is not plain C"
 echo '#include "mask_rule.cuh"' | c++ -fsyntax-only -Wall -x c++ -std=c++17 -I"$REPO/csrc" - \
   || fail "mask_rule.cuh is not plain C++"
+echo '#include "tile_layout.cuh"' | c++ -fsyntax-only -Wall -x c++ -std=c++17 -I"$REPO/csrc" - \
+  || fail "tile_layout.cuh is not plain C++"
 compile_tu() {  # $1 = .cu file
   local out="$WORK/$(basename "$1" .cu).o"
-  if ! "$NVCC" -std=c++17 -O3 -arch="sm_$ARCH" -I"$REPO/csrc" -c "$1" -o "$out" >"$out.log" 2>&1; then
+  if ! "$NVCC" -std=c++17 -O3 -arch="sm_$ARCH" -Xptxas -v -I"$REPO/csrc" -c "$1" -o "$out" >"$out.log" 2>&1; then
     cat "$out.log" >&2
     echo "nvcc failed: $1" >&2
     return 1
@@ -51,6 +56,12 @@ export NVCC ARCH REPO WORK
 ls "$REPO"/csrc/*.cu | xargs -P "$MAX_JOBS" -I{} bash -c 'compile_tu "$@"' _ {} \
   || fail "a kernel translation unit does not compile for sm_$ARCH"
 log "step 1: $(ls "$REPO"/csrc/*.cu | wc -l) kernel TUs compile for sm_$ARCH without torch ($(( $(now) - t0 )) s)"
+CUOBJDUMP="${CUOBJDUMP:-$(command -v cuobjdump || ls "$VENV"/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump \
+  "$REPO"/.venv/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -1 || true)}"
+[ -n "$CUOBJDUMP" ] || fail "cuobjdump not found (CUDA toolkit, or the triton wheel); set CUOBJDUMP"
+python3 "$REPO/.ci/kernel_static_check.py" "$WORK" --cuobjdump "$CUOBJDUMP" >"$WORK/static.log" 2>&1 \
+  || { cat "$WORK/static.log" >&2; fail "static kernel checks (spills, figures, SASS)"; }
+grep "^\[kernel_static_check\] ok" "$WORK/static.log"
 
 # ---- 2. the extension against the CUDA torch --------------------------------------------------
 t0=$(now)

@@ -3,6 +3,7 @@
 #include "common.cuh"
 #include "launchers.cuh"
 #include "mask_rule.cuh"
+#include "tile_layout.cuh"
 
 namespace simsd {
 namespace {
@@ -19,12 +20,15 @@ int check_params(const simsd_attention_params& p, simsd_dtype dtype) {
   if (dtype != SIMSD_F16 && dtype != SIMSD_BF16 && dtype != SIMSD_F32) return SIMSD_ERR_DTYPE;
   if (p.D != 64 && p.D != 128) return SIMSD_ERR_HEAD_DIM;
   if (p.B < 0 || p.Lq < 0 || p.Lmax < 0 || p.Hq <= 0 || p.Hkv <= 0 || p.Hq % p.Hkv || p.num_splits < 1 ||
-      p.num_splits > 65535 || (int64_t)p.B * p.Hkv > 65535)
+      p.num_splits > 65535 || (int64_t)p.B * p.Hkv > 65535 || p.split_min_tiles < 1 ||
+      (int64_t)p.B * p.Lq > 2147483647LL)
     return SIMSD_ERR_SHAPE;
+  if (dtype != SIMSD_F32 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) return SIMSD_ERR_SHAPE;
   if (p.mask_mode < kBidirectional || p.mask_mode > kPaper) return SIMSD_ERR_MASK_MODE;
   if (p.num_splits > 1 && (p.o_partial == nullptr || p.lse_partial == nullptr)) return SIMSD_ERR_WORKSPACE;
   if (dtype != SIMSD_F32) {  // the tensor-core kernel moves 16-byte vectors
-    const void* ptrs[] = {p.q, p.k, p.v, p.k_cache, p.v_cache, p.out};
+    if (p.q_rot == nullptr || p.k_rot == nullptr) return SIMSD_ERR_WORKSPACE;
+    const void* ptrs[] = {p.q, p.k, p.v, p.k_cache, p.v_cache, p.out, p.q_rot, p.k_rot};
     for (const void* ptr : ptrs)
       if (!aligned16(ptr)) return SIMSD_ERR_ALIGN;
     const int64_t* strides[] = {p.q_stride, p.k_stride, p.v_stride, p.kc_stride, p.vc_stride, p.out_stride};
@@ -48,9 +52,9 @@ __global__ void mask_table_kernel(const int32_t* labels, uint8_t* out, int32_t B
 }  // namespace
 }  // namespace simsd
 
-extern "C" int simsd_attention_block_n(int head_dim) { return head_dim == 64 || head_dim == 128 ? 64 : 0; }
-
-extern "C" int simsd_attention_block_m(void) { return 64; }
+extern "C" int simsd_attention_block_n(int head_dim) {
+  return head_dim == 64 || head_dim == 128 ? simsd::layout::kBlockN : 0;
+}
 
 extern "C" int simsd_attention_fwd(const simsd_attention_params* p, simsd_dtype dtype, void* stream) {
   SIMSD_RETURN_IF_ERROR(simsd::check_params(*p, dtype));
@@ -58,9 +62,11 @@ extern "C" int simsd_attention_fwd(const simsd_attention_params* p, simsd_dtype 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case SIMSD_F16:
+      SIMSD_RETURN_IF_ERROR(simsd::launch_rope_qk(*p, dtype, s));
       SIMSD_RETURN_IF_ERROR(simsd::launch_attention_mma_f16(*p, s));
       break;
     case SIMSD_BF16:
+      SIMSD_RETURN_IF_ERROR(simsd::launch_rope_qk(*p, dtype, s));
       SIMSD_RETURN_IF_ERROR(simsd::launch_attention_mma_bf16(*p, s));
       break;
     default:
@@ -94,9 +100,10 @@ extern "C" const char* simsd_error_string(int code) {
     case SIMSD_ERR_DTYPE:
       return "dtype must be float16, bfloat16 or float32";
     case SIMSD_ERR_SHAPE:
-      return "bad sizes (negative size, Hq % Hkv != 0, num_splits < 1, or B * Hkv > 65535)";
+      return "bad sizes (negative size, Hq % Hkv != 0, num_splits < 1, split_min_tiles < 1, block_m not 16/32/64, "
+             "or B * Hkv > 65535)";
     case SIMSD_ERR_WORKSPACE:
-      return "num_splits > 1 needs the o_partial / lse_partial workspace";
+      return "num_splits > 1 needs the o_partial / lse_partial workspace, fp16/bf16 the q_rot / k_rot workspace";
     case SIMSD_ERR_MASK_MODE:
       return "mask_mode must be 0 (bidirectional), 1 (block_causal), 2 (exact) or 3 (paper)";
     case SIMSD_ERR_ALIGN:

@@ -3,24 +3,26 @@
 // attention_simple_kernel<D>: one warp per row (b, t, h), grid (ceil(B*Lq*Hq / 4), num_splits),
 // 128 threads. Lane l owns elements d = l + 32 j (j < D / 32); since D / 2 is a multiple of 32,
 // a lane owns both halves of every rotate-half pair and rotates q and the new keys locally.
-// Keys are visited one at a time (dot product by warp shuffles, online softmax in base 2), the
-// cache slice of the split first (same slicing as the tensor-core kernel), then the new tokens
-// with the mask rule. Written for fp32 tests against float64, not for speed.
+// Keys are visited one at a time (dot product by warp shuffles, online softmax in base 2): the
+// split's cache tiles, then its new-token tiles with the mask rule -- the tensor-core kernel's
+// split rule (layout::split_range). Written for fp32 tests against float64, not for speed.
 //
-// split_merge_kernel<T, D>: one warp per row; out = sum_s 2^(lse_s - max) O_s / sum_s 2^(...),
-// zeros when every split saw nothing (all lse = -inf).
+// split_merge_kernel<T, D>: one warp per row; rows whose cache needed one split only were
+// written by that split and are skipped; otherwise out = sum_s 2^(lse_s - max) O_s / sum_s
+// 2^(...) over the row's active splits in index order, zeros when every split saw nothing.
 #include <math.h>
 
 #include "common.cuh"
 #include "launchers.cuh"
 #include "mask_rule.cuh"
+#include "tile_layout.cuh"
 
 namespace simsd {
 
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kSimpleBlockN = 64;  // split granularity, as the tensor-core kernel
+constexpr int kBlockN = layout::kBlockN;  // split granularity, as the tensor-core kernel
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -84,25 +86,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simple_kernel(c
   };
 
   const int cache_len = min(max(p.cache_seqlens[b], 0), p.Lmax);
-  const int chunk = ceil_div(ceil_div(cache_len, p.num_splits), kSimpleBlockN) * kSimpleBlockN;
-  const int kbeg = split * chunk, kend = min(cache_len, kbeg + chunk);
+  const bool invariant = p.invariant != 0;
+  const int active = layout::split_active(p.num_splits, p.split_min_tiles, invariant, cache_len, p.Lq);
+  if (split >= active) return;  // the merge reads splits [0, active) only
+  const layout::TileRange tr = layout::split_range(split, p.num_splits, p.split_min_tiles, invariant, cache_len, p.Lq);
   const float* kc = static_cast<const float*>(p.k_cache) + b * p.kc_stride[0] + hkv * p.kc_stride[2];
   const float* vc = static_cast<const float*>(p.v_cache) + b * p.vc_stride[0] + hkv * p.vc_stride[2];
-  for (int n = kbeg; n < kend; ++n) visit(kc + n * p.kc_stride[1], vc + n * p.vc_stride[1], false, 0.f);
+  const int kend = min(cache_len, tr.cache_hi * kBlockN);
+  for (int n = tr.cache_lo * kBlockN; n < kend; ++n) visit(kc + n * p.kc_stride[1], vc + n * p.vc_stride[1], false, 0.f);
 
-  if (split == p.num_splits - 1) {
-    const int* lq = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)t * p.labels_stride[1];
-    const float* kn = static_cast<const float*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[2];
-    const float* vn = static_cast<const float*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[2];
-    for (int n = 0; n < p.Lq; ++n) {
-      const int* lk = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)n * p.labels_stride[1];
-      if (!mask_allowed(p.mask_mode, lq[0], lq[1], lq[2], lk[0], lk[1], lk[2])) continue;
-      visit(kn + n * p.k_stride[1], vn + n * p.v_stride[1], true, static_cast<float>(pos[n]));
-    }
+  const int* lq = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)t * p.labels_stride[1];
+  const float* kn = static_cast<const float*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[2];
+  const float* vn = static_cast<const float*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[2];
+  const int nend = min(p.Lq, tr.new_hi * kBlockN);
+  for (int n = tr.new_lo * kBlockN; n < nend; ++n) {
+    const int* lk = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)n * p.labels_stride[1];
+    if (!mask_allowed(p.mask_mode, lq[0], lq[1], lq[2], lk[0], lk[1], lk[2])) continue;
+    visit(kn + n * p.k_stride[1], vn + n * p.v_stride[1], true, static_cast<float>(pos[n]));
   }
 
   const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row that saw nothing -> zeros
-  if (p.num_splits == 1) {
+  if (active == 1) {
     float* dst = static_cast<float*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] + h * p.out_stride[2];
 #pragma unroll
     for (int j = 0; j < J; ++j) dst[lane + 32 * j] = o[j] * inv_l;
@@ -123,13 +127,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) split_merge_kernel(const 
   if (row >= rows) return;
   const int h = (int)(row % p.Hq), t = (int)((row / p.Hq) % p.Lq), b = (int)(row / ((int64_t)p.Hq * p.Lq));
 
+  const int cache_len = min(max(p.cache_seqlens[b], 0), p.Lmax);
+  const int active = layout::split_active(p.num_splits, p.split_min_tiles, p.invariant != 0, cache_len, p.Lq);
+  if (active == 1) return;  // the only split wrote this row
+
   float lmax = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) lmax = fmaxf(lmax, p.lse_partial[s * rows + row]);
+  for (int s = 0; s < active; ++s) lmax = fmaxf(lmax, p.lse_partial[s * rows + row]);
   float acc[J], wsum = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) acc[j] = 0.f;
   if (lmax != -INFINITY) {
-    for (int s = 0; s < p.num_splits; ++s) {
+    for (int s = 0; s < active; ++s) {
       const float w = exp2f(p.lse_partial[s * rows + row] - lmax);  // 0 for an empty split
       if (w == 0.f) continue;  // its partial O may be anything finite; skip it anyway
       wsum += w;

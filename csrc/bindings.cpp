@@ -3,7 +3,8 @@
 // C ABI of simsd_attention.h and raises when a launcher returns an error.
 //
 //   torch.ops.simsd_cuda.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
-//                                  mask_mode, rope_theta, softmax_scale, num_splits=0) -> out
+//                                  mask_mode, rope_theta, softmax_scale, num_splits=1, block_m=64,
+//                                  split_min_tiles=1, invariant=False) -> out
 //   torch.ops.simsd_cuda.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens,
 //                                  rope_theta, num_tokens) -> ()   (writes the caches)
 //   torch.ops.simsd_cuda.mask_table(labels, mask_mode) -> (B, L, L) bool   (CPU and CUDA)
@@ -11,8 +12,9 @@
 // Shapes: q (B, Lq, Hq, D); k, v (B, Lq, Hkv, D); k_cache, v_cache (B, Lmax, Hkv, D);
 // cache_seqlens (B,) int32; labels (B, Lq, 3) int32; positions (B, Lq) int64; D in {64, 128};
 // dtype float16 / bfloat16 (tensor cores) or float32 (plain path for tests).
-// num_splits: 0 = heuristic from the grid size and the cache capacity Lmax (never from the
-// device-side lengths, so a captured CUDA graph stays valid), 1 = no split, n > 1 = n splits.
+// num_splits / block_m / split_min_tiles / invariant: the launch plan, chosen in Python by
+// simsd_kernels/split_plan.py (simsd_kernels.cuda_backend.attention passes it); num_splits 0 is
+// taken as 1. The per-row split rule runs on the device from cache_seqlens (graph-safe).
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -63,28 +65,10 @@ void raise_on_error(int rc, const char* op) {
   TORCH_CHECK(rc == SIMSD_OK, op, ": ", simsd_error_string(rc));
 }
 
-// SM count of the current device (not ATen/cuda/CUDAContext.h: it needs the cuSPARSE/cuBLAS
-// headers, which a minimal toolkit lacks).
-int64_t sm_count() {
-  int device = 0, count = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
-int64_t choose_num_splits(int64_t B, int64_t Lq, int64_t Hq, int64_t Hkv, int64_t Lmax, int64_t head_dim) {
-  const int64_t block_m = simsd_attention_block_m(), block_n = simsd_attention_block_n((int)head_dim);
-  const int64_t ctas = ((Lq * (Hq / Hkv) + block_m - 1) / block_m) * B * Hkv;
-  const int64_t sms = sm_count();
-  const int64_t max_by_len = std::max<int64_t>(1, (Lmax + block_n - 1) / block_n / 2);  // >= 2 tiles each
-  if (ctas >= sms || max_by_len == 1) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>({(2 * sms + ctas - 1) / ctas, max_by_len, 32}));
-}
-
 Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
                       const Tensor& v_cache, const Tensor& cache_seqlens_in, const Tensor& labels_in,
                       const Tensor& positions_in, int64_t mask_mode, double rope_theta, double softmax_scale,
-                      int64_t num_splits) {
+                      int64_t num_splits, int64_t block_m, int64_t split_min_tiles, bool invariant) {
   const char* op = "simsd_cuda::attention";
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   const simsd_dtype dtype = to_simsd_dtype(q, op);
@@ -116,7 +100,9 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
   TORCH_CHECK(positions_in.sizes() == at::IntArrayRef({B, Lq}), op, ": positions must be (B=", B, ", Lq=", Lq,
               "), got ", positions_in.sizes());
   TORCH_CHECK(mask_mode >= 0 && mask_mode <= 3, op, ": mask_mode must be 0..3 (MaskMode), got ", mask_mode);
-  TORCH_CHECK(num_splits >= 0 && num_splits <= 256, op, ": num_splits must be in [0, 256], got ", num_splits);
+  TORCH_CHECK(num_splits >= 0 && num_splits <= 1024, op, ": num_splits must be in [0, 1024], got ", num_splits);
+  TORCH_CHECK(block_m == 16 || block_m == 32 || block_m == 64, op, ": block_m must be 16, 32 or 64, got ", block_m);
+  TORCH_CHECK(split_min_tiles >= 1, op, ": split_min_tiles must be >= 1, got ", split_min_tiles);
   TORCH_CHECK(B * Hkv <= 65535, op, ": B * Hkv must be <= 65535, got ", B * Hkv);
 
   c10::cuda::CUDAGuard guard(dev);
@@ -127,11 +113,15 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
   Tensor out = at::empty({B, Lq, Hq, D}, q.options());
   if (B == 0 || Lq == 0) return out;
 
-  const int64_t splits = num_splits > 0 ? num_splits : choose_num_splits(B, Lq, Hq, Hkv, Lmax, D);
-  Tensor o_partial, lse_partial;
+  const int64_t splits = num_splits > 0 ? num_splits : 1;
+  Tensor o_partial, lse_partial, q_rot, k_rot;
   if (splits > 1) {
     o_partial = at::empty({splits, B, Lq, Hq, D}, q.options().dtype(at::kFloat));
     lse_partial = at::empty({splits, B, Lq, Hq}, q.options().dtype(at::kFloat));
+  }
+  if (dtype != SIMSD_F32) {  // RoPE once per token (rope_qk.cu), read by the tensor-core kernel
+    q_rot = at::empty({B, Lq, Hq, D}, q.options());
+    k_rot = at::empty({B, Lq, Hkv, D}, q.options());
   }
 
   simsd_attention_params p{};
@@ -146,6 +136,8 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
   p.out = out.data_ptr();
   p.o_partial = splits > 1 ? o_partial.data_ptr<float>() : nullptr;
   p.lse_partial = splits > 1 ? lse_partial.data_ptr<float>() : nullptr;
+  p.q_rot = dtype != SIMSD_F32 ? q_rot.data_ptr() : nullptr;
+  p.k_rot = dtype != SIMSD_F32 ? k_rot.data_ptr() : nullptr;
   copy_strides(p.q_stride, q);
   copy_strides(p.k_stride, k);
   copy_strides(p.v_stride, v);
@@ -162,6 +154,9 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
   p.D = (int32_t)D;
   p.Lmax = (int32_t)Lmax;
   p.num_splits = (int32_t)splits;
+  p.split_min_tiles = (int32_t)std::min<int64_t>(split_min_tiles, 1 << 30);
+  p.invariant = invariant ? 1 : 0;
+  p.block_m = (int32_t)block_m;
   p.mask_mode = (int32_t)mask_mode;
   p.rope_theta = (float)rope_theta;
   p.softmax_scale = (float)softmax_scale;
@@ -174,7 +169,7 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
 }
 
 Tensor attention_meta(const Tensor& q, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, const Tensor&, int64_t, double, double, int64_t) {
+                      const Tensor&, const Tensor&, int64_t, double, double, int64_t, int64_t, int64_t, bool) {
   return at::empty(q.sizes(), q.options());
 }
 
@@ -271,7 +266,7 @@ TORCH_LIBRARY(simsd_cuda, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
       "Tensor labels, Tensor positions, int mask_mode, float rope_theta, float softmax_scale, "
-      "int num_splits=0) -> Tensor");
+      "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False) -> Tensor");
   m.def(
       "append_kv(Tensor k, Tensor v, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cache_seqlens, float rope_theta, int num_tokens) -> ()");

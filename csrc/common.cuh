@@ -1,5 +1,5 @@
-// Device helpers shared by the simsd kernels: dtype traits, 16-byte vector access, RoPE, the
-// m16n8k16 tensor-core MMA and the launch-error check. No torch header.
+// Device helpers shared by the simsd kernels: dtype traits, RoPE frequencies, the m16n8k16
+// tensor-core MMA, cp.async / ldmatrix and the launch-error check. No torch header.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,45 +45,11 @@ template <> struct Dt<float> {
   static __device__ __forceinline__ float from_float(float x) { return x; }
 };
 
-// ---- 16-byte vector access of 8 half-width elements ------------------------------------
-// `ptr` must be 16-byte aligned (checked on the host by simsd_attention_fwd).
-template <typename T>
-__device__ __forceinline__ void load8(const T* ptr, float (&x)[8]) {
-  static_assert(sizeof(T) == 2, "load8 is for 16-bit types");
-  uint4 u = *reinterpret_cast<const uint4*>(ptr);
-  const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = Dt<T>::to_float(e[i]);
-}
-
-template <typename T>
-__device__ __forceinline__ void store8(T* ptr, const float (&x)[8]) {
-  static_assert(sizeof(T) == 2, "store8 is for 16-bit types");
-  uint4 u;
-  uint32_t* w = reinterpret_cast<uint32_t*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = Dt<T>::pack2(x[2 * i], x[2 * i + 1]);
-  *reinterpret_cast<uint4*>(ptr) = u;
-}
-
 // ---- RoPE (rotate-half, as simsd_kernels/rope.py) ---------------------------------------
 // inv_freq[i] = 1 / theta ** (2 i / D) in fp32, angle = float(pos) * inv_freq[i] in fp32
 // (the transformers Qwen3 recipe). Needs accurate sincosf: never build with --use_fast_math.
 __device__ __forceinline__ float rope_inv_freq(int i, int head_dim, float theta) {
   return 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(head_dim));
-}
-
-// Rotate the pair of 8-element chunks x1 = x[c .. c+8), x2 = x[c+D/2 .. c+D/2+8) in place:
-// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with inv_freq[c .. c+8) in `inv`.
-__device__ __forceinline__ void rope8(float (&x1)[8], float (&x2)[8], float pos, const float* inv) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float s, c;
-    sincosf(pos * inv[i], &s, &c);
-    const float a = x1[i], b = x2[i];
-    x1[i] = a * c - b * s;
-    x2[i] = b * c + a * s;
-  }
 }
 
 // ---- tensor-core MMA: D(16x8 f32) += A(16x16 row) * B(16x8 col), sm_80+ ------------------
@@ -120,6 +86,62 @@ template <> struct Mma<__nv_bfloat16> {
 #endif
   }
 };
+
+// ---- asynchronous copies and matrix loads (sm_80+; PTX ISA "cp.async", "ldmatrix") ---------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without passing through registers (LDGSTS); `valid` false writes 16
+// zero bytes and reads nothing (src-size 0), `gmem` must still be a mapped address.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(__cvta_generic_to_global(gmem)), "r"(src_size)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// ldmatrix.x4: lane l gives the shared address of row (l & 7) of 8x8 matrix (l >> 3); register i
+// receives matrix i's fragment: row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1 (the lower
+// column in the low half). .trans delivers the transpose (rows 2 (lane % 4) + {0, 1} at column
+// lane / 4 of the 8 addressed rows).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+#else
+  __trap();
+#endif
+}
 
 // ---- launch checks -----------------------------------------------------------------------
 // Return the launch error (a positive cudaError_t) from the enclosing launcher.

@@ -25,8 +25,8 @@ enum {
   SIMSD_OK = 0,
   SIMSD_ERR_HEAD_DIM = -1,  /* D not in {64, 128} */
   SIMSD_ERR_DTYPE = -2,     /* dtype not in simsd_dtype */
-  SIMSD_ERR_SHAPE = -3,     /* a size is negative, Hq % Hkv != 0, or num_splits < 1 */
-  SIMSD_ERR_WORKSPACE = -4, /* num_splits > 1 without o_partial / lse_partial */
+  SIMSD_ERR_SHAPE = -3,     /* a size is negative, Hq % Hkv != 0, num_splits < 1, bad block_m / split_min_tiles */
+  SIMSD_ERR_WORKSPACE = -4, /* num_splits > 1 without o_partial / lse_partial, or fp16/bf16 without q_rot / k_rot */
   SIMSD_ERR_MASK_MODE = -5, /* mask_mode not in 0..3 */
   SIMSD_ERR_ALIGN = -6      /* a pointer or stride breaks the 16-byte alignment */
 };
@@ -36,9 +36,15 @@ enum {
  *   k_cache / v_cache (B, Lmax, Hkv, D): keys stored rotated; row b reads [0, cache_seqlens[b]);
  *   cache_seqlens (B,) int32 on the device; labels (B, Lq, 3) int32 (kind, tau, grp);
  *   positions (B, Lq) int64 RoPE positions; out (B, Lq, Hq, D) in the input dtype.
- *   num_splits > 1: split the cache part into that many chunks, write partial results to
+ *   q_rot (B, Lq, Hq, D), k_rot (B, Lq, Hkv, D): contiguous workspaces in the input dtype (fp16 /
+ *   bf16 only), where the launcher writes the rotated new q and k once per token.
+ *   Split plan (simsd_kernels/split_plan.py; the rule is simsd::layout::split_range): the grid has
+ *   num_splits CTAs along the keys; a row uses split_active(...) of them, each with at least
+ *   split_min_tiles tiles of 64 keys (invariant != 0: cut from the cache length only, new tokens in
+ *   the last active split). A row with more than one active split writes partial results to
  *   o_partial (num_splits, B, Lq, Hq, D) fp32 and lse_partial (num_splits, B, Lq, Hq) fp32
- *   (contiguous) and merge them into out. A row that sees no key gets zeros. */
+ *   (contiguous), merged into out. block_m: 16, 32 or 64 packed (token, q head) rows per CTA.
+ *   A row that sees no key gets zeros. */
 typedef struct {
   const void* q;
   const void* k;
@@ -51,6 +57,8 @@ typedef struct {
   void* out;
   float* o_partial;
   float* lse_partial;
+  void* q_rot;
+  void* k_rot;
   int64_t q_stride[3];       /* b, l, h */
   int64_t k_stride[3];
   int64_t v_stride[3];
@@ -61,6 +69,9 @@ typedef struct {
   int64_t positions_stride;  /* b (contiguous over l) */
   int32_t B, Lq, Hq, Hkv, D, Lmax;
   int32_t num_splits;
+  int32_t split_min_tiles;
+  int32_t invariant;
+  int32_t block_m;
   int32_t mask_mode;
   float rope_theta;
   float softmax_scale;
@@ -69,11 +80,8 @@ typedef struct {
 /* Temporal-mask attention over a KV cache with RoPE fused (see simsd_kernels.api). */
 int simsd_attention_fwd(const simsd_attention_params* p, simsd_dtype dtype, void* stream);
 
-/* Block size along the cache used by the tensor-core kernel (the split granularity). */
+/* Keys per tile of the kernels (the split granularity): 64 for D in {64, 128}, else 0. */
 int simsd_attention_block_n(int head_dim);
-
-/* Rows per CTA of the tensor-core kernel: (token, q head) pairs of one kv head. */
-int simsd_attention_block_m(void);
 
 /* append_kv: for b < B, i < num_tokens: k_cache[b, cache_seqlens[b] + i] = rope(k[b, i]) at
  * positions[b, i] and v_cache[...] = v[b, i]. Slots >= Lmax are skipped (not written).

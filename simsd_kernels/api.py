@@ -69,7 +69,8 @@ def _backend_name(backend, device, config: OpConfig) -> str:
 
 
 def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, *,
-                       mask_mode, rope_theta, softmax_scale=None, backend="auto", out=None):
+                       mask_mode, rope_theta, softmax_scale=None, backend="auto", out=None,
+                       shape_invariant=False):
     """Attention of new tokens over a KV cache and over themselves, with a label mask and RoPE.
 
     Shapes (B batch rows, Lq new tokens, Lmax cache capacity, Hq/Hkv heads, D head_dim):
@@ -88,6 +89,11 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
     ``mask_rule.allowed(mask_mode, labels[i], labels[j])``; scale ``softmax_scale`` (default
     ``D ** -0.5``); a row that sees nothing is zeros. dtypes float16/bfloat16/float32
     (float64 on the torch backend).
+
+    ``shape_invariant``: the fused backends use the split plan whose query tile, split count and
+    split boundaries depend only on the cache capacity, each row's cache length, the heads and the
+    device -- never on Lq or B (:mod:`simsd_kernels.split_plan`), for verification that must give
+    a query token the same bits whatever other tokens share the forward. The torch backend ignores it.
 
     Runs as the ``torch.library`` custom op ``simsd::temporal_attention`` (see
     :mod:`simsd_kernels.custom_ops`), so it works under ``torch.compile`` and CUDA graphs; the
@@ -109,7 +115,7 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
     config = OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2], int(mode))
     result = temporal_attention_op(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
                                    int(mode), float(rope_theta), float(softmax_scale),
-                                   _backend_name(backend, q.device, config))
+                                   _backend_name(backend, q.device, config), bool(shape_invariant))
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")

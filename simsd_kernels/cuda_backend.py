@@ -8,9 +8,10 @@ raises ``ImportError`` (with the reason) when the extension was not built, so
 Ops (same semantics as :func:`simsd_kernels.temporal_attention`, shapes B, Lq, Lmax, Hq, Hkv, D):
 
 * ``attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
-  rope_theta, softmax_scale, num_splits=0) -> (B, Lq, Hq, D)``: fp16/bf16 on tensor cores
-  (sm_80+), fp32 on a plain path; head_dim 64/128; ``num_splits`` 0 = heuristic, 1 = off,
-  n = split the cache into n chunks merged by log-sum-exp.
+  rope_theta, softmax_scale, num_splits=0, shape_invariant=False) -> (B, Lq, Hq, D)``: fp16/bf16
+  on tensor cores (sm_80+), fp32 on a plain path; head_dim 64/128; ``num_splits`` 0 = the launch
+  plan of :mod:`simsd_kernels.split_plan`, n = n splits merged by log-sum-exp;
+  ``shape_invariant`` = the plan that never depends on Lq or B (exact verification).
 * ``append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)``:
   rotated k and v of the first ``num_tokens`` new tokens to slots ``cache_seqlens[b] + i``
   (slots past the capacity are skipped).
@@ -26,6 +27,7 @@ from contextlib import nullcontext
 
 import torch
 
+from . import split_plan
 from .backends import Backend
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,17 +106,20 @@ def _check_supported(name, t):
 
 
 def attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
-              softmax_scale, num_splits: int = 0):
-    """See :func:`simsd_kernels.temporal_attention`; ``num_splits`` 0 = heuristic, 1 = no split.
+              softmax_scale, num_splits: int = 0, shape_invariant: bool = False):
+    """See :func:`simsd_kernels.temporal_attention`; ``num_splits`` 0 = the split plan, 1 = no split.
 
     Raises:
         ValueError: unsupported dtype or head_dim.
         RuntimeError: from the extension's argument checks or a failed launch.
     """
     _check_supported("q", q)
+    plan = split_plan.plan_for(q, k, k_cache, figures=split_plan.CUDA_FIGURES, num_splits=int(num_splits),
+                               invariant=bool(shape_invariant))
     with _guard(q):
         return ops.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, int(mask_mode),
-                             float(rope_theta), float(softmax_scale), int(num_splits))
+                             float(rope_theta), float(softmax_scale), plan.num_splits, plan.block_m, plan.min_tiles,
+                             plan.invariant)
 
 
 def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):

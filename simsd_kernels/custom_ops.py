@@ -10,7 +10,7 @@ Schemas (shapes as in :func:`simsd_kernels.temporal_attention`)::
 
     simsd::temporal_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache,
         Tensor cache_seqlens, Tensor labels, Tensor positions, int mask_mode, float rope_theta,
-        float softmax_scale, str backend) -> Tensor          # (B, Lq, Hq, D), contiguous
+        float softmax_scale, str backend, bool shape_invariant=False) -> Tensor  # (B, Lq, Hq, D)
     simsd::append_kv(Tensor k, Tensor v, Tensor positions, Tensor(a!) k_cache,
         Tensor(b!) v_cache, Tensor cache_seqlens, float rope_theta, int num_tokens,
         str backend) -> ()
@@ -26,17 +26,20 @@ from .backends import OpConfig, resolve_backend
 @torch.library.custom_op("simsd::temporal_attention", mutates_args=())
 def temporal_attention_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                           cache_seqlens: Tensor, labels: Tensor, positions: Tensor, mask_mode: int,
-                          rope_theta: float, softmax_scale: float, backend: str) -> Tensor:
+                          rope_theta: float, softmax_scale: float, backend: str,
+                          shape_invariant: bool = False) -> Tensor:
     impl = resolve_backend(backend, q.device, OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2],
                                                        mask_mode))
+    # the fused backends take the split plan's invariant rule; the torch reference has no split plan
+    extra = {"shape_invariant": True} if shape_invariant and impl.name != "torch" else {}
     out = impl.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
-                         rope_theta, softmax_scale)
+                         rope_theta, softmax_scale, **extra)
     return out if out.is_contiguous() else out.contiguous()
 
 
 @temporal_attention_op.register_fake
 def _temporal_attention_fake(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
-                             rope_theta, softmax_scale, backend):
+                             rope_theta, softmax_scale, backend, shape_invariant=False):
     return q.new_empty(q.shape)
 
 

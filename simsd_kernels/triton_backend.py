@@ -52,11 +52,16 @@ def device_guard(device: torch.device):
 
 
 def _attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
-               softmax_scale, out=None):
-    from triton_ops.ops import temporal_attention_fwd
+               softmax_scale, out=None, num_splits=0, shape_invariant=False):
+    from triton_ops.ops import _check_backend_args, temporal_attention_fwd
+
+    from .split_plan import TRITON_FIGURES, plan_for
+    _check_backend_args(q)
+    plan = plan_for(q, k, k_cache, figures=TRITON_FIGURES, num_splits=int(num_splits), invariant=bool(shape_invariant))
     with device_guard(q.device):
         return temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
-                                      mask_mode, rope_theta, softmax_scale, out=out)
+                                      mask_mode, rope_theta, softmax_scale, out=out, num_splits=plan.num_splits,
+                                      block_m=plan.block_m, min_tiles=plan.min_tiles, invariant=plan.invariant)
 
 
 def _append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):

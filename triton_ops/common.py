@@ -17,13 +17,17 @@ MODE_PAPER = tl.constexpr(3)
 
 
 @triton.jit
-def allowed(MODE: tl.constexpr, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
-    """True where a query (labels ``*_q``, column vectors) may attend a new key (row vectors)."""
-    if MODE == MODE_BIDIRECTIONAL:
+def allowed(mode, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
+    """True where a query (labels ``*_q``, column vectors) may attend a new key (row vectors).
+
+    ``mode`` may be a runtime scalar (one compiled kernel for every mode; the branch is uniform
+    across the program) or a constexpr.
+    """
+    if mode == MODE_BIDIRECTIONAL:
         res = (kind_q == kind_q) & (kind_k == kind_k)
-    elif MODE == MODE_BLOCK_CAUSAL:
+    elif mode == MODE_BLOCK_CAUSAL:
         res = grp_k <= grp_q
-    elif MODE == MODE_EXACT:
+    elif mode == MODE_EXACT:
         res = (grp_k == grp_q) | (grp_k == -1)  # -1: shared prefix (mask_rule.SHARED_GRP)
     else:
         k_known = kind_k == KIND_KNOWN

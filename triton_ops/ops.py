@@ -1,37 +1,38 @@
-"""Host launchers of the simsd Triton kernels (shape logic, block sizes, split-KV choice).
+"""Host launchers of the simsd Triton kernels (shape logic, workspaces, launch plan).
 
 Arguments follow :func:`simsd_kernels.temporal_attention` (already validated there); shapes:
 ``q (B, Lq, Hq, D)``, ``k, v (B, Lq, Hkv, D)``, ``k_cache, v_cache (B, Lmax, Hkv, D)``,
 ``cache_seqlens (B,) int32``, ``labels (B, Lq, 3) int32``, ``positions (B, Lq) int64``.
-No host synchronisation: cache lengths are read by the kernels, and the split count depends
-only on shapes, so a launch can be captured in a CUDA graph. For the same reason
-``cache_seqlens[b] <= Lmax`` is not checked (the caller owns it; the attention kernel reads
-``cache_seqlens[b]`` keys, ``append_kv`` skips slots beyond ``Lmax``). No autotuning: one
-heuristic config (BLOCK_N 64, 4 warps, 2 stages), the same under the interpreter.
+No host synchronisation: cache lengths are read by the kernels, and the launch plan (query tile,
+split count, least tiles per split, invariant rule) comes from shapes only -- the caller
+(``simsd_kernels.triton_backend``) computes it with ``simsd_kernels.split_plan`` -- so a launch can
+be captured in a CUDA graph. ``cache_seqlens[b]`` is clamped to ``[0, Lmax]`` by the kernels.
+No autotuning: one config per query tile (:data:`TILE_CONFIGS`), the same under the interpreter.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 
 from .append_kv import append_kv_kernel
-from .attention import merge_splits_kernel, temporal_attn_fwd_kernel
+from .attention import merge_splits_kernel, rope_qk_kernel, temporal_attn_fwd_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_N = 64
+BLOCK_MS = (16, 32, 64)
+#: BLOCK_M -> (num_warps, num_stages), fp16/bf16: a small M streams more K/V per FLOP, so it keeps
+#: four tiles in flight (and holds one program per SM at D 128, see
+#: simsd_kernels.split_plan.TRITON_FIGURES); 64 rows need 8 warps to stay free of spills on sm_90
+TILE_CONFIGS = {16: (4, 5), 32: (4, 5), 64: (8, 3)}
+#: fp32 (a test path: ieee dots run on FMA units and are register-bound): 16 rows, 8 warps, 2 stages
+FP32_CONFIG = (16, 8, 2)
+#: an explicit register cap: without it ptxas stops at 168 registers and spills for some groups
+MAXNREG = 255
 #: True when ``TRITON_INTERPRET=1`` was set before the kernels were defined
 INTERPRETED = type(temporal_attn_fwd_kernel).__name__ == "InterpretedFunction"
-#: do not split the cache into pieces shorter than this (keys)
-MIN_KEYS_PER_SPLIT = 256
-MAX_SPLITS = 64
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _split_f64(x: float):
@@ -45,20 +46,6 @@ def block_m_for(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
 
 
-def auto_num_splits(device: torch.device, programs: int, cache_capacity: int) -> int:
-    """Split the cache when ``programs`` (m-tiles x B x Hkv) cannot fill the GPU.
-
-    Depends on shapes only (``cache_capacity`` = Lmax, not the device-side lengths).
-    """
-    if device.type != "cuda":
-        return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= sms:
-        return 1
-    by_len = max(1, cache_capacity // MIN_KEYS_PER_SPLIT)
-    return max(1, min(triton.cdiv(2 * sms, programs), by_len, MAX_SPLITS))
-
-
 def _check_backend_args(q):
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"triton backend: q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
@@ -66,14 +53,34 @@ def _check_backend_args(q):
         raise ValueError(f"triton backend: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
 
 
-def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
-                           rope_theta, softmax_scale, *, out=None, num_splits=None, block_n=64):
-    """Run the fused kernel; returns ``out (B, Lq, Hq, D)`` in q's dtype.
+def rope_qk_fwd(q, k, positions, rope_theta):
+    """``(q_rot, k_rot)``: q and k rotated at ``positions`` (RoPE once per token), contiguous, in
+    q's dtype; the same fp32 rotation the attention kernels used to apply on load."""
+    B, Lq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    q_rot = torch.empty((B, Lq, Hq, D), dtype=q.dtype, device=q.device)
+    k_rot = torch.empty((B, Lq, Hkv, D), dtype=k.dtype, device=k.device)
+    if B * Lq:
+        rope_qk_kernel[(B * Lq,)](
+            q, k, positions, q_rot, k_rot, q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), positions.stride(0), positions.stride(1), Lq, Hq, Hkv,
+            *_split_f64(math.log2(rope_theta)), HEAD_DIM=D, BLOCK_H=16, num_warps=4,
+        )
+    return q_rot, k_rot
 
-    ``num_splits`` None picks :func:`auto_num_splits`; ``out`` (optional) is written entirely.
+
+def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
+                           rope_theta, softmax_scale, *, out=None, num_splits=1, block_m=None, min_tiles=1,
+                           invariant=False):
+    """Run the fused kernels; returns ``out (B, Lq, Hq, D)`` in q's dtype.
+
+    Launch plan (``simsd_kernels.split_plan.SplitPlan`` fields): ``num_splits`` programs along the
+    keys (None: 1), ``block_m`` packed query rows per program (default: the natural tile for ``Lq * G``),
+    ``min_tiles`` least 64-key tiles per active split, ``invariant`` the shape-invariant split rule.
+    ``out`` (optional) is written entirely.
 
     Raises:
-        ValueError: dtype other than fp16/bf16/fp32, head_dim not 64/128, bad ``num_splits``.
+        ValueError: dtype other than fp16/bf16/fp32, head_dim not 64/128, a bad plan.
     """
     _check_backend_args(q)
     B, Lq, Hq, D = q.shape
@@ -84,40 +91,42 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
     if B == 0 or Lq == 0:
         return out
     rows = Lq * group
-    block_m = block_m_for(rows)
-    m_tiles = triton.cdiv(rows, block_m)
-    if num_splits is None:
-        num_splits = auto_num_splits(q.device, m_tiles * B * Hkv, k_cache.shape[1])
-    if not 1 <= int(num_splits) <= 1024:
-        raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
-    num_splits = int(num_splits)
+    num_splits = 1 if num_splits is None else num_splits
+    block_m = block_m_for(rows) if block_m is None else int(block_m)
+    if block_m not in BLOCK_MS or not 1 <= int(num_splits) <= 65535 or int(min_tiles) < 1:
+        raise ValueError(f"triton backend: block_m must be in {BLOCK_MS}, num_splits in [1, 65535] and "
+                         f"min_tiles >= 1, got {block_m}, {num_splits}, {min_tiles}")
+    num_splits, min_tiles, invariant = int(num_splits), int(min_tiles), int(bool(invariant))
+    q_rot, k_rot = rope_qk_fwd(q, k, positions, rope_theta)
     total_rows = B * Lq * Hq
     if num_splits > 1:
         o_part = torch.empty((num_splits, total_rows, D), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
-    else:  # unused by the kernel (dead branch); any valid pointer will do
+    else:  # never written (a single split writes out); any valid pointer will do
         o_part, lse_part = out, out
     fp32 = q.dtype == torch.float32
-    grid = (m_tiles, B * Hkv, num_splits)
+    warps, stages = TILE_CONFIGS[block_m]
+    if fp32 and not INTERPRETED:  # the row tile changes no result (rows are independent)
+        block_m, warps, stages = FP32_CONFIG
+    grid = (triton.cdiv(rows, block_m), B * Hkv, num_splits)
     temporal_attn_fwd_kernel[grid](
-        q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, out, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, out, o_part, lse_part,
+        q_rot.stride(0), q_rot.stride(1), q_rot.stride(2), k_rot.stride(0), k_rot.stride(1), k_rot.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        labels.stride(0), labels.stride(1), positions.stride(0), positions.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        Lq, Hq, total_rows, *_split_f64(math.log2(rope_theta)), softmax_scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=D, MASK_MODE=int(mask_mode), NUM_SPLITS=num_splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRETED,
+        labels.stride(0), labels.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        Lq, Hq, k_cache.shape[1], total_rows, softmax_scale * math.log2(math.e), int(mask_mode),
+        num_splits, min_tiles, invariant,
+        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=INTERPRETED,
         DOT_PREC="ieee" if (fp32 or INTERPRETED) else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages, maxnreg=MAXNREG,
     )
     if num_splits > 1:
         merge_splits_kernel[(total_rows,)](
-            o_part, lse_part, out, Lq, Hq, total_rows, out.stride(0), out.stride(1), out.stride(2),
-            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
-            num_warps=4 if D >= 128 else 2,
+            o_part, lse_part, out, cache_seqlens, Lq, Hq, k_cache.shape[1], total_rows,
+            out.stride(0), out.stride(1), out.stride(2), num_splits, min_tiles, invariant,
+            HEAD_DIM=D, BLOCK_N=BLOCK_N, num_warps=4 if D >= 128 else 2,
         )
     return out
 

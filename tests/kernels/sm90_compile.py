@@ -5,14 +5,19 @@ Run as a script in a process *without* ``TRITON_INTERPRET`` (the interpreter rep
 
     python tests/kernels/sm90_compile.py [--full]
 
-Prints one JSON line per variant (name, ok, shared memory bytes, approx sin/cos used, error) and exits
-non-zero when a variant fails. Needs no GPU: Triton ships ``ptxas`` in its wheel.
+Prints one JSON line per variant (name, ok, registers, spill bytes, shared memory, approx sin/cos
+used, error) and exits non-zero when a variant fails. Needs no GPU: Triton ships ``ptxas`` in its
+wheel; registers and spills come from ``ptxas -v`` on the variant's PTX with Triton's own options.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -23,34 +28,49 @@ def _attrs(fn, names):
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
-def fwd_source(dtype, head_dim, mask_mode, num_splits, group, block_m=64, block_n=64):
+def fwd_source(dtype, head_dim, group, block_m):
+    """The attention kernel as the launcher specialises it: one variant per (dtype, D, G, BLOCK_M);
+    mask mode, split count, least tiles per split and the invariant flag are runtime arguments."""
     import triton
     from triton_ops.attention import temporal_attn_fwd_kernel as fn
 
     ptr = ELT[dtype]
-    sig = {n: ptr for n in ("Q", "K", "V", "KC", "VC", "OUT")}
-    sig.update(SEQLENS="*i32", LABELS="*i32", POS="*i64", O_PART="*fp32", LSE_PART="*fp32")
-    ints = ("sqb sqt sqh skb skt skh svb svt svh skcb skct skch svcb svct svch "
-            "slb slt spb spt sob sot soh Lq Hq total_rows").split()
-    sig.update({n: "i32" for n in ints})
-    sig.update(log2_theta_hi="fp32", log2_theta_lo="fp32", qk_scale="fp32")
-    consts = dict(GROUP=group, HEAD_DIM=head_dim, MASK_MODE=mask_mode, NUM_SPLITS=num_splits,
-                  BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False,
+    sig = {n: ptr for n in ("QR", "KR", "V", "KC", "VC", "OUT")}
+    sig.update(SEQLENS="*i32", LABELS="*i32", O_PART="*fp32", LSE_PART="*fp32")
+    strides = ("sqb sqt sqh skb skt skh svb svt svh skcb skct skch svcb svct svch slb slt sob sot soh").split()
+    runtime = "Lq Hq Lmax total_rows mask_mode num_splits min_tiles invariant".split()
+    sig.update({n: "i32" for n in strides + runtime})
+    sig.update(qk_scale="fp32")
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, UPCAST=False,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32")
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in fn.arg_names}
-    aligned = ["Q", "K", "V", "KC", "VC", "OUT", "O_PART", "LSE_PART"] + ints[:15] + ["sob", "sot", "soh"]
+    aligned = ["QR", "KR", "V", "KC", "VC", "OUT", "O_PART", "LSE_PART"] + strides[:15] + ["sob", "sot", "soh"]
     return triton.compiler.ASTSource(fn, signature=sig, constexprs=consts, attrs=_attrs(fn, aligned))
 
 
-def merge_source(dtype, head_dim, num_splits):
+def merge_source(dtype, head_dim):
     import triton
     from triton_ops.attention import merge_splits_kernel as fn
 
-    sig = dict(O_PART="*fp32", LSE_PART="*fp32", OUT=ELT[dtype], Lq="i32", Hq="i32",
-               total_rows="i32", sob="i32", sot="i32", soh="i32")
-    consts = dict(NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                  HEAD_DIM=head_dim)
+    sig = dict(O_PART="*fp32", LSE_PART="*fp32", OUT=ELT[dtype], SEQLENS="*i32")
+    for n in fn.arg_names:
+        sig.setdefault(n, "i32")
+    consts = dict(HEAD_DIM=head_dim, BLOCK_N=64)
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in fn.arg_names}
+    return triton.compiler.ASTSource(fn, signature=sig, constexprs=consts)
+
+
+def rope_source(dtype, head_dim):
+    import triton
+    from triton_ops.attention import rope_qk_kernel as fn
+
+    ptr = ELT[dtype]
+    sig = dict(Q=ptr, K=ptr, POS="*i64", QR=ptr, KR=ptr, log2_theta_hi="fp32", log2_theta_lo="fp32")
+    for n in fn.arg_names:
+        sig.setdefault(n, "i32")
+    consts = dict(HEAD_DIM=head_dim, BLOCK_H=16)
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in fn.arg_names}
     return triton.compiler.ASTSource(fn, signature=sig, constexprs=consts)
@@ -73,26 +93,49 @@ def append_source(dtype, head_dim):
 def variants(full=False):
     """(name, source factory, num_warps, num_stages) of the kernel variants the launcher uses.
 
-    The default set has every mask mode, dtype, head_dim, the split and no-split epilogues,
-    the merge and the append kernel once; ``full`` adds every mode at the SDAR-8B shape.
+    The default set: every query tile (BLOCK_M 16 / 32 / 64) at bf16 D128 G4 (SDAR-8B), fp16 D128
+    G2 (SDAR-1.7B) and bf16 D64 G2, the fp32 test path once, the RoPE pre-pass, the merge and the
+    append kernel; ``full`` adds bf16 D128 G2 / G1 and fp32 D64.
     """
-    out = [
-        ("fwd bf16 D128 paper split8 G4", lambda: fwd_source("bf16", 128, 3, 8, 4), 4, 2),
-        ("fwd bf16 D64 block_causal split3 G2 BM32",
-         lambda: fwd_source("bf16", 64, 1, 3, 2, block_m=32), 4, 2),
-        ("fwd fp16 D64 exact G2 BM16", lambda: fwd_source("fp16", 64, 2, 1, 2, block_m=16), 4, 2),
-        ("fwd fp32 D128 bidirectional G1", lambda: fwd_source("fp32", 128, 0, 1, 1), 4, 2),
-        ("merge bf16 D128 split8", lambda: merge_source("bf16", 128, 8), 4, 1),
+    from triton_ops.ops import FP32_CONFIG, TILE_CONFIGS
+
+    def fwd(dtype, d, g, bm):
+        w, st = TILE_CONFIGS[bm]
+        if dtype == "fp32":
+            bm, w, st = FP32_CONFIG
+        return (f"fwd {dtype} D{d} G{g} BM{bm}", lambda: fwd_source(dtype, d, g, bm), w, st)
+
+    out = [fwd("bf16", 128, 4, bm) for bm in (16, 32, 64)]
+    out += [fwd("fp16", 128, 2, bm) for bm in (16, 32, 64)]
+    out += [fwd("bf16", 64, 2, bm) for bm in (16, 32, 64)]
+    out += [fwd("fp32", 128, 1, 16)]
+    out += [
+        ("rope bf16 D128", lambda: rope_source("bf16", 128), 4, 1),
+        ("merge bf16 D128", lambda: merge_source("bf16", 128), 4, 1),
         ("append bf16 D128", lambda: append_source("bf16", 128), 2, 1),
     ]
     if full:
-        for mode in range(4):
-            out.append((f"fwd bf16 D128 mode{mode} G4", lambda m=mode: fwd_source("bf16", 128, m, 1, 4), 4, 2))
-        out += [
-            ("merge fp32 D64 split3", lambda: merge_source("fp32", 64, 3), 2, 1),
-            ("append fp32 D64", lambda: append_source("fp32", 64), 2, 1),
-        ]
+        out += [fwd("bf16", 128, g, bm) for g in (1, 2) for bm in (16, 32, 64)] + [fwd("fp32", 64, 2, 16)]
+        out += [("merge fp32 D64", lambda: merge_source("fp32", 64), 2, 1),
+                ("rope fp32 D64", lambda: rope_source("fp32", 64), 4, 1),
+                ("append fp32 D64", lambda: append_source("fp32", 64), 2, 1)]
     return out
+
+
+def ptxas_figures(ptx: str, ptxas: str) -> dict:
+    """``ptxas -v`` of a kernel's PTX for sm_90a: registers, spill store / load bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas, "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", src, "-o",
+                               os.path.join(tmp, "k.o")], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if proc.returncode or not regs or not spill:
+        raise RuntimeError(f"ptxas -v failed: {log[-1500:]}")
+    return dict(regs=int(regs.group(1)), spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)))
 
 
 def main(argv=None):
@@ -103,15 +146,26 @@ def main(argv=None):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from triton_ops.ops import MAXNREG
+
     target = GPUTarget("cuda", 90, 64)
+    ptxas = get_ptxas(90).path
     failed = 0
     for name, make, warps, stages in variants(full="--full" in argv):
         row = {"name": name, "ok": False}
+        t0 = time.perf_counter()
         try:
-            kernel = triton.compile(make(), target=target, options={"num_warps": warps, "num_stages": stages})
+            options = {"num_warps": warps, "num_stages": stages}
+            if name.startswith("fwd"):
+                options["maxnreg"] = MAXNREG
+            kernel = triton.compile(make(), target=target, options=options)
             meta = kernel.metadata
-            row.update(ok=True, shared=meta.shared,
-                       approx_trig="cos.approx" in kernel.asm["ptx"] or "sin.approx" in kernel.asm["ptx"])
+            ptx = kernel.asm["ptx"]
+            row.update(ok=True, shared=meta.shared, warps=warps, stages=stages, ptx_lines=ptx.count("\n"),
+                       approx_trig="cos.approx" in ptx or "sin.approx" in ptx, **ptxas_figures(ptx, ptxas),
+                       seconds=round(time.perf_counter() - t0, 1))
         except Exception as exc:  # report every failure, keep compiling the rest
             failed += 1
             causes, e = [], exc

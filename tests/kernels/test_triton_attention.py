@@ -134,14 +134,13 @@ def test_sliced_caches_use_their_strides():
 @pytest.mark.parametrize("cache_len", [4096, 32760])
 def test_automatic_split_on_long_caches_gpu(cache_len):
     """The automatic split-KV path compiled for the GPU: an SDAR-8B paper verify (Hq 32, Hkv 8,
-    8 tokens, batch 1) over 4k-32k keys splits the cache (``auto_num_splits`` > 1) and stays
+    8 tokens, batch 1) over 4k-32k keys splits the cache (the split plan picks > 1) and stays
     within the float64 bound; positions run to ~32k (fp32 RoPE angles)."""
-    from triton_ops.ops import auto_num_splits, block_m_for
+    from simsd_kernels.split_plan import TRITON_FIGURES, plan_for
     args = [a.to(DEVICE) for a in make_inputs(cache_len, 1, 8, 32, 8, 128, [cache_len], dtype=torch.bfloat16,
                                               lmax=cache_len + 8, max_pos=1)]
     assert int(args[7].max()) >= cache_len
-    programs = -(-8 * 4 // block_m_for(8 * 4)) * 1 * 8
-    assert auto_num_splits(args[0].device, programs, cache_len + 8) > 1
+    assert plan_for(args[0], args[1], args[3], figures=TRITON_FIGURES).num_splits > 1
     err, auto = _check(args, MaskMode.PAPER)
     one = _run(args, MaskMode.PAPER, 128 ** -0.5, num_splits=1)
     assert max_err(auto, one) <= FLOOR[torch.bfloat16]

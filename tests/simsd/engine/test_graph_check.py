@@ -112,25 +112,27 @@ def test_a_wrong_replay_disables_graphs_with_one_warning(pair, graph_engines, ca
     assert {n: r.graphs for n, r in engine.graphs.items()} == shapes
 
 
-def test_eager_and_graph_engines_pick_the_same_split_count(pair, graph_engines, monkeypatch):
-    """The split-KV count of the kernels depends on the cache capacity: eager and graph engines
-    of the same request must allocate the same capacity (issue 12: graphs under 256-rounding
-    picked 2 splits where eager picked 1)."""
-    ops = pytest.importorskip("triton_ops.ops")
+def test_eager_and_graph_engines_pick_the_same_split_count(pair, graph_engines):
+    """The split-KV plan of the kernels depends on the cache capacity: eager and graph engines
+    of the same request must allocate the same capacity, so equal kernels sum in equal order
+    (issue 12: graphs under 256-rounding picked 2 splits where eager picked 1)."""
+    from simsd_kernels.split_plan import CUDA_FIGURES, TRITON_FIGURES, DeviceLimits, plan_attention, residency
     graph_engines(eager_capture)
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)  # an H200's SM count, no GPU needed
     target, _ = pair
     m = target.model
-    capacity, margin, B = 300, 8, 3
+    capacity, margin, B = 1000, 8, 3
     eager = batching.engine_for({"target": m}, 4, B, capacity, margin)
     graph = batching.engine_for({"target": m}, 4, B, capacity, margin, cuda_graphs=True)
     lmax = {name: e.caches["target"].k[0].shape[1] for name, e in (("eager", eager), ("graph", graph))}
     assert lmax["eager"] == lmax["graph"] == batching.round_capacity(capacity) + margin
-    hkv, group = m.config.num_key_value_heads, m.config.num_attention_heads // m.config.num_key_value_heads
-    cuda = torch.device("cuda", 0)
-    for Lq in (4, 8, 16):  # denoise, paper verify, exact verify at B=4
-        programs = -(-Lq * group // ops.block_m_for(Lq * group)) * B * hkv
-        splits = {k: ops.auto_num_splits(cuda, programs, v) for k, v in lmax.items()}
-        assert splits["eager"] == splits["graph"] == 2, (Lq, splits)
-        # the test has teeth: the unrounded capacity would split differently
-        assert ops.auto_num_splits(cuda, programs, capacity + margin) != splits["graph"]
+    h200 = DeviceLimits()  # an H100/H200's SM count and limits, no GPU needed
+    differs = 0
+    for figures in (CUDA_FIGURES, TRITON_FIGURES):
+        for Lq in (4, 8, 16):  # denoise, paper verify, exact verify at B=4 (SDAR-8B heads)
+            plan = lambda cap: plan_attention(batch=B, q_len=Lq, num_q_heads=32, num_kv_heads=8,  # noqa: E731
+                                              head_dim=128, cache_capacity=cap, num_sms=h200.num_sms,
+                                              ctas_per_sm=residency(figures, 128, h200))
+            plans = {k: plan(v) for k, v in lmax.items()}
+            assert plans["eager"] == plans["graph"], (Lq, plans)
+            differs += plan(capacity + margin).num_splits != plans["graph"].num_splits
+    assert differs, "the test has teeth: the unrounded capacity would split differently somewhere"

@@ -252,7 +252,11 @@ def test_missing_prompt_package_is_a_one_line_error(capsys, monkeypatch, prompt_
 def test_missing_attention_backend_is_a_one_line_error(capsys, monkeypatch, no_loading):
     import simsd_kernels.backends as backends
     monkeypatch.setitem(backends._CACHE, "triton", None)  # as when triton is not installed
-    line = error_of(capsys, "generate", "--attention-backend", "triton", "--prompt-ids", "5,6")
+    backends.reset()  # forget earlier tests' resolutions of the real triton backend
+    try:
+        line = error_of(capsys, "generate", "--attention-backend", "triton", "--prompt-ids", "5,6")
+    finally:
+        backends.reset()  # ... and this test's resolution of the missing one
     assert "--attention-backend triton" in line and "not installed" in line
 
 
