@@ -72,8 +72,10 @@ class SpecRow:
     """
 
     def __init__(self, dec, row: Row, generator: torch.Generator, optimistic: bool = False,
-                 draft_generator: torch.Generator | None = None):
+                 draft_generator: torch.Generator | None = None, stop_ids=None):
         self.dec, self.row, self.generator = dec, row, generator
+        #: generation ends after a block that holds one of these (default: the target's stop ids)
+        self.stop_ids = list(dec.t.stop_ids if stop_ids is None else stop_ids)
         self.cfg, self.mask_id = dec.cfg, dec.mask_id
         self.optimistic = optimistic
         # the draft samples from its own stream, on its own device (with speculation its draws
@@ -215,15 +217,16 @@ class SpecRow:
         self.stats.speculations_kept += 1
         return salvage(spec.draft, j).to(device)
 
-    def program(self, tail: list):
+    def program(self, tail: list, on_block=None):
         """The row's decoding; returns ``(generated, blocks)``.
 
         With ``optimistic``, the next round's draft runs between launching the verify forward
         and reading its decision (on another device it overlaps the target's forward).
+        ``on_block(new_ids) -> bool``: see :func:`simsd.decoding.vanilla.vanilla_program`.
         """
         cfg, spec, dec = self.cfg, self.dec.spec, self.dec
         B = cfg.block_length
-        stops = set(dec.t.stop_ids)
+        stops = set(self.stop_ids)
         generated: list = []
         blocks = 0
         device = self.row.devices["target"]
@@ -273,6 +276,8 @@ class SpecRow:
             blocks += 1
             new = block_host[first_gen:]
             generated.extend(new)
+            if on_block is not None and on_block(new):
+                return generated, blocks
             if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
                 return generated, blocks
             # folded commits are not combined with optimistic drafting (its rollback assumes
