@@ -1,4 +1,4 @@
-"""The ``simsd`` command line: ``simsd generate`` and ``simsd bench``.
+"""The ``simsd`` command line: ``simsd generate``, ``simsd bench`` and ``simsd serve``.
 
 Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the problem.
 """
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="vanilla,paper,exact", help="comma-separated modes")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows to this JSON file")
+    from .serve import add_serve_parser
+    add_serve_parser(sub)
     for p in (gen, bench):
         p.add_argument("--batch-size", type=int, default=1,
                        help="decode this many prompts together (independent progress per prompt); prompt i of "
@@ -154,6 +156,9 @@ def main(argv=None) -> int:
             if args.command == "generate":
                 from .commands import run_generate
                 return run_generate(args)
+            if args.command == "serve":
+                from .serve import run_serve
+                return run_serve(args)
             from .bench import bench_modes
             return bench_modes(args)
         finally:

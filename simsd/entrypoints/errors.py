@@ -1,5 +1,15 @@
-"""The error type of the command-line entry points (shared by ``generate`` and ``bench``)."""
+"""The error types of the entry points: command-line usage errors and bad request parameters."""
 
 
 class UsageError(ValueError):
     """A command-line input problem (reported in one line, exit status 2)."""
+
+
+class ParamError(ValueError):
+    """A bad request parameter (the Python API and the server): ``param`` names the field as
+    the API spells it (``max_tokens``, ``prompt``, ``temperature`` ...); the HTTP server answers
+    400 with it, the command line can name its option instead."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
