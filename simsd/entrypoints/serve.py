@@ -8,6 +8,8 @@ each request may override with its own fields. SIGTERM (or Ctrl-C) drains: no ne
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -99,6 +101,12 @@ def build_llm(args):
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     params = default_params(args)
+    from ..assets import DEFAULT_TARGET
+    from ..models.config import ModelConfig
+    B = args.block_length or ModelConfig.from_dir(args.target or DEFAULT_TARGET).block_size or 4
+    for name in ("gamma", "steps"):  # before the models load
+        if getattr(args, name) is not None and getattr(args, name) > B:
+            raise UsageError(f"{_flag(name)}: {name} {getattr(args, name)} exceeds the block length {B}")
     optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
     llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
               dtype=args.dtype, batch_size=args.max_batch_size, max_model_len=args.max_model_len,
@@ -131,6 +139,17 @@ def run_serve(args) -> int:
         def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: refuse new requests, let the open ones finish
             state.draining = True
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal after the graceful shutdown (the process then
+            # dies of it); a drained server exits with status 0 instead
+            saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     print(f"simsd: serving {state.model_name!r} ({llm.mode}, {llm.batch_size} rows of {llm.max_model_len} "

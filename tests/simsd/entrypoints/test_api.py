@@ -8,8 +8,7 @@ import simsd
 from simsd import LLM, ParamError, SamplingParams
 from simsd.decoding.config import DecodeConfig
 from simsd.decoding.sampling import SamplingParams as StepSampling
-from simsd.decoding.vanilla import vanilla_generate_batch
-from simsd.speculative import SpecConfig, SpeculativeDecoder
+from tests.simsd.entrypoints.serving import single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
            [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}], [11, 12, 13, 14, 15, 16, 17]]
@@ -24,20 +23,6 @@ def llms():
     yield out
     for llm in out.values():
         assert llm.shutdown(timeout=60)
-
-
-def single(llm, ids, params, seed):
-    """One prompt through the existing batch decoders (the CLI's code path), alone."""
-    cfg = DecodeConfig(block_length=llm.block_length, strategy=params.strategy,
-                       sampling=StepSampling(params.temperature, params.top_k, params.top_p),
-                       max_new_tokens=params.max_tokens)
-    if llm.mode == "vanilla":
-        out = vanilla_generate_batch(llm.target.model, [ids], cfg, llm.target.mask_token_id, llm.target.stop_ids,
-                                     seeds=[seed])
-    else:
-        dec = SpeculativeDecoder(llm.target, llm.draft, cfg, SpecConfig(mode=llm.mode))
-        out = dec.generate_batch([ids], seeds=[seed])
-    return out.results[0]
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
@@ -159,21 +144,11 @@ def test_closing_a_stream_cancels_its_request(llms):
     it = llm.stream(PROMPTS[1], SamplingParams(max_tokens=1500, ignore_eos=True))
     next(it)
     it.close()
-    handle_free = _wait(lambda: llm.scheduler.num_running == 0)
+    handle_free = wait_for(lambda: llm.scheduler.num_running == 0)
     assert handle_free and llm.metrics()["requests"]["cancelled"] == before + 1
     # the freed row serves later requests as before
     p = SamplingParams(max_tokens=10)
     assert llm.generate(PROMPTS[0], p)[0].token_ids == single(llm, llm.prompt_ids(PROMPTS[0]), p, 0).token_ids
-
-
-def _wait(cond, seconds=30.0):
-    import time
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_exported_names_and_step_sampling_compatibility():
