@@ -325,7 +325,14 @@ class LLM:
         engine_models = {"target": self.target.model}
         if self.draft is not None:
             engine_models["draft"] = self.draft.model
-        self.engine = BatchEngine(engine_models, B, rows, capacity, margin, cuda_graphs=cuda_graphs)
+        try:
+            self.engine = BatchEngine(engine_models, B, rows, capacity, margin, cuda_graphs=cuda_graphs)
+        except RuntimeError as exc:  # torch.OutOfMemoryError among them
+            if "out of memory" not in str(exc).lower():
+                raise
+            raise ValueError(f"the KV caches of {rows} rows x {max_model_len} positions "
+                             f"({self.kv_cache_bytes / 2**30:.1f} GiB) do not fit: lower batch_size or "
+                             f"max_model_len, or set kv_cache_memory") from None
         self.scheduler = Scheduler(self.engine, max_waiting)
         self.tokenizer = self.target.tokenizer
         self.default_params = default_params if default_params is not None else SamplingParams()

@@ -326,3 +326,25 @@ def test_stop_without_drain_cancels(pair):
     assert sched.stop(drain=False, timeout=60)
     assert all(r.done for r in reqs) and sched.num_running == 0 and sched.num_waiting == 0
     assert sum(r.cancelled for r in reqs) >= 2
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
+    """The CUDA-graph engine (every forward covers all rows, free ones included, at a few padded
+    shapes; capture replaced by eager replay on the CPU) admits and retires rows as well."""
+    import simsd.engine.graphs
+    monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.eager_capture)
+    monkeypatch.setattr(simsd.engine.graphs, "check_graphable", lambda model: None)
+    target, draft = pair
+    target = with_stop(target, draft, mode)
+    singles = [single(mode, target, draft, i, False) for i in range(len(PROMPTS))]
+    models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+    engine = BatchEngine(models, 4, 3, capacity=64, margin=(4 + 2) * 4, cuda_graphs=True)
+    done = []
+    sched = Scheduler(engine, max_waiting=8)
+    reqs = [request(mode, target, draft, i, False, done) for i in range(len(PROMPTS))]
+    run_staggered(sched, reqs, ARRIVALS["staggered"])
+    for i, req in enumerate(reqs):
+        assert finish(req.result[0], target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
+    runner = engine.graphs["target"]
+    assert runner.graphs <= 2 * 6 and runner.replays > runner.graphs
