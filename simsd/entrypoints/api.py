@@ -357,6 +357,11 @@ class LLM:
         return self.settings.block_length
 
     @property
+    def started(self) -> bool:
+        """The scheduling thread has been started (by the first request)."""
+        return self._started
+
+    @property
     def batch_size(self) -> int:
         """Engine rows (``batch_size``, or fewer when ``kv_cache_memory`` holds fewer)."""
         return len(self.engine.rows)

@@ -184,7 +184,7 @@ def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True
     @app.get("/health")
     async def health():
         s = llm.scheduler
-        if state.draining or s.closed or (llm._started and not s.alive):
+        if state.draining or s.closed or (llm.started and not s.alive):
             return error_response(503, "the server is shutting down" if state.draining or s.closed
                                   else "the scheduler thread has stopped", type_="server_error")
         return {"status": "ok", "running": s.num_running, "waiting": s.num_waiting}

@@ -245,7 +245,7 @@ def test_16_concurrent_requests_equal_their_single_runs(llm, url):
     texts = [p.text for p in bundled_prompts()[:8]]
     prompts = [[{"role": "user", "content": t}] for t in texts] + [list(range(11, 11 + n)) for n in (1, 3, 4, 5, 8, 13,
                                                                                                      17, 30)]
-    limits = [4, 9, 16, 23, 32, 5, 12, 27] * 2
+    limits = [4, 9, 16, 20, 24, 5, 12, 18] * 2
     want = [single_text(llm, llm.prompt_ids(p), SamplingParams(max_tokens=m)) for p, m in zip(prompts, limits)]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
     before = llm.metrics()
