@@ -76,11 +76,14 @@ class Step:
     @staticmethod
     def run_batch(steps: list, logits: list) -> list:
         """Apply ``steps[j]`` to ``logits[j] (L, V)``; returns ``(new_block, revealed, probs)``
-        per step, in order. Steps that share ``(cfg, mask_id)`` run as one batched
-        :func:`denoise_step`."""
+        per step, in order. Steps with equal step settings (block length, steps, strategy, threshold,
+        sampling) and ``mask_id`` run as one batched :func:`denoise_step`; each row's noise depends
+        on its own key only, so a row decodes exactly as it would alone."""
         groups: dict = {}
         for j, s in enumerate(steps):
-            groups.setdefault((id(s.cfg), s.mask_id), []).append(j)
+            c = s.cfg  # the settings a step reads: requests with equal settings share one batched step
+            key = (c.block_length, c.steps, c.strategy, c.threshold, c.sampling, s.mask_id)
+            groups.setdefault(key, []).append(j)
         out = [None] * len(steps)
         for rows in groups.values():
             first = steps[rows[0]]

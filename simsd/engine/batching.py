@@ -232,10 +232,22 @@ class BatchEngine:
         """Empty the caches and the row counters (captured graphs stay valid)."""
         for cache in self.caches.values():
             cache.reset()
-        devices = {n: m.device for n, m in self.models.items()}
-        self.rows = [Row(i, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models},
-                         caches=self.caches) for i in range(self.caches[next(iter(self.caches))].batch_size)]
+        self.rows = [self._new_row(i) for i in range(self.caches[next(iter(self.caches))].batch_size)]
         self.forwards = {n: 0 for n in self.models}
+
+    def _new_row(self, index: int) -> Row:
+        devices = {n: m.device for n, m in self.models.items()}
+        return Row(index, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models},
+                   caches=self.caches)
+
+    def release(self, index: int) -> Row:
+        """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
+        its cache lengths go to 0 (the stale K/V past them is never read) and it gets a fresh
+        :class:`Row` (counters at 0, no pending commit), which is returned."""
+        for cache in self.caches.values():
+            cache.seqlens[index] = 0
+        self.rows[index] = self._new_row(index)
+        return self.rows[index]
 
     def prefill(self, index: int, prompt_ids: list) -> list:
         """Prefill row ``index`` in every model (separately per row); returns the prompt tail."""
@@ -267,8 +279,7 @@ class BatchEngine:
         for i, prog in enumerate(programs):
             self._advance(i, prog, None, pending, results)
         while pending:
-            groups = self._groups(pending)
-            name, mode, rows = max(groups, key=lambda g: (g[0] != "target", len(g[2])))
+            name, mode, rows = self.pick(pending)
             outs = self._forward(name, mode, {i: pending[i][1] for i in rows})
             for i in rows:
                 served[i] += 1
@@ -277,6 +288,20 @@ class BatchEngine:
                                        f"progresses needs at most {limit} for {self.capacity} tokens)")
                 self._advance(i, pending.pop(i)[0], outs[i], pending, results)
         return results
+
+    def pick(self, pending: dict) -> tuple:
+        """The next forward among ``pending`` (``{row: (program, Fwd)}``): ``(model, mask_mode,
+        rows)`` of the largest group that can share a forward, draft groups first."""
+        return max(self._groups(pending), key=lambda g: (g[0] != "target", len(g[2])))
+
+    def forward(self, name: str, mode: str, reqs: dict) -> dict:
+        """Run the requests ``reqs`` (``{row: Fwd}``, one group of :meth:`pick`) as one batched
+        forward of model ``name``; returns ``{row: logits or step result or None}``.
+
+        Raises:
+            ValueError: a write past a row's cache capacity (checked before the forward).
+        """
+        return self._forward(name, mode, reqs)
 
     @staticmethod
     def _advance(i, prog, value, pending, results):

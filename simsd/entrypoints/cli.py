@@ -1,4 +1,4 @@
-"""The ``simsd`` command line: ``simsd generate``, ``simsd bench`` and ``simsd check``.
+"""The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd check`` and ``simsd serve``.
 
 Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the problem.
 """
@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the rows to this JSON file (its folder must exist; default: none)")
     from .check import add_check_parser
     add_check_parser(sub)
+    from .serve import add_serve_parser
+    add_serve_parser(sub)
     for p in (gen, bench):
         p.add_argument("--batch-size", type=int, default=1,
                        help="decode this many prompts together (independent progress per prompt); prompt i of "
@@ -205,6 +207,9 @@ def main(argv=None) -> int:
             if args.command == "generate":
                 from .commands import run_generate
                 return run_generate(args)
+            if args.command == "serve":
+                from .serve import run_serve
+                return run_serve(args)
             from .bench import bench_modes
             return bench_modes(args)
         finally:

@@ -1,4 +1,5 @@
-"""The error types of the command-line entry points (shared by ``generate`` and ``bench``)."""
+"""The error types of the entry points: command-line usage errors, missing optional packages and
+bad request parameters."""
 
 
 class UsageError(ValueError):
@@ -8,3 +9,13 @@ class UsageError(ValueError):
 class MissingPackageError(UsageError, ImportError):
     """An optional package a chosen feature needs is not installed; the message gives the
     ``pip install`` line (exit status 2 on the command line; still an ``ImportError``)."""
+
+
+class ParamError(ValueError):
+    """A bad request parameter (the Python API and the server): ``param`` names the field as
+    the API spells it (``max_tokens``, ``prompt``, ``temperature`` ...); the HTTP server answers
+    400 with it, the command line can name its option instead."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param

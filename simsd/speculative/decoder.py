@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
 from ..decoding.strategies import parse_strategy
-from ..decoding.vanilla import batch_stats
+from ..decoding.vanilla import batch_stats, row_seeds
 from ..engine.batching import BatchResult, engine_for
 from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
 
@@ -94,8 +94,9 @@ class SpeculativeDecoder:
     """Decodes prompts with a draft and a target checkpoint (see module doc); each prompt's
     round state lives in its own :class:`SpecRow`, driven by a :class:`BatchEngine`."""
 
-    def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig):
-        check_pair(target, draft)
+    def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig, check: bool = True):
+        if check:  # ``check=False``: the caller checked this pair already (one decoder per request)
+            check_pair(target, draft)
         self.t, self.d, self.cfg, self.spec = target, draft, cfg, spec
         self.draft_cfg = draft_config(cfg, spec)
         self.gamma = spec.gamma or cfg.block_length
@@ -108,11 +109,48 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
 
-    def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
+    def optimistic(self) -> bool:
+        """Whether rows draft optimistically (``spec.optimistic``, or: draft and target on
+        different devices)."""
+        if self.spec.optimistic is None:
+            return self.t.model.device != self.d.model.device
+        return self.spec.optimistic
+
+    def new_row(self, row, seed: int, stop_ids=None) -> SpecRow:
+        """The row program state (:class:`SpecRow`, or ``row_class``) of engine row ``row``,
+        sampling with the keyed noise of row seed ``seed``; ``stop_ids``: default the target's."""
+        return self.row_class(self, row, seed, self.optimistic(), stop_ids)
+
+    def row_stats(self, r: SpecRow, n: int, blocks: int, seconds: float, cut_tokens: int = 0) -> dict:
+        """Statistics of row ``r`` after ``n`` returned tokens and ``blocks`` blocks in
+        ``seconds`` of decoding (see :func:`speculative_generate`); ``cut_tokens``: tokens
+        decoded after a stop or past the budget, not returned."""
+        from_draft = sum(1 for o in r.stats.origins[:n] if o)
+        fw = r.row.forwards
+        return {
+            "mode": self.spec.mode,
+            "new_tokens": n,
+            "cut_tokens": cut_tokens,
+            "from_draft": from_draft,
+            "draft_share": from_draft / n if n else 0.0,
+            "decode_seconds": seconds,
+            "tokens_per_second": n / seconds if seconds > 0 else float("nan"),
+            "target_forwards": fw["target"],
+            "draft_forwards": fw["draft"],
+            "target_forwards_per_token": fw["target"] / max(n, 1),
+            "draft_forwards_per_token": fw["draft"] / max(n, 1),
+            "prefill_forwards": r.row.prefill_forwards,
+            "blocks": blocks,
+            "gamma": self.gamma,
+            **r.stats.as_dict(),
+        }
+
+    def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False,
+                       seeds: list | None = None) -> BatchResult:
         """Decode ``prompts`` together with independent progress; row ``i`` samples with the
-        keyed noise of :mod:`simsd.decoding.noise` under the row seed ``cfg.seed + first_index + i``
-        (as :func:`vanilla_generate_batch`: exact mode gives the same tokens as vanilla decoding
-        with the same seed)."""
+        keyed noise of :mod:`simsd.decoding.noise` under the row seed ``seeds[i]``, by default
+        ``cfg.seed + first_index + i`` (as :func:`vanilla_generate_batch`: exact mode gives the
+        same tokens as vanilla decoding with the same seed)."""
         cfg = self.cfg
         B = cfg.block_length
         capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B, self.mask_id) for p in prompts)
@@ -121,39 +159,17 @@ class SpeculativeDecoder:
         engine = engine_for({"target": self.t.model, "draft": self.d.model}, B, len(prompts), capacity,
                             (self.gamma + 2) * B, cuda_graphs)
         tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
-        optimistic = self.spec.optimistic
-        if optimistic is None:
-            optimistic = self.t.model.device != self.d.model.device
-        if optimistic and cfg.fold_commit:
+        if self.optimistic() and cfg.fold_commit:
             raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
                              "target are on different devices): set optimistic=False or fold_commit=False")
-        rows = [self.row_class(self, engine.rows[i], cfg.seed + first_index + i, optimistic)
-                for i in range(len(prompts))]
+        seeds = row_seeds(cfg, len(prompts), first_index, seeds)
+        rows = [self.new_row(engine.rows[i], seeds[i]) for i in range(len(prompts))]
         with Timer(self.t.model.device) as timer:
             outs = engine.run([r.program(tail) for r, tail in zip(rows, tails)])
         results = []
         for r, (generated, blocks) in zip(rows, outs):
             token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)
-            n = len(token_ids)
-            from_draft = sum(1 for o in r.stats.origins[:n] if o)
-            fw = r.row.forwards
-            stats = {
-                "mode": self.spec.mode,
-                "new_tokens": n,
-                "cut_tokens": len(generated) - n,
-                "from_draft": from_draft,
-                "draft_share": from_draft / n if n else 0.0,
-                "decode_seconds": timer.seconds,
-                "tokens_per_second": n / timer.seconds if timer.seconds > 0 else float("nan"),
-                "target_forwards": fw["target"],
-                "draft_forwards": fw["draft"],
-                "target_forwards_per_token": fw["target"] / max(n, 1),
-                "draft_forwards_per_token": fw["draft"] / max(n, 1),
-                "prefill_forwards": r.row.prefill_forwards,
-                "blocks": blocks,
-                "gamma": self.gamma,
-                **r.stats.as_dict(),
-            }
+            stats = self.row_stats(r, len(token_ids), blocks, timer.seconds, len(generated) - len(token_ids))
             stats["batch_size"] = len(prompts)
             results.append(GenerationResult(token_ids, stats))
         return BatchResult(results, batch_stats(results, timer.seconds, engine.forwards))
@@ -177,7 +193,8 @@ def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spe
 
 
 def speculative_generate_batch(target, draft, prompts: list, cfg: DecodeConfig, spec: SpecConfig,
-                               first_index: int = 0, cuda_graphs: bool = False) -> BatchResult:
+                               first_index: int = 0, cuda_graphs: bool = False,
+                               seeds: list | None = None) -> BatchResult:
     """Decode ``prompts`` together with SimSD, each with independent progress (rounds,
     acceptance, stop); see :meth:`SpeculativeDecoder.generate_batch`."""
-    return SpeculativeDecoder(target, draft, cfg, spec).generate_batch(prompts, first_index, cuda_graphs)
+    return SpeculativeDecoder(target, draft, cfg, spec).generate_batch(prompts, first_index, cuda_graphs, seeds)

@@ -99,8 +99,10 @@ class SpecRow:
     target step reads its new block. Everything else stays on the devices.
     """
 
-    def __init__(self, dec, row: Row, seed: int, optimistic: bool = False):
+    def __init__(self, dec, row: Row, seed: int, optimistic: bool = False, stop_ids=None):
         self.dec, self.row, self.seed = dec, row, seed
+        #: generation ends after a block that holds one of these (default: the target's stop ids)
+        self.stop_ids = list(dec.t.stop_ids if stop_ids is None else stop_ids)
         self.cfg, self.mask_id = dec.cfg, dec.mask_id
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
@@ -283,15 +285,16 @@ class SpecRow:
         self.stats.speculations_kept += 1
         return salvage(spec.draft, j).to(device)
 
-    def program(self, tail: list):
+    def program(self, tail: list, on_block=None):
         """The row's decoding; returns ``(generated, blocks)``.
 
         With ``optimistic``, the next round's draft runs between launching the verify forward
         and reading its decision (on another device it overlaps the target's forward).
+        ``on_block(new_ids) -> bool``: see :func:`simsd.decoding.vanilla.vanilla_program`.
         """
         cfg, spec, dec = self.cfg, self.dec.spec, self.dec
         B = cfg.block_length
-        stops = set(dec.t.stop_ids)
+        stops = set(self.stop_ids)
         generated: list = []
         blocks = 0
         device = self.row.devices["target"]
@@ -349,6 +352,8 @@ class SpecRow:
             new = block_host[first_gen:]
             generated.extend(new)
             self.stats.origins.extend(self.origin[first_gen:])
+            if on_block is not None and on_block(new):
+                return generated, blocks
             if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
                 return generated, blocks
             # folded commits are not combined with optimistic drafting (its rollback assumes

@@ -1,0 +1,364 @@
+"""Continuous batching over a :class:`~simsd.engine.batching.BatchEngine` (docs/design.md §6).
+
+The engine has a fixed number of rows (its static KV caches); a :class:`Scheduler` keeps them
+busy with a stream of requests:
+
+* **admit** between rounds: while a row is free and a request waits, the row is emptied
+  (:meth:`BatchEngine.release`), the prompt is prefilled into it (alone, as in a single run)
+  and the request's row program starts;
+* **round**: one batched forward of the pending requests of the running rows (the group
+  :meth:`BatchEngine.pick` chooses), then every served program advances to its next request;
+* **retire** at once: a program that returns (or raises, or is cancelled) frees its row in the
+  same round, so the next round can admit a waiting request into it.
+
+The rows are bounded by the engine (``max_batch_size`` rows of ``capacity`` tokens each, the
+KV memory); the waiting requests by ``max_waiting`` (beyond it :meth:`Scheduler.submit`
+raises :class:`QueueFull`, or blocks when asked to). A request's program only ever sees its
+own row, its own prefill and its own seed (stateless keyed noise), so its tokens do not depend on what
+else is in flight (in float32/float64; see "Batch invariance" in the README).
+
+Faults stay with their request: an exception raised by a row program fails that request
+only; a batched forward that raises is undone (row lengths and forward counts; the sampling
+noise is stateless, so nothing else) and re-run row
+by row, so that only the rows whose own forward fails are failed.
+
+The scheduler knows rows and programs, not decoding: a request brings a ``program(row, tail)``
+factory (e.g. :func:`simsd.decoding.vanilla.vanilla_program`). It runs on the thread that
+calls :meth:`Scheduler.step`, or on its own thread (:meth:`Scheduler.start`); :meth:`submit`
+and :meth:`cancel` may be called from any thread. Callbacks run on the scheduling thread (a
+waiting request's cancellation: on the cancelling thread).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .batching import BatchEngine
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue holds ``max_waiting`` requests: retry later."""
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler is stopping or stopped and takes no new requests."""
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a :class:`Scheduler`.
+
+    Args:
+        prompt_ids: the prompt's token ids (prefilled into the row on admission).
+        program: ``program(row, tail) -> generator``: the row program (yields
+            :class:`~simsd.engine.batching.Fwd`, receives logits, returns the result) for
+            engine row ``row`` (a fresh :class:`~simsd.engine.batching.Row`) and the prompt
+            tail left after the block-aligned prefill.
+        capacity: cache tokens the request may write (prompt and generation, whole blocks);
+            at most the engine's ``capacity``.
+        on_finish: ``on_finish(request)``, called once on the scheduling thread when the
+            request ends: ``result`` (the program's return value), ``error`` (an exception)
+            or ``cancelled`` is set.
+        request_id: a name for logs (default: a counter).
+
+    Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (prefill done,
+    decoding starts), ``finished``; ``row``: the engine row while running.
+    """
+    prompt_ids: list
+    program: Callable
+    capacity: int = 0
+    on_finish: Callable | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    result: object = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    row: int | None = None
+    arrived: float | None = None
+    admitted: float | None = None
+    finished: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+
+class Scheduler:
+    """Continuous batching of requests over ``engine`` (see the module doc).
+
+    Args:
+        engine: a :class:`BatchEngine`; its rows are the batch limit.
+        max_waiting: requests that may wait for a row (>= 0); beyond it :meth:`submit`
+            refuses with :class:`QueueFull` (or blocks).
+
+    Attributes (read from any thread): ``rounds`` (batched forwards run), ``round_seconds``
+    (their total wall time, forward and row programs), ``finished`` (requests ended, by
+    outcome: ``ok``, ``error``, ``cancelled``).
+    """
+
+    def __init__(self, engine: BatchEngine, max_waiting: int = 64):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._free = set(range(len(engine.rows)))
+        self._running: dict = {}   # row -> Request
+        self._pending: dict = {}   # row -> (program, Fwd): the request the row waits on
+        self._waiting: deque = deque()
+        self._cancels: set = set()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.rounds = 0
+        self.round_seconds = 0.0
+        self.finished = {"ok": 0, "error": 0, "cancelled": 0}
+
+    # -- any thread ---------------------------------------------------------------------
+    @property
+    def max_rows(self) -> int:
+        return len(self.engine.rows)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a row."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a row."""
+        return len(self._waiting)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, req: Request, block: bool = False, timeout: float | None = None) -> Request:
+        """Queue ``req`` for a row.
+
+        Args:
+            block: wait for room in the queue instead of refusing (``timeout`` seconds at
+                most, None: no limit).
+
+        Raises:
+            QueueFull: ``max_waiting`` requests wait already (and ``block`` is False, or the
+                timeout passed).
+            SchedulerClosed: :meth:`stop` was called.
+            ValueError: ``req.capacity`` exceeds the engine's row capacity.
+        """
+        if req.capacity > self.engine.capacity:
+            raise ValueError(f"request {req.request_id} needs {req.capacity} cache tokens, a row holds "
+                             f"{self.engine.capacity}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self._closed:
+                    raise SchedulerClosed("the scheduler is shutting down")
+                if len(self._waiting) < self.max_waiting + len(self._free):  # free rows take requests at once
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if not block or (left is not None and left <= 0):
+                    raise QueueFull(f"{len(self._waiting)} requests are waiting for one of {self.max_rows} rows "
+                                    f"(max_waiting={self.max_waiting})")
+                self._cv.wait(left)
+            req.arrived = time.perf_counter()
+            self._waiting.append(req)
+            self._cv.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> bool:
+        """Cancel ``req``: a waiting request leaves the queue at once, a running one frees its
+        row before the next round. Returns False when it had ended already."""
+        with self._cv:
+            if req.done or req in self._cancels:
+                return False
+            if req in self._waiting:
+                self._waiting.remove(req)
+                self._cv.notify_all()
+                waiting = True
+            else:
+                self._cancels.add(req)
+                self._cv.notify_all()
+                waiting = False
+        if waiting:
+            req.cancelled = True
+            self._end(req)
+        return True
+
+    def start(self) -> None:
+        """Run the rounds on a daemon thread until :meth:`stop`."""
+        if self._thread is not None:
+            raise RuntimeError("the scheduler thread is already running")
+        self._thread = threading.Thread(target=self._loop, name="simsd-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> bool:
+        """Take no new requests; with ``drain`` finish the running and waiting ones, else
+        cancel them; then end the thread. Returns True when the thread has ended (within
+        ``timeout`` seconds)."""
+        with self._cv:
+            self._closed = True
+            if not drain:
+                dropped = list(self._waiting)
+                self._waiting.clear()
+                self._cancels.update(self._running.values())
+            self._cv.notify_all()
+        if not drain:
+            for req in dropped:
+                req.cancelled = True
+                self._end(req)
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        """The scheduling thread runs (False before :meth:`start` and after :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._running or self._cancels or self._closed):
+                    self._cv.wait()
+                if self._closed and not (self._waiting or self._running or self._cancels):
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a fault outside any one request: fail the running ones, go on
+                log.exception("simsd scheduler: round failed")
+                self._fail_running(exc)
+
+    # -- the scheduling thread ------------------------------------------------------------
+    def step(self) -> bool:
+        """One round: drop cancelled rows, admit waiting requests into free rows, run one
+        batched forward and advance its rows. Returns True while requests run or wait."""
+        self._apply_cancels()
+        self._admit()
+        if self._pending:
+            start = time.perf_counter()
+            name, mode, rows = self.engine.pick(self._pending)
+            outs, failed = self._forward(name, mode, {i: self._pending[i][1] for i in rows})
+            for i in rows:
+                prog = self._pending.pop(i)[0]
+                if i in failed:
+                    self._retire(i, error=failed[i], prog=prog)
+                else:
+                    self._advance(i, prog, outs[i])
+            self.rounds += 1
+            self.round_seconds += time.perf_counter() - start
+        return bool(self._running or self._waiting)
+
+    def run_until_idle(self, max_rounds: int | None = None) -> None:
+        """Step until no request runs or waits (on this thread; not with :meth:`start`)."""
+        n = 0
+        while self.step():
+            n += 1
+            if max_rounds is not None and n >= max_rounds:
+                raise RuntimeError(f"still busy after {max_rounds} rounds")
+
+    def _apply_cancels(self) -> None:
+        with self._cv:
+            cancels, self._cancels = self._cancels, set()
+        for req in cancels:
+            if req.row is not None and self._running.get(req.row) is req:
+                entry = self._pending.pop(req.row, None)
+                req.cancelled = True
+                self._retire(req.row, prog=None if entry is None else entry[0])
+
+    def _admit(self) -> None:
+        while True:
+            with self._cv:
+                if not self._waiting or not self._free:
+                    return
+                req = self._waiting.popleft()
+                index = min(self._free)  # low rows first: forwards cover a short row range
+                self._free.discard(index)
+                req.row = index
+                self._running[index] = req
+                self._cv.notify_all()  # room in the queue
+            try:
+                row = self.engine.release(index)
+                tail = self.engine.prefill(index, req.prompt_ids)
+                prog = req.program(row, tail)
+            except Exception as exc:
+                self._retire(index, error=exc)
+                continue
+            req.admitted = time.perf_counter()
+            self._advance(index, prog, None)
+
+    def _advance(self, i: int, prog, value) -> None:
+        try:
+            self._pending[i] = (prog, prog.send(value))
+        except StopIteration as stop:
+            self._running[i].result = stop.value
+            self._retire(i)
+        except Exception as exc:
+            self._retire(i, error=exc)
+
+    def _retire(self, i: int, error: BaseException | None = None, prog=None) -> None:
+        """Free row ``i`` at once and end its request."""
+        req = self._running.pop(i)
+        self._pending.pop(i, None)
+        if prog is not None:
+            try:
+                prog.close()
+            except Exception:  # a program that fails while closing is ended all the same
+                pass
+        self.engine.release(i)
+        with self._cv:
+            self._free.add(i)
+            self._cv.notify_all()
+        req.error = error
+        if error is not None:
+            log.warning("simsd scheduler: request %s failed: %r", req.request_id, error)
+        self._end(req)
+
+    def _end(self, req: Request) -> None:
+        req.finished = time.perf_counter()
+        self.finished["cancelled" if req.cancelled else "error" if req.error is not None else "ok"] += 1
+        if req.on_finish is not None:
+            try:
+                req.on_finish(req)
+            except Exception:
+                log.exception("simsd scheduler: on_finish of request %s raised", req.request_id)
+
+    def _forward(self, name: str, mode: str, reqs: dict) -> tuple:
+        """``(outs, failed)``: the batched forward, or after a failure the rows one by one with
+        ``failed[row]`` the exception of each row whose own forward fails."""
+        snap = {i: (self.engine.rows[i].cached[name], self.engine.rows[i].forwards[name])
+                for i, r in reqs.items()}
+        batched = self.engine.forwards[name]
+        try:
+            return self.engine.forward(name, mode, reqs), {}
+        except Exception as exc:
+            if len(reqs) == 1:
+                return {}, {i: exc for i in reqs}
+            log.warning("simsd scheduler: a forward of %d rows failed (%r); running them one by one", len(reqs), exc)
+        self.engine.forwards[name] = batched
+        outs, failed = {}, {}
+        for i, r in reqs.items():
+            row = self.engine.rows[i]
+            cached, forwards = snap[i]
+            row.cached[name], row.forwards[name] = cached, forwards
+            self.engine.caches[name].seqlens[i] = cached
+            try:
+                outs.update(self.engine.forward(name, r.mask_mode, {i: r}))
+            except Exception as exc:
+                failed[i] = exc
+        return outs, failed
+
+    def _fail_running(self, exc: BaseException) -> None:
+        for i in list(self._running):
+            entry = self._pending.get(i)
+            self._retire(i, error=exc, prog=None if entry is None else entry[0])
+

@@ -1,0 +1,179 @@
+"""Per-request parameters of the Python API and the server, and their checks.
+
+:class:`SamplingParams` is what one request asks for: the sampling fields of
+:class:`simsd.decoding.sampling.SamplingParams` (it *is* one, so it also fits
+``DecodeConfig(sampling=...)``), the OpenAI-style request fields (``max_tokens``, ``seed``,
+``stop``, ``stop_token_ids``) and the SDAR decoding settings (``steps``, ``strategy``,
+``threshold``, ``gamma``, ``draft_strategy``). Field checks run when it is built; the checks
+that need the model and mode run in :func:`resolve`, which also builds the
+:class:`~simsd.decoding.config.DecodeConfig` and :class:`~simsd.speculative.decoder.SpecConfig`
+of the request. Every error is a :class:`~simsd.entrypoints.errors.ParamError` naming the field.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from ..decoding.config import DecodeConfig
+from ..decoding.sampling import SamplingParams as StepSampling
+from ..decoding.strategies import DEFAULT_THRESHOLD, parse_strategy
+from ..speculative.decoder import SpecConfig
+from .errors import ParamError
+
+#: seeds are integers in [0, MAX_SEED) (the draft's generator adds 2**20 to it)
+MAX_SEED = 2 ** 63
+
+
+def _int(name, value, low=None, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(name, f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ParamError(name, f"{name} must be >= {low}, got {value}")
+
+
+def _number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ParamError(name, f"{name} must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams(StepSampling):
+    """What one request asks for (vLLM's ``SamplingParams`` in shape; defaults: greedy, 128 tokens).
+
+    Sampling: ``temperature`` (0 = greedy), ``top_k`` (0 = off, 1 = greedy), ``top_p`` (1 = off);
+    confidences follow SDAR's evaluation code (see :mod:`simsd.decoding.sampling`).
+
+    Request: ``max_tokens`` (>= 1; generated tokens, the stop token included), ``seed`` (int in
+    ``[0, 2**63)``; None: a fresh one, reported in the output so the request can be replayed;
+    a request's randomness depends on its seed only), ``stop`` (strings: the text ends before
+    the first one and generation stops), ``stop_token_ids`` (extra stop ids, kept in the
+    output like the checkpoint's own), ``ignore_eos`` (do not stop on the checkpoint's stop
+    ids; for benchmarks).
+
+    Decoding (docs/design.md §3-4): ``block_length`` (None: the LLM's; another value is refused,
+    the block length is fixed per LLM), ``steps`` (denoising steps per block, default B),
+    ``strategy`` (``sequential | static | dynamic | entropy``), ``threshold`` (``dynamic``:
+    confidence in [0, 1], default 0.9; ``entropy``: bound >= 0 nats, default 0.35), ``gamma``
+    (draft steps verified per round, paper/exact only, default B), ``draft_strategy`` (default:
+    ``strategy``).
+
+    Raises:
+        ParamError: a field of the wrong type or out of range (``param`` names it).
+    """
+    max_tokens: int = 128
+    seed: int | None = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    block_length: int | None = None
+    steps: int | None = None
+    strategy: str = "static"
+    threshold: float | None = None
+    gamma: int | None = None
+    draft_strategy: str | None = None
+
+    def __post_init__(self):
+        _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        _int("top_k", self.top_k, 0)
+        _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _int("max_tokens", self.max_tokens, 1)
+        _int("seed", self.seed, 0, allow_none=True)
+        if self.seed is not None and self.seed >= MAX_SEED:
+            raise ParamError("seed", f"seed must be < 2**63, got {self.seed}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ParamError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        for t in ids:
+            _int("stop_token_ids", t, 0)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _int("block_length", self.block_length, 1, allow_none=True)
+        _int("steps", self.steps, 1, allow_none=True)
+        _int("gamma", self.gamma, 1, allow_none=True)
+        for name in ("strategy", "draft_strategy"):
+            value = getattr(self, name)
+            if value is None and name == "draft_strategy":
+                continue
+            if not isinstance(value, str):
+                raise ParamError(name, f"{name} must be a string, got {value!r}")
+            try:
+                object.__setattr__(self, name, parse_strategy(value))
+            except ValueError as exc:
+                raise ParamError(name, f"{name}: {exc}") from None
+        if self.threshold is not None:
+            _number("threshold", self.threshold)
+            if self.strategy not in DEFAULT_THRESHOLD:
+                raise ParamError("threshold", f"threshold applies to the dynamic and entropy strategies, "
+                                              f"not {self.strategy}")
+            if self.strategy == "dynamic" and not 0.0 <= self.threshold <= 1.0:
+                raise ParamError("threshold", f"threshold of the dynamic strategy is a confidence in [0, 1], "
+                                              f"got {self.threshold}")
+            if self.strategy == "entropy" and self.threshold < 0:
+                raise ParamError("threshold", f"threshold of the entropy strategy is an entropy bound >= 0, "
+                                              f"got {self.threshold}")
+
+
+def fresh_seed() -> int:
+    """A random seed for a request that gives none (reported back so it can be replayed)."""
+    return secrets.randbelow(2 ** 62)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The per-LLM settings a request is resolved against (fixed when the engine is built)."""
+    mode: str
+    block_length: int
+    vocab_size: int
+    fold_commit: bool = False
+    on_reject: str = "redraft"
+    rope_copy: bool = True
+    optimistic: bool | None = None
+
+
+def resolve(params: SamplingParams, settings: Settings) -> tuple:
+    """``(DecodeConfig, SpecConfig or None, seed)`` of a request: the checks that need the
+    mode and the model, then the configurations the row programs take.
+
+    Raises:
+        ParamError: a block length other than the LLM's, ``steps`` or ``gamma`` above it,
+            ``gamma`` / ``draft_strategy`` in vanilla mode, a stop id outside the vocabulary.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
+    B = settings.block_length
+    if params.block_length is not None and params.block_length != B:
+        raise ParamError("block_length", f"block_length {params.block_length} differs from this LLM's {B} "
+                                         f"(the block length is set when the LLM is created)")
+    if params.steps is not None and params.steps > B:
+        raise ParamError("steps", f"steps must be in [1, block_length={B}], got {params.steps}")
+    vanilla = settings.mode == "vanilla"
+    for name in ("gamma", "draft_strategy"):
+        if vanilla and getattr(params, name) is not None:
+            raise ParamError(name, f"{name} is used by the paper and exact modes only (this LLM runs vanilla)")
+    if params.gamma is not None and params.gamma > B:
+        raise ParamError("gamma", f"gamma {params.gamma} exceeds the block length {B} "
+                                  f"(a block is finished in at most {B} steps)")
+    bad = [t for t in params.stop_token_ids if t >= settings.vocab_size]
+    if bad:
+        raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary "
+                                           f"[0, {settings.vocab_size})")
+    seed = fresh_seed() if params.seed is None else params.seed
+    cfg = DecodeConfig(block_length=B, steps=params.steps, strategy=params.strategy, threshold=params.threshold,
+                       sampling=StepSampling(params.temperature, params.top_k, params.top_p),
+                       max_new_tokens=params.max_tokens, seed=seed, fold_commit=settings.fold_commit)
+    spec = None
+    if not vanilla:
+        spec = SpecConfig(mode=settings.mode, gamma=params.gamma, on_reject=settings.on_reject,
+                          rope_copy=settings.rope_copy, draft_strategy=params.draft_strategy,
+                          optimistic=settings.optimistic)
+    return cfg, spec, seed

@@ -1,0 +1,160 @@
+"""``simsd serve``: the OpenAI-compatible server (:mod:`simsd.entrypoints.server`) under uvicorn.
+
+Server-wide settings come from the command line (models, mode, block length, engine size);
+the request defaults too (``--max-new-tokens``, ``--temperature``, ``--strategy`` ...), which
+each request may override with its own fields. SIGTERM (or Ctrl-C) drains: no new requests
+(503), the running and waiting ones finish, then the process exits.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+from .errors import ParamError, UsageError
+
+#: request parameters whose command-line option is not ``--`` + the name with dashes
+FLAGS = {"max_tokens": "--max-new-tokens"}
+SPEC_FLAGS = {"draft": "--draft", "draft_device": "--draft-device", "gamma": "--gamma",
+              "on_reject": "--on-reject", "draft_strategy": "--draft-strategy", "optimistic": "--optimistic"}
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, streaming)",
+                       allow_abbrev=False)
+    g = p.add_argument_group("models and engine")
+    g.add_argument("--target", type=Path, default=None, help="target SDAR checkpoint (default: the bundled tiny target)")
+    g.add_argument("--draft", type=Path, default=None, help="draft checkpoint, paper/exact (default: the bundled draft)")
+    g.add_argument("--mode", default="exact", choices=["vanilla", "paper", "exact"])
+    g.add_argument("--device", "--target-device", dest="device", default=None,
+                   help="device of the target (default: cuda if available)")
+    g.add_argument("--draft-device", default=None, help="device of the draft (default: the target's)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+    g.add_argument("--cuda-graphs", action="store_true", help="replay the forwards as CUDA graphs (CUDA only)")
+    g.add_argument("--block-length", type=int, default=None, help="B (default: the checkpoint's block_size)")
+    g.add_argument("--fold-commit", action="store_true", help="fold each block's commit into the next forward")
+    g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"])
+    g.add_argument("--no-rope-copy", action="store_true", help="ablation (paper mode)")
+    g.add_argument("--optimistic", default=None, choices=["auto", "on", "off"])
+    g.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (engine rows)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="positions per request, prompt + max_tokens (default: the models' maximum)")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB the KV caches may take; fewer rows than --max-batch-size if they do not fit")
+    g.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait for a row; beyond it: 503 with Retry-After")
+    d = p.add_argument_group("request defaults (a request's own fields override them)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--steps", type=int, default=None)
+    d.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
+    d.add_argument("--threshold", type=float, default=None)
+    d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
+    d.add_argument("--draft-strategy", default=None)
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target "
+                                                               "directory's name)")
+    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _flag(param: str) -> str:
+    return FLAGS.get(param, "--" + param.replace("_", "-"))
+
+
+def default_params(args):
+    """The request defaults of the command line as :class:`SamplingParams`."""
+    from .params import SamplingParams
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_tokens=args.max_new_tokens, steps=args.steps, strategy=args.strategy,
+                              threshold=args.threshold, gamma=args.gamma, draft_strategy=args.draft_strategy)
+    except ParamError as exc:
+        raise UsageError(f"{_flag(exc.param)}: {exc}") from None
+
+
+def build_llm(args):
+    """The :class:`LLM` of ``simsd serve``'s options (checked before any model is loaded)."""
+    from .api import LLM
+    from .params import resolve
+    if args.mode == "vanilla":
+        given = [flag for key, flag in SPEC_FLAGS.items() if getattr(args, key, None) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: used by the paper and exact modes only (this server is vanilla)")
+    if args.no_rope_copy and args.mode != "paper":
+        raise UsageError("--no-rope-copy is an ablation of paper mode")
+    for name in ("max_batch_size", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
+    if args.max_waiting < 0:
+        raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
+        raise UsageError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    params = default_params(args)
+    from ..assets import DEFAULT_TARGET
+    from ..models.config import ModelConfig
+    B = args.block_length or ModelConfig.from_dir(args.target or DEFAULT_TARGET).block_size or 4
+    for name in ("gamma", "steps"):  # before the models load
+        if getattr(args, name) is not None and getattr(args, name) > B:
+            raise UsageError(f"{_flag(name)}: {name} {getattr(args, name)} exceeds the block length {B}")
+    optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
+    llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
+              dtype=args.dtype, batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+              kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+              max_waiting=args.max_waiting, block_length=args.block_length, fold_commit=args.fold_commit,
+              on_reject=args.on_reject or "redraft", rope_copy=not args.no_rope_copy, optimistic=optimistic,
+              attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, default_params=params)
+    try:
+        resolve(params, llm.settings)  # the defaults against the model (e.g. --gamma above B)
+    except ParamError as exc:
+        llm.shutdown()
+        raise UsageError(f"{_flag(exc.param)}: {exc}") from None
+    return llm
+
+
+def run_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise UsageError(f"simsd serve needs the serve extra ({exc.name} is not installed): "
+                         f"pip install 'simsd[serve]'") from None
+    from .server import build_app
+    llm = build_llm(args)
+    app = build_app(llm, args.served_model_name)
+    state = app.state.simsd
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: refuse new requests, let the open ones finish
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal after the graceful shutdown (the process then
+            # dies of it); a drained server exits with status 0 instead
+            saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    print(f"simsd: serving {state.model_name!r} ({llm.mode}, {llm.batch_size} rows of {llm.max_model_len} "
+          f"positions, KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB) on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    server.run()
+    llm.shutdown()
+    return 0

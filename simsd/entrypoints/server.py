@@ -1,0 +1,316 @@
+"""OpenAI-compatible HTTP server over an :class:`~simsd.entrypoints.api.LLM` (FastAPI).
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` gives
+server-sent events: one chunk per finished block with its committed text, a final chunk per
+choice with ``finish_reason`` and ``usage``, with ``stream_options.include_usage`` OpenAI's
+usage-only chunk, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text, :mod:`simsd.entrypoints.metrics`).
+
+Each choice carries a ``simsd`` extension object: ``seed`` (given or fresh: replay with it),
+``stop_reason`` and ``stats`` (acceptance rate, forwards per token, ... as ``simsd generate
+--json``).
+
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+input (malformed JSON, unknown fields, unknown model, a prompt longer than the positions allow,
+``max_tokens < 1``, ``n > 1``, ``temperature < 0``, ...; ``param`` names the field), 503 with
+``Retry-After`` when the scheduler's queue is full or the server is shutting down, 500 when
+the request itself failed inside the engine (the other requests go on). A client that
+disconnects cancels its requests, which frees their rows before the next round.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from contextlib import asynccontextmanager
+from functools import partial
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .api import LLM, RequestCancelled, RequestError
+from ..engine.scheduler import QueueFull, SchedulerClosed
+from .errors import ParamError
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                   headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error body."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
+                        status_code=status, headers=headers)
+
+
+def _clean(x):
+    """JSON-safe: NaN and infinities become null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+class ServerState:
+    """What the endpoints share: the LLM, the served model name, the metrics, the drain flag."""
+
+    def __init__(self, llm: LLM, model_name: str):
+        self.llm, self.model_name = llm, model_name
+        self.metrics = Metrics(llm)
+        self.draining = False
+        self.created = int(time.time())
+        self._latency = None  # moving average of request latency (seconds), for Retry-After
+
+    def observe(self, output, seconds: float) -> None:
+        self.metrics.observe(output, seconds)
+        self._latency = seconds if self._latency is None else 0.8 * self._latency + 0.2 * seconds
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue is likely (the waiting requests' share of the
+        rows at the recent latency), 1 to 60."""
+        s = self.llm.scheduler
+        est = (self._latency or 1.0) * (s.num_waiting + 1) / max(s.max_rows, 1)
+        return int(min(60, max(1, math.ceil(est))))
+
+
+class _Call:
+    """The engine requests of one HTTP request (one per prompt), their events in one queue."""
+
+    def __init__(self, state: ServerState, prompts: list, params, rid: str, param: str):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.handles = []
+        self.started = time.perf_counter()
+        try:
+            for i, p in enumerate(prompts):
+                try:
+                    self.handles.append(state.llm.submit(p, params, listener=partial(self._put, i),
+                                                         request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
+                except ParamError as exc:
+                    name = param if exc.param in ("prompt", "messages") else exc.param
+                    raise ParamError(name, str(exc) if len(prompts) == 1 else f"prompt {i}: {exc}") from None
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _put(self, i, kind, payload) -> None:  # the scheduling thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, kind, payload))
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(outs) -> dict:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _extension(o) -> dict:
+    return _clean({"seed": o.seed, "stop_reason": o.stop_reason, "stats": o.stats})
+
+
+def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True) -> FastAPI:
+    """The FastAPI app serving ``llm`` as ``model_name`` (default: the target directory's name).
+    ``shutdown_llm``: drain and stop the LLM when the app shuts down (SIGTERM under uvicorn:
+    uvicorn first lets the open requests finish)."""
+    state = ServerState(llm, model_name or llm.target.path.name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.draining = True
+        if shutdown_llm:
+            await run_in_threadpool(llm.shutdown, True)
+
+    app = FastAPI(title="simsd", lifespan=lifespan)
+    app.state.simsd = state
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        param = ".".join(loc) or None
+        return error_response(400, f"{param}: {err.get('msg')}" if param else err.get("msg", "bad request"), param)
+
+    @app.exception_handler(ParamError)
+    async def on_param(request, exc: ParamError):
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(QueueFull)
+    async def on_full(request, exc):
+        return error_response(503, f"the server is busy: {exc}", type_="server_busy",
+                              headers={"Retry-After": str(state.retry_after())})
+
+    @app.exception_handler(SchedulerClosed)
+    async def on_closed(request, exc):
+        return error_response(503, "the server is shutting down", type_="server_busy", headers={"Retry-After": "5"})
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request, exc):
+        return error_response(500, str(exc), type_="server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request, exc):
+        return error_response(exc.status_code, str(exc.detail), type_="invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def on_other(request, exc):
+        return error_response(500, f"internal error: {exc!r}", type_="server_error")
+
+    def check_model(body) -> None:
+        if state.draining:
+            raise SchedulerClosed("draining")
+        if body.model != state.model_name:
+            raise ParamError("model", f"model {body.model!r} is not served here (served: {state.model_name!r})")
+
+    @app.get("/health")
+    async def health():
+        s = llm.scheduler
+        if state.draining or s.closed or (llm.started and not s.alive):
+            return error_response(503, "the server is shutting down" if state.draining or s.closed
+                                  else "the scheduler thread has stopped", type_="server_error")
+        return {"status": "ok", "running": s.num_running, "waiting": s.num_waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "simsd", "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, ctype = state.metrics.render()
+        return Response(body, media_type=ctype)
+
+    async def run(request: Request, body, prompts: list, chat: bool):
+        check_model(body)
+        params = body.sampling_params(llm.default_params)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        call = _Call(state, prompts, params, rid, "messages" if chat else "prompt")
+        created = int(time.time())
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_sse(state, call, rid, created, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        outs = await _collect(state, call, request)
+        if outs is None:  # the client has gone
+            return Response(status_code=499)
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                        "finish_reason": o.finish_reason, "simsd": _extension(o)} for i, o in enumerate(outs)]
+        else:
+            choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
+                        "simsd": _extension(o)} for i, o in enumerate(outs)]
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": state.model_name, "choices": choices, "usage": _usage(outs)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        body.check_unsupported()
+        return await run(request, body, body.prompts(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        body.check_unsupported()
+        return await run(request, body, [body.chat()], chat=True)
+
+    return app
+
+
+async def _collect(state: ServerState, call: _Call, request: Request):
+    """The outputs of a non-streaming call, or None when the client disconnects first (then
+    its requests are cancelled).
+
+    Raises:
+        RequestError: a request failed (the call's other requests are cancelled).
+    """
+    outs = [None] * len(call.handles)
+    left = len(outs)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while left:
+            get = asyncio.ensure_future(call.queue.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                call.cancel()
+                return None
+            i, kind, payload = get.result()
+            if kind == "done":
+                outs[i] = payload
+                left -= 1
+                state.observe(payload, time.perf_counter() - call.started)
+            elif kind == "error":
+                call.cancel()
+                raise RequestError(f"request {call.handles[i].request_id} failed: {payload!r}") from payload
+            elif kind == "cancelled":
+                call.cancel()
+                raise RequestCancelled(f"request {call.handles[i].request_id} was cancelled")
+    finally:
+        gone.cancel()
+    return outs
+
+
+async def _sse(state: ServerState, call: _Call, rid: str, created: int, chat: bool, include_usage: bool):
+    """Server-sent events of a streaming call; cancelling it (client gone) cancels the requests."""
+    import json
+
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, **extra) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
+        body.update(extra)
+        return f"data: {json.dumps(body)}\n\n"
+
+    def piece(i, text, finish=None, ext=None) -> dict:
+        c = ({"index": i, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+             if chat else {"index": i, "text": text, "logprobs": None, "finish_reason": finish})
+        if ext is not None:
+            c["simsd"] = ext
+        return c
+
+    outs = [None] * len(call.handles)
+    left = len(outs)
+    try:
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(outs))])
+        while left:
+            i, kind, payload = await call.queue.get()
+            if kind == "delta":
+                if payload[0]:
+                    yield chunk([piece(i, payload[0])])
+            elif kind == "done":
+                outs[i] = payload
+                left -= 1
+                state.observe(payload, time.perf_counter() - call.started)
+                extra = {"usage": _usage(outs)} if not left else {}
+                yield chunk([piece(i, "", payload.finish_reason, _extension(payload))], **extra)
+            else:
+                message = (f"request {call.handles[i].request_id} failed: {payload!r}" if kind == "error"
+                           else f"request {call.handles[i].request_id} was cancelled")
+                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                call.cancel()
+                break
+        if include_usage and not left:
+            yield chunk([], usage=_usage(outs))
+        yield "data: [DONE]\n\n"
+    finally:
+        call.cancel()  # no-op for finished requests; a disconnect cancels the task here

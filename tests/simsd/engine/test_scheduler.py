@@ -1,0 +1,349 @@
+"""Continuous batching (simsd.engine.scheduler): a request's tokens do not depend on what else is
+in flight, rows are admitted and retired between rounds, faults and cancellations stay with
+their request."""
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.decoding.config import check_prompt, finish
+from simsd.decoding.vanilla import vanilla_generate_batch, vanilla_program
+from simsd.engine.batching import BatchEngine
+from simsd.engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed
+from simsd.speculative import SpecConfig, SpeculativeDecoder
+from tests.helpers import random_checkpoint
+
+V = 96
+# prompt lengths below, at and past a block multiple, each with its own token limit
+LENGTHS = [(3, 9), (8, 14), (13, 5), (6, 17), (1, 11), (11, 8)]
+PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(50 + n)).tolist()
+           for n, _ in LENGTHS]
+MAX_NEW = [m for _, m in LENGTHS]
+SEEDS = [7, 123456789, 3, 2**40 + 5, 0, 99]
+
+
+def ckpt(name, layers=2, seed=0):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2)
+    return load_checkpoint(path, dtype="float32", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return ckpt("target"), ckpt("poor-draft", layers=1, seed=11)
+
+
+def with_stop(target, draft, mode):
+    """``target`` with a stop id taken from a free greedy run of request 1 in ``mode``, so that
+    some requests stop early and others run to their limit."""
+    free = single(mode, dataclasses.replace(target, stop_ids=[]), draft, 1, False).token_ids
+    return dataclasses.replace(target, stop_ids=[free[6]])
+
+
+def config(i, sampling):
+    params = SamplingParams(temperature=3.0, top_k=40) if sampling else SamplingParams()
+    return DecodeConfig(block_length=4, strategy="static", max_new_tokens=MAX_NEW[i], sampling=params)
+
+
+def single(mode, target, draft, i, sampling):
+    """Request ``i`` decoded alone (the existing batch decoders with one prompt and its seed)."""
+    cfg = config(i, sampling)
+    if mode == "vanilla":
+        out = vanilla_generate_batch(target.model, [PROMPTS[i]], cfg, target.mask_token_id, target.stop_ids,
+                                     seeds=[SEEDS[i]])
+    else:
+        out = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode)).generate_batch([PROMPTS[i]],
+                                                                                           seeds=[SEEDS[i]])
+    return out.results[0]
+
+
+def engine_for(mode, target, draft, rows):
+    models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+    margin = 2 * 4 if mode == "vanilla" else (4 + 2) * 4
+    return BatchEngine(models, 4, rows, capacity=64, margin=margin)
+
+
+def request(mode, target, draft, i, sampling, done):
+    """Request ``i`` for a scheduler; ``req.rows`` records its engine row (and SimSD row state)."""
+    cfg = config(i, sampling)
+    if mode == "vanilla":
+        def program(row, tail):
+            req.rows.append(row)
+            return vanilla_program(row, tail, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+    else:
+        dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode), check=False)
+
+        def program(row, tail):
+            spec_row = dec.new_row(row, SEEDS[i])
+            req.rows.append(spec_row)
+            return spec_row.program(tail)
+    req = Request(PROMPTS[i], program, check_prompt(PROMPTS[i], target.config, MAX_NEW[i], 4),
+                  on_finish=done.append, request_id=str(i))
+    req.rows = []
+    return req
+
+
+def counters(req) -> dict:
+    """The row counters of a finished scheduled request, named as in the decoders' stats."""
+    (r,) = req.rows
+    row = r if hasattr(r, "forwards") else r.row
+    out = {"target_forwards": row.forwards["target"], "prefill_forwards": row.prefill_forwards}
+    if row is not r:
+        out.update(draft_forwards=row.forwards["draft"], accepted=r.stats.accepted, proposed=r.stats.proposed,
+                   rounds=r.stats.rounds)
+    return out
+
+
+def run_staggered(sched, reqs, arrivals):
+    """Submit ``reqs[k]`` before round ``arrivals[k]`` and step until all have ended."""
+    order = sorted(range(len(reqs)), key=lambda k: arrivals[k])
+    r = 0
+    while order or sched.num_running or sched.num_waiting:
+        while order and arrivals[order[0]] <= r:
+            sched.submit(reqs[order.pop(0)])
+        sched.step()
+        r += 1
+        assert r < 2000
+
+
+ARRIVALS = {"together": [0] * 6, "staggered": [0, 3, 4, 9, 17, 30], "reversed": [40, 31, 20, 9, 2, 0]}
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_outputs_do_not_depend_on_what_else_is_in_flight(pair, mode, sampling):
+    """Float32: every request equals its single run whatever the arrival pattern, with 3 rows for
+    6 requests (rows are reused, requests wait) and mixed prompt lengths and token limits."""
+    target, draft = pair
+    target = with_stop(target, draft, mode)
+    singles = [single(mode, target, draft, i, sampling) for i in range(len(PROMPTS))]
+    assert len({len(s.token_ids) for s in singles}) > 2
+    assert sampling or any(s.token_ids[-1] in target.stop_ids for s in singles)  # some stop early
+    engine = engine_for(mode, target, draft, rows=3)
+    for name, arrivals in ARRIVALS.items():
+        done = []
+        sched = Scheduler(engine, max_waiting=8)
+        reqs = [request(mode, target, draft, i, sampling, done) for i in range(len(PROMPTS))]
+        run_staggered(sched, reqs, arrivals)
+        assert len(done) == len(reqs) and all(r.error is None and not r.cancelled for r in reqs)
+        for i, req in enumerate(reqs):
+            generated, _ = req.result
+            assert finish(generated, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, (name, i)
+            got = counters(req)
+            assert got == {k: singles[i].stats[k] for k in got}, (name, i)
+        assert sched.num_running == 0 and sorted(sched._free) == [0, 1, 2]
+
+
+def test_rows_are_admitted_between_rounds_and_retired_at_once(pair):
+    target, draft = pair
+    engine = engine_for("vanilla", target, draft, rows=2)
+    sched = Scheduler(engine, max_waiting=8)
+    done = []
+    reqs = [request("vanilla", target, draft, i, False, done) for i in (2, 3, 4)]  # 5, 17, 11 tokens
+    for r in reqs:
+        sched.submit(r)
+    assert (sched.num_running, sched.num_waiting) == (0, 3)
+    sched.step()
+    assert (sched.num_running, sched.num_waiting) == (2, 1)
+    assert [r.row for r in reqs] == [0, 1, None]
+    while not reqs[0].done:
+        sched.step()
+    # the row of the finished request is free in the same round, the waiting one takes it next round
+    assert sched.num_running == 1 and 0 in sched._free
+    sched.step()
+    assert reqs[2].row == 0 and sched.num_running == 2
+    sched.run_until_idle(max_rounds=500)
+    assert [d.request_id for d in done][0] == reqs[0].request_id and len(done) == 3
+
+
+def test_queue_bound_refuses_or_blocks(pair):
+    target, draft = pair
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=2)
+    reqs = [request("vanilla", target, draft, i, False, []) for i in range(5)]
+    for r in reqs[:3]:  # one for the free row, two waiting
+        sched.submit(r)
+    with pytest.raises(QueueFull, match="max_waiting=2"):
+        sched.submit(reqs[3])
+    with pytest.raises(QueueFull):
+        sched.submit(reqs[3], block=True, timeout=0.05)
+    # a blocking submit goes in once the first request ends and the next one takes its row
+    t = threading.Thread(target=sched.submit, args=(reqs[3],), kwargs={"block": True, "timeout": 60})
+    t.start()
+    while not reqs[0].done:
+        assert t.is_alive()
+        sched.step()
+    t.join(60)  # the freed row makes room
+    assert not t.is_alive() and reqs[3] in sched._waiting
+    sched.run_until_idle(max_rounds=2000)
+    assert all(r.error is None for r in reqs[:4])
+    with pytest.raises(ValueError, match="cache tokens"):
+        sched.submit(Request([1] * 70, reqs[4].program, capacity=80))
+
+
+def test_cancel_waiting_and_running_requests_frees_rows(pair):
+    target, draft = pair
+    sched = Scheduler(engine_for("exact", target, draft, rows=2), max_waiting=4)
+    done = []
+    reqs = [request("exact", target, draft, i, False, done) for i in (1, 3, 5)]
+    for r in reqs:
+        sched.submit(r)
+    for _ in range(3):
+        sched.step()
+    assert sched.num_running == 2 and sched.num_waiting == 1
+    assert sched.cancel(reqs[2]) and reqs[2].cancelled and sched.num_waiting == 0  # waiting: at once
+    assert sched.cancel(reqs[0])
+    assert sched.num_running == 2  # a running request leaves before the next round
+    sched.step()
+    assert sched.num_running == 1 and reqs[0].cancelled and reqs[0].result is None
+    assert not sched.cancel(reqs[0])  # already ended
+    sched.run_until_idle(max_rounds=2000)
+    assert sched.num_running == 0 and sched.finished == {"ok": 1, "error": 0, "cancelled": 2}
+    # the survivor is unaffected, and the freed rows serve later requests correctly
+    want = single("exact", target, draft, 3, False).token_ids
+    assert finish(reqs[1].result[0], target.stop_ids, MAX_NEW[3]) == want
+    later = request("exact", target, draft, 0, False, done)
+    sched.submit(later)
+    sched.run_until_idle(max_rounds=2000)
+    assert finish(later.result[0], target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
+
+
+def test_a_failing_program_fails_only_its_request(pair):
+    target, draft = pair
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=3), max_waiting=4)
+    done = []
+    reqs = [request("vanilla", target, draft, i, True, done) for i in range(3)]
+    inner = reqs[1].program
+
+    def broken(row, tail):
+        prog = inner(row, tail)
+        yield next(prog)
+        raise RuntimeError("boom in request 1")
+    reqs[1].program = broken
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle(max_rounds=2000)
+    assert isinstance(reqs[1].error, RuntimeError) and sched.finished["error"] == 1
+    for i in (0, 2):
+        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+                                                                                True).token_ids
+
+
+@pytest.mark.parametrize("where", ["forward", "step"])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampling, where):
+    """A batched forward that fails because of one row (in the model, after its cache write; or
+    in the rows' denoising step, after the noise draw) is undone (cache lengths; the noise is
+    stateless) and re-run row by row: only that row's request fails, the others keep their
+    single-run tokens."""
+    from simsd.decoding.step import Step
+    target, draft = pair
+    poison = 123457  # a position no request reaches
+    real_forward, real_steps = type(target.model).forward, Step.run_batch
+
+    def forward(self, ids, positions, *args, **kwargs):
+        out = real_forward(self, ids, positions, *args, **kwargs)
+        if bool((positions == poison).any()):
+            raise RuntimeError("poisoned row")
+        return out
+
+    def run_batch(steps, logits):
+        out = real_steps(steps, logits)
+        if any(getattr(s, "poisoned", False) for s in steps):
+            raise RuntimeError("poisoned row")
+        return out
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=3), max_waiting=4)
+    done = []
+    reqs = [request("vanilla", target, draft, i, sampling, done) for i in range(3)]
+    reqs[1].program = _with_poison(reqs[1].program, poison, where)
+    if where == "forward":
+        monkeypatch.setattr(type(target.model), "forward", forward)
+    else:
+        monkeypatch.setattr(Step, "run_batch", staticmethod(run_batch))
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle(max_rounds=2000)
+    monkeypatch.undo()
+    assert isinstance(reqs[1].error, RuntimeError) and "poisoned" in str(reqs[1].error)
+    for i in (0, 2):
+        assert reqs[i].error is None
+        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+                                                                                sampling).token_ids
+
+
+def _with_poison(make, poison, where):
+    """The program of ``make`` with its third denoising forward poisoned: ``poison`` as its last
+    position (``forward``) or a mark on its step (``step``)."""
+    def program(row, tail):
+        prog = make(row, tail)
+        fwd, seen = next(prog), 0
+        while True:
+            if fwd.step is not None:
+                seen += 1
+                if seen == 3:
+                    if where == "forward":
+                        fwd.positions = fwd.positions.clone()
+                        fwd.positions[-1] = poison
+                    else:
+                        fwd.step.poisoned = True
+            value = yield fwd
+            fwd = prog.send(value)
+    return program
+
+
+def test_background_thread_drains_on_stop(pair):
+    target, draft = pair
+    sched = Scheduler(engine_for("exact", target, draft, rows=2), max_waiting=8)
+    finished = threading.Event()
+    done = []
+
+    def on_finish(req):
+        done.append(req)
+        if len(done) == 4:
+            finished.set()
+    reqs = [request("exact", target, draft, i, False, done) for i in range(4)]
+    for r in reqs:
+        r.on_finish = on_finish
+    sched.start()
+    for r in reqs:
+        sched.submit(r)
+    assert sched.stop(drain=True, timeout=120)  # every submitted request finishes before the thread ends
+    assert finished.is_set() and all(r.error is None and not r.cancelled for r in reqs)
+    with pytest.raises(SchedulerClosed):
+        sched.submit(request("exact", target, draft, 0, False, done))
+    for i, r in enumerate(reqs):
+        assert finish(r.result[0], target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
+
+
+def test_stop_without_drain_cancels(pair):
+    target, draft = pair
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=8)
+    reqs = [request("vanilla", target, draft, i, False, []) for i in range(3)]
+    sched.start()
+    for r in reqs:
+        sched.submit(r)
+    assert sched.stop(drain=False, timeout=60)
+    assert all(r.done for r in reqs) and sched.num_running == 0 and sched.num_waiting == 0
+    assert sum(r.cancelled for r in reqs) >= 2
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
+    """The CUDA-graph engine (every forward covers all rows, free ones included, at a few padded
+    shapes; capture replaced by eager replay on the CPU) admits and retires rows as well."""
+    import simsd.engine.graphs
+    monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.eager_capture)
+    monkeypatch.setattr(simsd.engine.graphs, "check_graphable", lambda model: None)
+    target, draft = pair
+    target = with_stop(target, draft, mode)
+    singles = [single(mode, target, draft, i, False) for i in range(len(PROMPTS))]
+    models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+    engine = BatchEngine(models, 4, 3, capacity=64, margin=(4 + 2) * 4, cuda_graphs=True)
+    done = []
+    sched = Scheduler(engine, max_waiting=8)
+    reqs = [request(mode, target, draft, i, False, done) for i in range(len(PROMPTS))]
+    run_staggered(sched, reqs, ARRIVALS["staggered"])
+    for i, req in enumerate(reqs):
+        assert finish(req.result[0], target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
+    runner = engine.graphs["target"]
+    assert runner.graphs <= 2 * 6 and runner.replays > runner.graphs

@@ -1,0 +1,60 @@
+"""Helpers for the API and server tests: single runs through the decoders, an in-process server."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from simsd.decoding.config import DecodeConfig
+from simsd.decoding.sampling import SamplingParams as StepSampling
+from simsd.decoding.vanilla import vanilla_generate_batch
+from simsd.speculative import SpecConfig, SpeculativeDecoder
+
+
+def single(llm, ids, params, seed):
+    """One prompt through the existing batch decoders (the CLI's code path), alone."""
+    cfg = DecodeConfig(block_length=llm.block_length, strategy=params.strategy,
+                       sampling=StepSampling(params.temperature, params.top_k, params.top_p),
+                       max_new_tokens=params.max_tokens)
+    if llm.mode == "vanilla":
+        out = vanilla_generate_batch(llm.target.model, [ids], cfg, llm.target.mask_token_id, llm.target.stop_ids,
+                                     seeds=[seed])
+    else:
+        dec = SpeculativeDecoder(llm.target, llm.draft, cfg, SpecConfig(mode=llm.mode))
+        out = dec.generate_batch([ids], seeds=[seed])
+    return out.results[0]
+
+
+def single_text(llm, ids, params, seed=0) -> tuple:
+    """``(text, token_ids)`` of a single run, the text as the API shows it."""
+    ids_out = single(llm, ids, params, seed).token_ids
+    stop = bool(ids_out) and ids_out[-1] in llm.target.stop_ids
+    return llm.tokenizer.decode(ids_out[:-1] if stop else ids_out), ids_out
+
+
+def wait_for(cond, seconds: float = 60.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@contextlib.contextmanager
+def running_server(app, seconds: float = 60.0):
+    """Serve ``app`` with uvicorn on 127.0.0.1 and a free port in a thread; yields the base URL
+    and stops the server (bounded waits) on exit."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started or not thread.is_alive(), seconds), "the server did not start"
+        assert server.started, "the server thread ended before it started"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(seconds)
+        assert not thread.is_alive(), "the server did not stop"

@@ -1,0 +1,174 @@
+"""The Python API (simsd.LLM): outputs equal the decoders' single runs in every mode, seeds,
+stops, streaming, parameter errors, cancellation (the bundled pair, float32, CPU)."""
+import dataclasses
+
+import pytest
+
+import simsd
+from simsd import LLM, ParamError, SamplingParams
+from simsd.decoding.config import DecodeConfig
+from simsd.decoding.sampling import SamplingParams as StepSampling
+from tests.simsd.entrypoints.serving import single, wait_for
+
+PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
+           [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}], [11, 12, 13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def llms():
+    exact = LLM(mode="exact", dtype="float32", device="cpu", batch_size=3)
+    out = {"exact": exact,
+           "paper": LLM(exact.target, exact.draft, "paper", batch_size=2),
+           "vanilla": LLM(exact.target, mode="vanilla", batch_size=2)}
+    yield out
+    for llm in out.values():
+        assert llm.shutdown(timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_generate_equals_single_runs_of_the_decoders(llms, mode):
+    """Mixed prompt forms and lengths, greedy and seeded sampling, more prompts than rows: each
+    output equals the decoders' run of that prompt alone with its seed."""
+    llm = llms[mode]
+    params = [SamplingParams(max_tokens=n, temperature=t, top_k=k, seed=s)
+              for n, t, k, s in [(9, 0.0, 0, None), (16, 1.5, 50, 11), (5, 0.0, 0, 3), (12, 0.9, 0, 2**62 + 1),
+                                 (14, 0.0, 0, 7), (7, 1.2, 20, 8)]]
+    prompts = PROMPTS + PROMPTS[:2]
+    outs = llm.generate(prompts, params)
+    assert len({len(o.token_ids) for o in outs}) > 2
+    for p, sp, o in zip(prompts, params, outs):
+        ids = llm.prompt_ids(p)
+        want = single(llm, ids, sp, o.seed)
+        assert o.prompt_token_ids == ids and o.token_ids == want.token_ids
+        stop = o.token_ids[-1] in llm.target.stop_ids
+        assert o.finish_reason == ("stop" if stop else "length")
+        assert o.text == llm.tokenizer.decode(o.token_ids[:-1] if stop else o.token_ids)
+        for key in ("new_tokens", "target_forwards", "prefill_forwards", "blocks", "accepted", "proposed"):
+            assert o.stats.get(key) == want.stats.get(key), key
+        if sp.seed is not None:
+            assert o.seed == sp.seed
+
+
+def test_fresh_seeds_are_reported_and_replay(llms):
+    llm = llms["exact"]
+    p = SamplingParams(max_tokens=12, temperature=1.5)
+    a, b = llm.generate([PROMPTS[1], PROMPTS[1]], p)
+    assert a.seed != b.seed and 0 <= a.seed < 2**63
+    again = llm.generate(PROMPTS[1], dataclasses.replace(p, seed=a.seed))[0]
+    assert again.token_ids == a.token_ids and again.seed == a.seed
+
+
+def test_stream_yields_the_output_in_increments(llms):
+    llm = llms["exact"]
+    p = SamplingParams(max_tokens=24, temperature=0.8, seed=5)
+    pieces = list(llm.stream(PROMPTS[2], p))
+    out = llm.generate(PROMPTS[2], p)[0]
+    assert len(pieces) > 2 and "".join(pieces) == out.text
+
+
+def test_stop_strings_and_stop_token_ids(llms):
+    llm = llms["exact"]
+    free = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    stop = free.text[6:9]
+    cut = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, ignore_eos=True, stop=["\x00never", stop]))[0]
+    assert cut.text == free.text[:free.text.index(stop)] and (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.token_ids == free.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 24
+    k = 10
+    sid = free.token_ids[k]
+    first = free.token_ids.index(sid)
+    by_id = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[sid]))[0]
+    assert by_id.token_ids == free.token_ids[:first + 1] and (by_id.finish_reason, by_id.stop_reason) == ("stop", sid)
+
+
+@pytest.mark.parametrize("make,param", [
+    (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+    (lambda: SamplingParams(temperature=-0.5), "temperature"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(top_k=-1), "top_k"),
+    (lambda: SamplingParams(seed=-1), "seed"),
+    (lambda: SamplingParams(seed=2**63), "seed"),
+    (lambda: SamplingParams(stop=[""]), "stop"),
+    (lambda: SamplingParams(stop_token_ids=[-3]), "stop_token_ids"),
+    (lambda: SamplingParams(strategy="fastest"), "strategy"),
+    (lambda: SamplingParams(threshold=0.5), "threshold"),
+    (lambda: SamplingParams(strategy="dynamic", threshold=1.5), "threshold"),
+    (lambda: SamplingParams(max_tokens=True), "max_tokens"),
+])
+def test_bad_fields_name_themselves(make, param):
+    with pytest.raises(ParamError) as err:
+        make()
+    assert err.value.param == param and param in str(err.value)
+
+
+@pytest.mark.parametrize("mode,prompt,params,param", [
+    ("vanilla", "hi", SamplingParams(gamma=2), "gamma"),
+    ("exact", "hi", SamplingParams(gamma=5), "gamma"),
+    ("exact", "hi", SamplingParams(block_length=8), "block_length"),
+    ("exact", "hi", SamplingParams(steps=5), "steps"),
+    ("exact", "hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ("exact", [5] * 2048, SamplingParams(max_tokens=1), "prompt"),
+    ("exact", [5] * 2000, SamplingParams(max_tokens=100), "max_tokens"),
+    ("exact", [5, 6, 3, 7], SamplingParams(), "prompt"),  # 3 is the bundled pair's mask id
+    ("exact", [5, 10**6], SamplingParams(), "prompt"),
+    ("exact", "", SamplingParams(), "prompt"),
+    ("exact", 42, SamplingParams(), "prompt"),
+    ("exact", [{"role": "user"}], SamplingParams(), "messages"),
+])
+def test_bad_requests_name_the_field(llms, mode, prompt, params, param):
+    llm = llms[mode]
+    before = llm.metrics()["requests"]
+    with pytest.raises(ParamError) as err:
+        llm.generate(prompt, params)
+    assert err.value.param == param
+    assert llm.metrics()["requests"] == before and llm.scheduler.num_waiting == 0
+
+
+def test_more_prompts_than_rows_and_queue_wait(llms):
+    base = llms["exact"]
+    llm = LLM(base.target, base.draft, "exact", batch_size=2, max_waiting=0)
+    try:
+        outs = llm.generate([[11 + i, 12, 13] for i in range(5)], SamplingParams(max_tokens=6))
+        assert len(outs) == 5 and llm.metrics()["requests"]["length"] + llm.metrics()["requests"]["stop"] == 5
+        with pytest.raises(simsd.entrypoints.api.QueueFull):  # a non-blocking submit beyond free rows + queue
+            for _ in range(4):
+                llm.submit([11, 12, 13], SamplingParams(max_tokens=40, ignore_eos=True))
+    finally:
+        assert llm.shutdown(drain=False, timeout=60)
+    assert llm.scheduler.num_running == 0
+
+
+def test_closing_a_stream_cancels_its_request(llms):
+    llm = llms["exact"]
+    before = llm.metrics()["requests"]["cancelled"]
+    it = llm.stream(PROMPTS[1], SamplingParams(max_tokens=1500, ignore_eos=True))
+    next(it)
+    it.close()
+    handle_free = wait_for(lambda: llm.scheduler.num_running == 0)
+    assert handle_free and llm.metrics()["requests"]["cancelled"] == before + 1
+    # the freed row serves later requests as before
+    p = SamplingParams(max_tokens=10)
+    assert llm.generate(PROMPTS[0], p)[0].token_ids == single(llm, llm.prompt_ids(PROMPTS[0]), p, 0).token_ids
+
+
+def test_exported_names_and_step_sampling_compatibility():
+    p = simsd.SamplingParams(temperature=0.5, top_k=3)
+    assert isinstance(p, StepSampling) and not p.greedy  # fits DecodeConfig(sampling=...) as before
+    assert DecodeConfig(sampling=p).sampling.top_k == 3
+    assert simsd.LLM is LLM and simsd.RequestOutput.__name__ == "RequestOutput"
+
+
+def test_llm_construction_errors(llms):
+    base = llms["exact"]
+    with pytest.raises(ValueError, match="mode"):
+        LLM(base.target, mode="fast")
+    with pytest.raises(ValueError, match="draft"):
+        LLM(base.target, base.draft, mode="vanilla")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(base.target, mode="vanilla", max_model_len=10**6)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(base.target, mode="vanilla", kv_cache_memory=1000)
+    small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256,
+                kv_cache_memory=3 * 4096 * (256 + 4 + 8))  # 4 KiB per token: room for 3 rows
+    assert small.batch_size == 3
+    small.shutdown()

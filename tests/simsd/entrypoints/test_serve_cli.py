@@ -1,0 +1,123 @@
+"""``simsd serve``: a real process with the bundled pair answers the openai client (streaming and
+not) and drains on SIGTERM; bad options and a missing extra fail in one line."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from simsd.entrypoints.cli import main
+
+TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server_process():
+    pytest.importorskip("fastapi")
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "simsd.entrypoints.cli", "serve", "--port", str(port),
+                             "--max-batch-size", "2", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def wait_healthy(httpx, proc, url):
+    end = time.monotonic() + TIMEOUT
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("simsd serve did not become healthy")
+
+
+def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    proc, url = server_process
+    wait_healthy(httpx, proc, url)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    messages = [{"role": "user", "content": "Write a function that reverses a list."}]
+    full = client.chat.completions.create(model="tiny-sdar-target", messages=messages, max_tokens=16)
+    streamed = client.chat.completions.create(model="tiny-sdar-target", messages=messages, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full.choices[0].message.content
+    # a long stream in flight when SIGTERM arrives runs to its end; then the process exits with 0
+    body = {"model": "tiny-sdar-target", "prompt": [11, 12, 13], "max_tokens": 96, "ignore_eos": True,
+            "stream": True}
+    events, started = [], threading.Event()
+
+    def read():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(TIMEOUT)
+    proc.send_signal(signal.SIGTERM)
+    reader.join(TIMEOUT)
+    assert not reader.is_alive()
+    assert proc.wait(TIMEOUT) == 0, proc.stderr.read()
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 96
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert final["choices"][0]["simsd"]["stats"]["new_tokens"] == 96 and text
+    with pytest.raises(httpx.TransportError):  # nothing listens any more
+        httpx.get(url + "/health", timeout=5)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--mode", "vanilla", "--gamma", "2"], "--gamma: used by the paper and exact modes only"),
+    (["--mode", "vanilla", "--draft", "x"], "--draft: used by the paper and exact modes only"),
+    (["--threshold", "0.5"], "--threshold applies to the dynamic and entropy strategies"),
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--no-rope-copy"], "--no-rope-copy is an ablation of paper mode"),
+    (["--gamma", "9"], "--gamma: gamma 9 exceeds the block length 4"),
+    (["--steps", "5"], "--steps: steps 5 exceeds the block length 4"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+])
+def test_bad_options_fail_in_one_line(capsys, argv, words):
+    pytest.importorskip("fastapi")
+    code = main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("simsd: error: ") and words in err and err.count("\n") == 1
+
+
+def test_serve_without_the_extra_names_it(capsys, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_fastapi(name, *args, **kwargs):
+        if name == "fastapi" or name.startswith("fastapi."):
+            raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_fastapi)
+    code = main(["serve"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fastapi is not installed" in err and "pip install 'simsd[serve]'" in err

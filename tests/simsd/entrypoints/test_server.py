@@ -1,0 +1,268 @@
+"""The OpenAI-compatible server, in-process on 127.0.0.1 and a free port (bundled pair, float32,
+CPU): the official ``openai`` client for completions, chat and streaming; plain HTTP for the
+error cases; cancellation on disconnect; fault isolation; 16 concurrent requests equal to their
+single runs."""
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from simsd import LLM, SamplingParams  # noqa: E402
+from simsd.entrypoints.server import build_app  # noqa: E402
+from simsd.speculative.spec_row import SpecRow  # noqa: E402
+from tests.simsd.entrypoints.serving import running_server, single_text, wait_for  # noqa: E402
+
+NAME = "tiny-sdar-target"
+TIMEOUT = 120
+CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(mode="exact", dtype="float32", device="cpu", batch_size=4)
+    yield llm
+    assert llm.shutdown(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    with running_server(build_app(llm, shutdown_llm=False)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def chat_ids(llm, messages=CHAT):
+    return llm.prompt_ids(messages)
+
+
+def test_completions_and_chat_with_the_openai_client(llm, client):
+    r = client.completions.create(model=NAME, prompt=[11, 12, 13, 14, 15], max_tokens=10)
+    text, ids = single_text(llm, [11, 12, 13, 14, 15], SamplingParams(max_tokens=10))
+    (choice,) = r.choices
+    assert choice.text == text and choice.finish_reason in ("stop", "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, len(ids), 5 + len(ids))
+    ext = choice.model_extra["simsd"]
+    assert isinstance(ext["seed"], int) and 0 <= ext["stats"]["acceptance_rate"] <= 1
+    assert ext["stats"]["new_tokens"] == len(ids) and ext["stats"]["mode"] == "exact"
+    c = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12)
+    text, ids = single_text(llm, chat_ids(llm), SamplingParams(max_tokens=12))
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == text and c.usage.completion_tokens == len(ids)
+    # several prompts: one choice each, in order
+    r = client.completions.create(model=NAME, prompt=[[11, 12, 13], [21, 22, 23, 24, 25, 26]], max_tokens=6)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert [ch.text for ch in r.choices] == [single_text(llm, p, SamplingParams(max_tokens=6))[0]
+                                             for p in ([11, 12, 13], [21, 22, 23, 24, 25, 26])]
+
+
+def test_streaming_with_the_openai_client(llm, client):
+    text, ids = single_text(llm, chat_ids(llm), SamplingParams(max_tokens=20))
+    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(pieces) > 2 and "".join(pieces) == text
+    final = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].choices[0].model_extra["simsd"]["stats"]["new_tokens"] == len(ids)
+    assert final[0].usage.completion_tokens == len(ids)  # the finish chunk carries the usage too
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    # completions, without include_usage: no usage-only chunk (a plain client reads choices[0] of every chunk)
+    text, _ = single_text(llm, [11, 12, 13, 14, 15], SamplingParams(max_tokens=16))
+    chunks = list(client.completions.create(model=NAME, prompt=[11, 12, 13, 14, 15], max_tokens=16, stream=True))
+    assert all(ch.choices for ch in chunks) and "".join(ch.choices[0].text for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_seed_is_reported_and_replays(client):
+    a = client.completions.create(model=NAME, prompt="def add(a, b):", max_tokens=16, temperature=1.3)
+    seed = a.choices[0].model_extra["simsd"]["seed"]
+    b = client.completions.create(model=NAME, prompt="def add(a, b):", max_tokens=16, temperature=1.3, seed=seed)
+    assert b.choices[0].text == a.choices[0].text and b.choices[0].model_extra["simsd"]["seed"] == seed
+
+
+def test_models_health_metrics(url):
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        models = h.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [NAME] and models["object"] == "list"
+        assert h.get("/health").json()["status"] == "ok"
+        h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13], "max_tokens": 8})
+        text = h.get("/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    for name in ("simsd_requests_running", "simsd_requests_waiting", "simsd_generation_tokens_total",
+                 "simsd_acceptance_rate", "simsd_target_forwards_per_token", "simsd_round_seconds_count",
+                 "simsd_round_seconds_sum", "simsd_time_to_first_token_seconds_count"):
+        assert name in values, name
+    assert values["simsd_generation_tokens_total"] >= 8 and values["simsd_round_seconds_count"] > 0
+    assert 0 < values["simsd_target_forwards_per_token"] < 3
+
+
+BAD = [
+    (b'{"model": "tiny-sdar-target", "prompt": ', None, "malformed JSON"),
+    ({"model": "gpt-4", "prompt": "hi"}, "model", "not served"),
+    ({"model": NAME, "prompt": [11] * 2048}, "prompt", "max_model_len"),
+    ({"model": NAME, "prompt": [11] * 2000, "max_tokens": 100}, "max_tokens", "exceeds"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n must be 1"),
+    ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
+    ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
+    ({"model": NAME, "prompt": "hi", "frobnicate": 1}, "frobnicate", "Extra inputs"),
+    ({"model": NAME, "prompt": "hi", "gamma": 9}, "gamma", "block length"),
+    ({"model": NAME, "prompt": [11, 3, 12]}, "prompt", "mask token"),
+    ({"model": NAME}, "prompt", "Field required"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD)
+def test_bad_completion_requests_are_400_naming_the_field(url, body, param, words):
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        if isinstance(body, bytes):
+            r = h.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = h.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and words in err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": NAME, "messages": []}, "messages"),
+    ({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"model": NAME, "messages": CHAT, "max_tokens": 5, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ({"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": NAME, "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(url, body, param):
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _stream_lines(h, body):
+    """An open streaming response and an iterator over its ``data:`` payloads."""
+    cm = h.stream("POST", "/v1/completions", json=body)
+    resp = cm.__enter__()
+    assert resp.status_code == 200
+    lines = (line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: "))
+    return cm, lines
+
+
+def test_client_disconnect_cancels_and_frees_the_row(llm, url):
+    before = llm.metrics()
+    body = {"model": NAME, "prompt": [11, 12, 13], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        cm, lines = _stream_lines(h, body)
+        first = json.loads(next(lines))
+        assert first["choices"][0]["text"] is not None
+        assert llm.scheduler.num_running == 1
+        cm.__exit__(None, None, None)  # the client goes away mid-stream
+    assert wait_for(lambda: llm.scheduler.num_running == 0 and llm.metrics()["requests"]["cancelled"]
+                    == before["requests"]["cancelled"] + 1, TIMEOUT)
+    after = llm.metrics()
+    assert after["generation_tokens"] - before["generation_tokens"] < 1500  # cut short, not finished
+    # later requests are unaffected
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13, 14, 15], "max_tokens": 10})
+    assert r.json()["choices"][0]["text"] == single_text(llm, [11, 12, 13, 14, 15], SamplingParams(max_tokens=10))[0]
+
+
+MARK = 4321  # a stop id that makes a request fail inside the engine (monkeypatched below)
+
+
+@pytest.fixture
+def failing(monkeypatch):
+    real = SpecRow.program
+
+    def program(self, tail, on_block=None):
+        if MARK in self.stop_ids:
+            prog = real(self, tail, on_block)
+            yield next(prog)
+            raise RuntimeError("injected fault")
+        return (yield from real(self, tail, on_block))
+    monkeypatch.setattr(SpecRow, "program", program)
+
+
+def test_an_exception_inside_one_request_is_500_for_it_only(llm, url, failing):
+    good_body = {"model": NAME, "prompt": [11, 12, 13, 14, 15], "max_tokens": 24}
+    bad_body = {"model": NAME, "prompt": [11, 12, 13, 14, 15], "max_tokens": 24, "stop_token_ids": [MARK]}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h, ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(h.post, "/v1/completions", json=b) for b in (good_body, bad_body, good_body)]
+        good1, bad, good2 = [f.result(TIMEOUT) for f in futures]
+        assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
+        assert "injected fault" in bad.json()["error"]["message"]
+        want = single_text(llm, [11, 12, 13, 14, 15], SamplingParams(max_tokens=24))[0]
+        assert good1.status_code == good2.status_code == 200
+        assert good1.json()["choices"][0]["text"] == good2.json()["choices"][0]["text"] == want
+        # a streaming request that fails ends its stream with an error event; the server goes on
+        cm, lines = _stream_lines(h, {**bad_body, "stream": True})
+        events = list(lines)
+        cm.__exit__(None, None, None)
+        assert "injected fault" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+        assert h.get("/health").status_code == 200
+        assert h.post("/v1/completions", json=good_body).json()["choices"][0]["text"] == want
+    assert llm.scheduler.num_running == 0
+
+
+def test_full_queue_is_503_with_retry_after(llm):
+    small = LLM(llm.target, llm.draft, "exact", batch_size=1, max_waiting=1)
+    long = {"model": NAME, "prompt": [11, 12, 13], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    try:
+        with running_server(build_app(small)) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+            a, lines_a = _stream_lines(h, long)
+            next(lines_a)
+            b, _ = _stream_lines(h, long)  # waits for the row
+            assert wait_for(lambda: small.scheduler.num_waiting == 1, TIMEOUT)
+            r = h.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "server_busy" and "max_waiting=1" in r.json()["error"]["message"]
+            a.__exit__(None, None, None)
+            b.__exit__(None, None, None)
+            assert wait_for(lambda: small.scheduler.num_running == 0 and small.scheduler.num_waiting == 0, TIMEOUT)
+            r = h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13, 14, 15], "max_tokens": 10})
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["text"] == single_text(llm, [11, 12, 13, 14, 15],
+                                                                 SamplingParams(max_tokens=10))[0]
+    finally:
+        assert small.shutdown(drain=False, timeout=60)
+
+
+def test_16_concurrent_requests_equal_their_single_runs(llm, url):
+    """16 requests of mixed prompt lengths and token limits from 16 threads (4 rows: requests
+    wait, rows are reused, forwards are shared); float32 greedy: each answer equals its single run."""
+    from simsd.entrypoints.prompts import bundled_prompts
+    texts = [p.text for p in bundled_prompts()[:8]]
+    prompts = [[{"role": "user", "content": t}] for t in texts] + [list(range(11, 11 + n)) for n in (1, 3, 4, 5, 8, 13,
+                                                                                                     17, 30)]
+    limits = [4, 9, 16, 20, 24, 5, 12, 18] * 2
+    want = [single_text(llm, llm.prompt_ids(p), SamplingParams(max_tokens=m)) for p, m in zip(prompts, limits)]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    before = llm.metrics()
+    barrier = threading.Barrier(16)
+
+    def ask(i):
+        barrier.wait(TIMEOUT)
+        if isinstance(prompts[i][0], dict):
+            r = client.chat.completions.create(model=NAME, messages=prompts[i], max_tokens=limits[i])
+            return r.choices[0].message.content, r.usage.completion_tokens
+        r = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=limits[i])
+        return r.choices[0].text, r.usage.completion_tokens
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16), timeout=4 * TIMEOUT))
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g[1] for g in got] == [len(w[1]) for w in want]
+    after = llm.metrics()
+    row_forwards = after["target_forwards"] - before["target_forwards"]
+    batched = after["batched_forwards"]["target"] - before["batched_forwards"]["target"]
+    assert batched < row_forwards  # requests shared forwards
