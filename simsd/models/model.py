@@ -19,8 +19,10 @@ token-wise part of a layer (norms, projections, RoPE inputs, MLP) runs separatel
 copy, a commit, a prefill block), on a fresh contiguous tensor: a unit's result is the result
 of the same call on the same data wherever the unit sits. Attention is invariant in the torch
 backend (:func:`simsd_kernels.reference.temporal_attention_torch` computes each group of
-tokens over exactly its visible keys); the Triton and CUDA kernels must give a query token a
-result that does not depend on the other query tokens (see the README for what is tested).
+tokens over exactly its visible keys); with ``invariant`` the Triton and CUDA kernels get
+``shape_invariant=True``: a split plan (query tile, split count and boundaries) that depends on
+the cache capacity and the device only, not on the query length or the batch (see the README
+for what is tested and what is not promised).
 """
 from __future__ import annotations
 
@@ -104,13 +106,15 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x)
         return self.o_proj(self.attend(q, k, v, positions, labels, mask_mode, cache, num_write, backend))
 
-    def attend(self, q, k, v, positions, labels, mask_mode, cache: KVCache, num_write: int, backend: str):
-        """Attention over the cache and the new tokens, and their cache write; ``(B, L, Hq * D)``."""
+    def attend(self, q, k, v, positions, labels, mask_mode, cache: KVCache, num_write: int, backend: str,
+               invariant: bool = False):
+        """Attention over the cache and the new tokens, and their cache write; ``(B, L, Hq * D)``.
+        ``invariant``: the fused kernels' shape-invariant split plan (``shape_invariant``)."""
         B, L = q.shape[:2]
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
         out = simsd_kernels.temporal_attention(
             q, k, v, kc, vc, cache.seqlens, labels, positions,
-            mask_mode=mask_mode, rope_theta=self.rope_theta, backend=backend,
+            mask_mode=mask_mode, rope_theta=self.rope_theta, backend=backend, shape_invariant=invariant,
         )
         if isinstance(num_write, torch.Tensor):  # per-row counts: write all L, rows advance by their own
             simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
@@ -147,7 +151,7 @@ class DecoderLayer(nn.Module):
             return x + self.mlp(self.post_attention_layernorm(x))
         att = self.self_attn
         q, k, v = per_unit(lambda t: att.qkv(self.input_layernorm(t)), unit, x)
-        out = att.attend(q, k, v, positions, labels, mask_mode, cache, num_write, backend)
+        out = att.attend(q, k, v, positions, labels, mask_mode, cache, num_write, backend, invariant=True)
         x = x + per_unit(att.o_proj, unit, out)
         return x + per_unit(lambda t: self.mlp(self.post_attention_layernorm(t)), unit, x)
 
