@@ -158,6 +158,12 @@ class Scheduler:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def has_room(self) -> bool:
+        """A request submitted now would be queued, not refused with :class:`QueueFull`."""
+        with self._cv:
+            return len(self._waiting) < self.max_waiting + len(self._free)
+
     def decode_clock(self) -> float:
         """``time.perf_counter()`` less the time spent admitting requests (prefills): a clock
         that runs while rows decode (see the module doc)."""

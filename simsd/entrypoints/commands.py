@@ -219,7 +219,7 @@ def prepare(args, modes: list) -> Run:
     see the module doc. Raises :class:`UsageError` / :class:`CheckpointError`."""
     from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
     from ..engine.threads import apply_threads
-    from .prompts import role_markers
+    from .encoding import role_markers
     check_options(args, modes)
     device, dtype = resolve_device_dtype(args)
     if getattr(args, "tp", 1) > 1:

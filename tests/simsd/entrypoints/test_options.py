@@ -263,7 +263,7 @@ def test_missing_attention_backend_is_a_one_line_error(capsys, monkeypatch, no_l
 # -- role markers of the chat template ---------------------------------------------------------
 def test_role_markers_of_the_chat_template():
     from simsd.assets import DEFAULT_TARGET
-    from simsd.entrypoints.prompts import role_markers
+    from simsd.entrypoints.encoding import role_markers
     from simsd.models.loading import read_checkpoint
     tok = read_checkpoint(DEFAULT_TARGET).tokenizer
     assert tok.convert_ids_to_tokens(role_markers(tok)) == ["<|im_start|>"]
