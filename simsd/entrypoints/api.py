@@ -85,6 +85,9 @@ class LLM:
         block_length: B (default: the target's ``block_size``, 4 if unset).
         fold_commit, on_reject, rope_copy, optimistic: as ``simsd generate``'s
             ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``.
+        max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to B,
+            None: B), and the ``gamma`` of requests that give none; the caches' margin holds
+            the longest forward it allows, ``(max_gamma + 2) x B`` tokens per row.
         attention_backend: ``auto | cuda | triton | torch`` (None: ``auto`` for the checkpoints
             this LLM loads; loaded ones keep theirs).
         cuda_graphs: replay the forwards as CUDA graphs (CUDA devices only).
@@ -114,7 +117,8 @@ class LLM:
                  dtype=None, batch_size: int = 8, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_waiting: int = 64, block_length: int | None = None,
                  fold_commit: bool = False, on_reject: str = "redraft", rope_copy: bool = True,
-                 optimistic: bool | None = None, attention_backend: str | None = None, cuda_graphs: bool = False,
+                 optimistic: bool | None = None, max_gamma: int | None = None,
+                 attention_backend: str | None = None, cuda_graphs: bool = False,
                  invariant: bool | None = None, tp: int = 1, threads: int | None = None,
                  scheduler_thread: bool | None = None, default_params: SamplingParams | None = None):
         from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -128,8 +132,9 @@ class LLM:
         if on_reject not in ("redraft", "fallback"):
             raise ValueError(f"on_reject must be 'redraft' or 'fallback', got {on_reject!r}")
         if mode == "vanilla":
-            given = [n for n, v in (("draft", draft), ("draft_device", draft_device), ("optimistic", optimistic))
-                     if v is not None] + (["on_reject"] if on_reject != "redraft" else [])
+            given = [n for n, v in (("draft", draft), ("draft_device", draft_device), ("optimistic", optimistic),
+                                    ("max_gamma", max_gamma)) if v is not None] + \
+                (["on_reject"] if on_reject != "redraft" else [])
             if given:
                 raise ValueError(f"{', '.join(given)}: used by the paper and exact modes only (mode is vanilla)")
         if not rope_copy and mode != "paper":
@@ -176,7 +181,10 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer in ({B}, {limit}] (the models' positions), "
                              f"got {max_model_len!r}")
         self.max_model_len = max_model_len
-        self.settings = Settings(mode, B, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic)
+        if max_gamma is not None and (isinstance(max_gamma, bool) or not isinstance(max_gamma, int)
+                                      or not 1 <= max_gamma <= B):
+            raise ValueError(f"max_gamma must be an integer in [1, {B}] (the block length), got {max_gamma!r}")
+        self.settings = Settings(mode, B, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic, max_gamma)
         if mode != "vanilla":  # the combinations the row programs refuse (fold_commit with optimistic drafting)
             SpeculativeDecoder(self.target, self.draft, DecodeConfig(block_length=B, fold_commit=fold_commit),
                                SpecConfig(mode, on_reject=on_reject, rope_copy=rope_copy, optimistic=optimistic),
@@ -209,7 +217,7 @@ class LLM:
     def _make_engine(self, batch_size: int, kv_cache_memory, cuda_graphs: bool) -> None:
         B, L = self.block_length, self.max_model_len
         capacity = round_capacity(-(-L // B) * B + B)
-        margin = 2 * B if self.mode == "vanilla" else (B + 2) * B  # the longest query of a row (gamma <= B)
+        margin = 2 * B if self.mode == "vanilla" else ((self.settings.max_gamma or B) + 2) * B  # the longest query
         per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)
         rows = batch_size
         if kv_cache_memory is not None:

@@ -4,7 +4,8 @@
 :class:`simsd.decoding.sampling.SamplingParams` (it *is* one, so it also fits
 ``DecodeConfig(sampling=...)``), the OpenAI-style request fields (``max_tokens``, ``seed``,
 ``stop``, ``stop_token_ids``) and the SDAR decoding settings (``steps``, ``strategy``,
-``threshold``, ``gamma``, ``draft_strategy``, ``draft_threshold``). Field checks run when it is built; the checks
+``threshold``, ``gamma``, ``draft_strategy``, ``draft_threshold``). Field checks run when it is
+built; the checks
 that need the model and mode run in :func:`resolve`, which also builds the
 :class:`~simsd.decoding.config.DecodeConfig` and :class:`~simsd.speculative.decoder.SpecConfig`
 of the request. Every error is a :class:`~simsd.entrypoints.errors.ParamError` naming the field.
@@ -139,6 +140,8 @@ class Settings:
     on_reject: str = "redraft"
     rope_copy: bool = True
     optimistic: bool | None = None
+    #: the most draft steps a request may verify per round (None: the block length)
+    max_gamma: int | None = None
 
 
 def resolve(params: SamplingParams, settings: Settings) -> tuple:
@@ -146,9 +149,10 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     mode and the model, then the configurations the row programs take.
 
     Raises:
-        ParamError: a block length other than the LLM's, ``steps`` or ``gamma`` above it,
-            ``gamma`` / ``draft_strategy`` / ``draft_threshold`` in vanilla mode, a stop id
-            outside the vocabulary.
+        ParamError: a block length other than the LLM's, ``steps`` above it, ``gamma`` above it
+            or above the LLM's ``max_gamma``, ``gamma`` / ``draft_strategy`` /
+            ``draft_threshold`` in vanilla mode, a stop id outside the vocabulary. A request
+            without ``gamma`` verifies ``max_gamma`` (else B) draft steps per round.
     """
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
@@ -165,6 +169,10 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     if params.gamma is not None and params.gamma > B:
         raise ParamError("gamma", f"gamma {params.gamma} exceeds the block length {B} "
                                   f"(a block is finished in at most {B} steps)")
+    if params.gamma is not None and settings.max_gamma is not None and params.gamma > settings.max_gamma:
+        raise ParamError("gamma", f"gamma {params.gamma} exceeds this LLM's max_gamma {settings.max_gamma} "
+                                  f"(its caches hold the verify forwards of at most that many draft steps)")
+    gamma = params.gamma if params.gamma is not None else settings.max_gamma
     bad = [t for t in params.stop_token_ids if t >= settings.vocab_size]
     if bad:
         raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary "
@@ -175,7 +183,7 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
                        max_new_tokens=params.max_tokens, seed=seed, fold_commit=settings.fold_commit)
     spec = None
     if not vanilla:
-        spec = SpecConfig(mode=settings.mode, gamma=params.gamma, on_reject=settings.on_reject,
+        spec = SpecConfig(mode=settings.mode, gamma=gamma, on_reject=settings.on_reject,
                           rope_copy=settings.rope_copy, draft_strategy=params.draft_strategy,
                           optimistic=settings.optimistic, draft_threshold=params.draft_threshold)
     return cfg, spec, seed
