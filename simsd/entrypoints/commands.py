@@ -81,16 +81,16 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
     texts = [p for p in prompts if p.ids is None]
     if args.raw and not texts:
         raise UsageError("--raw applies to text prompts; these prompts are token ids (they bypass the tokenizer)")
-    from .encoding import encode_prompt
+    from .encoding import ChatTemplateError, encode_prompt
     for i, p in enumerate(prompts):
         if p.ids is None and tokenizer is None:
             raise UsageError("this checkpoint has no tokenizer: pass --prompt-ids or prompt_ids in the JSONL file")
         p.request = request_form(p, tokenizer, args.raw)
         try:
             p.ids, _ = encode_prompt(p.request, tokenizer, vocab_size, mask_id)
+        except ChatTemplateError as exc:
+            raise UsageError(f"{exc}; pass --raw to use the text as it is") from exc
         except ParamError as exc:
-            if "chat template cannot render" in str(exc):
-                raise UsageError(f"{exc}; pass --raw to use the text as it is") from exc
             raise UsageError(f"{prompt_label(p, i)}: {exc}") from exc
     return prompts
 

@@ -26,6 +26,10 @@ def is_ids(x) -> bool:
                                                                for t in x)
 
 
+class ChatTemplateError(ParamError):
+    """The checkpoint's chat template raised on the messages (``param``: ``messages``)."""
+
+
 def check_text(text: str, tokenizer, mask_id: int, param: str = "prompt") -> None:
     """``ParamError`` when ``text`` spells the mask token (the error names the character)."""
     mask = tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None else None
@@ -38,13 +42,14 @@ def render_chat(tokenizer, messages) -> str:
     """``messages`` through the tokenizer's chat template with the generation prompt.
 
     Raises:
-        ParamError: (``messages``) the template raises (its message, on one line).
+        ChatTemplateError: the template raises (its message, on one line).
     """
     try:
         return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # jinja2 errors raised by the checkpoint's template
         what = "a user message" if len(messages) == 1 and messages[0].get("role") == "user" else "these messages"
-        raise ParamError("messages", f"the chat template cannot render {what} ({' '.join(str(exc).split())})") from exc
+        raise ChatTemplateError("messages", f"the chat template cannot render {what} "
+                                            f"({' '.join(str(exc).split())})") from exc
 
 
 def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[list, bool]:
