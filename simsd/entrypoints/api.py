@@ -395,8 +395,9 @@ class LLM:
         decode time.
 
         Raises:
-            ParamError: a bad prompt or parameter (the message names the prompt's index), before
-                any request runs.
+            ParamError: a bad prompt or parameter (the message names the prompt's index; the
+                requests queued before it are cancelled, and none has run without a scheduling
+                thread).
             RequestError: a request failed (the others are cancelled).
         """
         return list(self.generate_iter(prompts, params, use_tqdm))

@@ -86,6 +86,10 @@ def test_generate_iter_yields_in_order_and_cancels_on_close(exact):
     it.close()  # the others are cancelled, their rows freed at the next round
     exact.scheduler.step()
     assert exact.scheduler.num_running == 0 and exact.scheduler.num_waiting == 0
+    chat = [{"role": "user", "content": "Reverse a list."}]  # streaming runs the rounds here too
+    pieces = list(exact.stream(chat, params()[3]))
+    assert len(pieces) > 1 and "".join(pieces) == exact.generate(chat, params()[3])[0].text
+    assert not exact.scheduler.alive
 
 
 def test_max_gamma_bounds_and_defaults_the_requests(exact):
