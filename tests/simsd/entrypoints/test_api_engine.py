@@ -1,7 +1,6 @@
 """The Python API's engine options and driving (simsd.LLM): the scheduler on the calling thread
 (what the command line uses), decode time without prefills, invariant numerics, max_gamma and
 the draft's threshold, role-marker stops of chat prompts, refused combinations."""
-import shutil
 import time
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 from simsd import LLM, ParamError, SamplingParams
 from simsd.entrypoints.outputs import run_decode_seconds
 from simsd.speculative import SpecConfig, SpeculativeDecoder
-from tests.helpers import random_checkpoint
 from tests.simsd.entrypoints.serving import single
 
 PROMPTS = [[11 + i, 12, 13, 14 + i] * (1 + i % 3) for i in range(5)]
