@@ -251,7 +251,7 @@ def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> l
 def bundled_pair_rows(args, env) -> list:
     from simsd import load_checkpoint
     from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET, HELDOUT_PROMPTS
-    from simsd.entrypoints.commands import encode
+    from simsd.entrypoints.encoding import encode_prompt
     if not (DEFAULT_TARGET / "config.json").is_file() or not (DEFAULT_DRAFT / "config.json").is_file():
         print(f"bench_e2e: bundled pair not found under {DEFAULT_TARGET.parent}: measured rows skipped")
         return []
@@ -259,7 +259,8 @@ def bundled_pair_rows(args, env) -> list:
     d = load_checkpoint(DEFAULT_DRAFT, dtype=DTYPE, device=DEV)
     lines = HELDOUT_PROMPTS.read_text().splitlines() if HELDOUT_PROMPTS.is_file() else []
     texts = [json.loads(x)["prompt"] for x in lines if x.strip()][: args.prompts] or ["def add(a, b):"]
-    prompts = [encode(t.tokenizer, x, raw=False) for x in texts]
+    prompts = [encode_prompt([{"role": "user", "content": x}], t.tokenizer, t.config.vocab_size,
+                             t.mask_token_id)[0] for x in texts]
     return measured_rows(t, d, prompts, args, env, "bundled-tiny")
 
 

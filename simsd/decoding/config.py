@@ -88,16 +88,13 @@ def finish(generated: list, stop_ids, max_new_tokens: int) -> list:
     return out
 
 
-def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mask_id: int | None = None) -> int:
-    """Validate prompt ids and return the cache capacity (tokens) the generation needs.
-
-    A prompt never changes: it must not contain the mask id (``mask_id``, else the config's
-    ``mask_token_id``), which decoding would treat as a position to fill.
+def check_prompt_ids(prompt_ids, config, mask_id: int | None = None) -> None:
+    """Validate prompt ids against a model: not empty, inside the vocabulary, and without the
+    mask id (``mask_id``, else the config's ``mask_token_id``): a prompt never changes, and
+    decoding would treat a MASK in it as a position to fill.
 
     Raises:
-        ValueError: empty prompt, id outside the vocabulary, the mask id (its position named),
-            or prompt too long for the model (including the rounding of the last block to a
-            whole block).
+        ValueError: empty prompt, id outside the vocabulary, the mask id (its position named).
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
@@ -110,6 +107,17 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mas
         at = ids.index(int(mask))
         raise ValueError(f"prompt token {at} is the mask id {int(mask)}; a prompt cannot contain the mask token "
                          f"(decoding would overwrite it)")
+
+
+def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mask_id: int | None = None) -> int:
+    """Validate prompt ids (:func:`check_prompt_ids`) and return the cache capacity (tokens) the
+    generation needs.
+
+    Raises:
+        ValueError: see :func:`check_prompt_ids`; a prompt too long for the model (including the
+            rounding of the last block to a whole block).
+    """
+    check_prompt_ids(prompt_ids, config, mask_id)
     limit = config.max_position_embeddings
     if len(prompt_ids) >= limit:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than the model's maximum length {limit}")

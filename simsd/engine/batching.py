@@ -249,6 +249,12 @@ class BatchEngine:
         self.rows[index] = self._new_row(index)
         return self.rows[index]
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on the models' CUDA devices (nothing on the CPU)."""
+        for dev in {m.device for m in self.models.values()}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
     def prefill(self, index: int, prompt_ids: list) -> list:
         """Prefill row ``index`` in every model (separately per row); returns the prompt tail."""
         row = self.rows[index]

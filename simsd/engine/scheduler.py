@@ -22,6 +22,13 @@ only; a batched forward that raises is undone (row lengths and forward counts; t
 noise is stateless, so nothing else) and re-run row
 by row, so that only the rows whose own forward fails are failed.
 
+Time: :meth:`Scheduler.decode_clock` is a clock that stands still while prompts are prefilled
+(each admission is bracketed by device synchronisations, so a prefill's device time falls
+inside it and the rounds' device time outside). A request's ``decode_seconds`` is the time
+of that clock from its admission to its end: the rounds it took part in (shared with the
+requests in flight), no prefill, its own or another's. Over a run, the clock's span from the
+first admission to the last end is the run's decode time (README, "Statistics").
+
 The scheduler knows rows and programs, not decoding: a request brings a ``program(row, tail)``
 factory (e.g. :func:`simsd.decoding.vanilla.vanilla_program`). It runs on the thread that
 calls :meth:`Scheduler.step`, or on its own thread (:meth:`Scheduler.start`); :meth:`submit`
@@ -72,7 +79,9 @@ class Request:
         request_id: a name for logs (default: a counter).
 
     Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (prefill done,
-    decoding starts), ``finished``; ``row``: the engine row while running.
+    decoding starts), ``finished``; ``decode_interval``: ``(start, end)`` on the scheduler's
+    :meth:`~Scheduler.decode_clock` (None if never admitted), ``decode_seconds`` its length;
+    ``row``: the engine row while running.
     """
     prompt_ids: list
     program: Callable
@@ -86,10 +95,16 @@ class Request:
     arrived: float | None = None
     admitted: float | None = None
     finished: float | None = None
+    decode_interval: tuple | None = None
 
     @property
     def done(self) -> bool:
         return self.finished is not None
+
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds of decoding, prefills excluded (0 if never admitted)."""
+        return 0.0 if self.decode_interval is None else self.decode_interval[1] - self.decode_interval[0]
 
 
 class Scheduler:
@@ -101,8 +116,9 @@ class Scheduler:
             refuses with :class:`QueueFull` (or blocks).
 
     Attributes (read from any thread): ``rounds`` (batched forwards run), ``round_seconds``
-    (their total wall time, forward and row programs), ``finished`` (requests ended, by
-    outcome: ``ok``, ``error``, ``cancelled``).
+    (their total wall time, forward and row programs), ``prefill_seconds`` (the admissions'
+    total, prefills included, device-synchronised), ``finished`` (requests ended, by outcome:
+    ``ok``, ``error``, ``cancelled``).
     """
 
     def __init__(self, engine: BatchEngine, max_waiting: int = 64):
@@ -120,6 +136,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.rounds = 0
         self.round_seconds = 0.0
+        self.prefill_seconds = 0.0
         self.finished = {"ok": 0, "error": 0, "cancelled": 0}
 
     # -- any thread ---------------------------------------------------------------------
@@ -140,6 +157,17 @@ class Scheduler:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def has_room(self) -> bool:
+        """A request submitted now would be queued, not refused with :class:`QueueFull`."""
+        with self._cv:
+            return len(self._waiting) < self.max_waiting + len(self._free)
+
+    def decode_clock(self) -> float:
+        """``time.perf_counter()`` less the time spent admitting requests (prefills): a clock
+        that runs while rows decode (see the module doc)."""
+        return time.perf_counter() - self.prefill_seconds
 
     def submit(self, req: Request, block: bool = False, timeout: float | None = None) -> Request:
         """Queue ``req`` for a row.
@@ -286,14 +314,20 @@ class Scheduler:
                 req.row = index
                 self._running[index] = req
                 self._cv.notify_all()  # room in the queue
+            self.engine.synchronize()  # the rounds so far end on the decode clock
+            start = time.perf_counter()
             try:
                 row = self.engine.release(index)
                 tail = self.engine.prefill(index, req.prompt_ids)
                 prog = req.program(row, tail)
+                self.engine.synchronize()  # the prefill ends off the decode clock
             except Exception as exc:
+                self.prefill_seconds += time.perf_counter() - start
                 self._retire(index, error=exc)
                 continue
             req.admitted = time.perf_counter()
+            self.prefill_seconds += req.admitted - start
+            req.decode_interval = (self.decode_clock(),) * 2
             self._advance(index, prog, None)
 
     def _advance(self, i: int, prog, value) -> None:
@@ -325,6 +359,8 @@ class Scheduler:
 
     def _end(self, req: Request) -> None:
         req.finished = time.perf_counter()
+        if req.decode_interval is not None:
+            req.decode_interval = (req.decode_interval[0], self.decode_clock())
         self.finished["cancelled" if req.cancelled else "error" if req.error is not None else "ok"] += 1
         if req.on_finish is not None:
             try:

@@ -15,6 +15,11 @@ forwards per token, accepted tokens per round, whether the output equals vanilla
 token (whatever the order of ``--modes``); for ``paper`` also the top-1 agreement and mean
 KL(exact || paper) of its verification distributions against the exact ones (docs/design.md §4.1),
 measured in a separate untimed pass.
+
+Each mode runs through one :class:`~simsd.entrypoints.api.LLM` (the checkpoints shared, the
+engines side by side), as ``simsd generate`` does: a pass of a mode is one ``generate`` call
+over the prompt set, continuously batched in ``--batch-size`` rows, and its decode seconds are
+the run's (:func:`~simsd.entrypoints.outputs.run_decode_seconds`).
 """
 from __future__ import annotations
 
@@ -27,22 +32,22 @@ from pathlib import Path
 
 import torch
 
-from .commands import load_models, make_batch_decoder, modes_of, prepare, spec_config
+from .commands import build_llm, modes_of, prepare
 from .errors import UsageError
+from .outputs import run_decode_seconds
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable
 UNSTABLE_SPREAD = 0.10
 
 
-def paper_agreement(target, draft, prompts, cfg, args) -> dict:
-    """Top-1 agreement and mean KL between paper-mode and exact verification distributions."""
-    from ..speculative.decoder import SpeculativeDecoder
-
-    dec = SpeculativeDecoder(target, draft, cfg, spec_config("paper", args))
-    dec.diagnostics = {"agree": 0, "total": 0, "kl": 0.0}
-    for p in prompts:
-        dec.generate(p.ids)
-    d = dec.diagnostics
+def paper_agreement(llm, requests: list, params: list) -> dict:
+    """Top-1 agreement and mean KL between the verification distributions of the paper-mode
+    ``llm`` and exact mode's (an untimed run with ``llm.diagnostics`` on)."""
+    llm.diagnostics = d = {"agree": 0, "total": 0, "kl": 0.0}
+    try:
+        llm.generate(requests, params)
+    finally:
+        llm.diagnostics = None
     return {"top1_agreement": d["agree"] / max(d["total"], 1), "mean_kl": d["kl"] / max(d["total"], 1),
             "positions_compared": d["total"]}
 
@@ -98,35 +103,36 @@ def bench_modes(args) -> int:
     if args.warmup > len(prompts):
         raise UsageError(f"--warmup {args.warmup} exceeds the {len(prompts)} prompt(s) of the run (valid: 0 to "
                          f"{len(prompts)})")
-    target, draft = load_models(run)
-    n = min(args.batch_size, len(prompts))  # the batch size that runs (recorded as such)
+    llms, loaded = {}, {}
+    for mode in modes:  # one LLM per mode, the checkpoints loaded once
+        llms[mode] = build_llm(run, mode, loaded)
+    target, draft = loaded["target"], loaded.get("draft")
+    n = llms[modes[0]].batch_size  # the batch size that runs (recorded as such)
     if n < args.batch_size:
         print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)
-    chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
-    decoders = {m: make_batch_decoder(m, args, target, draft, cfg) for m in modes}
-    warm = prompts[: args.warmup]
+    requests = [p.request for p in prompts]
+    params = {m: run.params_of(m) for m in modes}
+    warm = requests[: args.warmup]
     for mode in modes:  # batches of the timed size (with CUDA graphs: the same captured shapes)
         for i in range(0, len(warm), n):
             part = warm[i:i + n]
-            decoders[mode]([part[j % len(part)].ids for j in range(n)], 0)
+            llms[mode].generate([part[j % len(part)] for j in range(n)], params[mode][:n])
     seconds = {m: [] for m in modes}
     tokens = {m: [] for m in modes}
     results = {}
     from tqdm import tqdm
-    bar = tqdm(total=args.repeats * len(modes) * len(chunks), file=sys.stderr, desc="bench")
+    bar = tqdm(total=args.repeats * len(modes) * len(prompts), file=sys.stderr, desc="bench")
     for r in range(args.repeats):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # rotated: interleaved passes
-            out, secs = [], 0.0
-            for first, chunk in chunks:
-                batch = decoders[mode]([p.ids for p in chunk], first)
-                out += batch.results
-                secs += batch.stats["decode_seconds"]  # a batch's rows share its decode time
+            out = []
+            for o in llms[mode].generate_iter(requests, params[mode]):
+                out.append(o)
                 bar.update()
             ids = [x.token_ids for x in out]
             if mode in results and ids != [x.token_ids for x in results[mode]]:
                 raise RuntimeError(f"{mode}: pass {r + 1} decoded other tokens than pass 1")
             results.setdefault(mode, out)
-            seconds[mode].append(secs)
+            seconds[mode].append(run_decode_seconds(out))  # the rows share the run's decode time
             tokens[mode].append(sum(x.stats["new_tokens"] for x in out))
     bar.close()
     tps = {m: [t / s if s else float("nan") for t, s in zip(tokens[m], seconds[m])] for m in modes}
@@ -148,7 +154,7 @@ def bench_modes(args) -> int:
             row.update({"speedup": float("nan"), "speedup_runs": [], "speedup_spread": float("nan"),
                         "forwards_ratio_vs_vanilla": float("nan")})
         if mode == "paper":
-            row.update(paper_agreement(target, draft, prompts, cfg, args))
+            row.update(paper_agreement(llms[mode], requests, params[mode]))
         row["unstable"] = is_unstable(row, args.repeats)
         rows.append(row)
     print_table(rows, cfg, args)

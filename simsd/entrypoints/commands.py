@@ -1,25 +1,31 @@
-"""Implementation of the ``simsd generate`` command and the preparation it shares with ``simsd bench``.
+"""``simsd generate`` and the preparation it shares with ``simsd bench``: a thin layer over the
+Python API (:class:`~simsd.entrypoints.api.LLM`), which turns the options into tokens.
 
 A run is prepared in an order that fails early and cheaply (:func:`prepare`): option values
-and combinations (:mod:`simsd.entrypoints.options`), devices and attention backends, the
-checkpoints' small files and tensor headers (no weights), the block-dependent options, every
-prompt, and the memory the run will need (:mod:`simsd.entrypoints.resources`). Only then are
-the weights loaded (:func:`load_models`, announced by one line on stderr).
+and combinations (:mod:`simsd.entrypoints.options`), devices, engine options and attention
+backends, the checkpoints' small files and tensor headers (no weights), the block-dependent
+options and the request parameters (:func:`simsd.entrypoints.params.resolve`, as for every
+request of the API), every prompt (encoded as the API encodes it,
+:mod:`simsd.entrypoints.encoding`) against both models, and the memory the run will need
+(:mod:`simsd.entrypoints.resources`). Only then is the :class:`LLM` built (:func:`build_llm`:
+its weights load, announced by one line on stderr). Prompt ``i`` of the set samples with the
+seed ``--seed + i``; the LLM runs its scheduler on this thread, so the prompts enter its
+``--batch-size`` rows in order and every run batches the same rows together.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..decoding.config import DecodeConfig
-from ..decoding.sampling import SamplingParams
-from ..models.loading import CheckpointInfo, load_checkpoint, read_checkpoint
-from .errors import UsageError
-from .options import check_block_options, check_options
+from ..models.loading import CheckpointInfo, read_checkpoint
+from .errors import ParamError, UsageError
+from .options import check_block_options, check_device, check_engine_options, check_options, option_name
+from .params import MAX_SEED, SamplingParams, Settings, resolve
 
 
 def parse_ids(text: str) -> list[int]:
@@ -29,22 +35,14 @@ def parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
 
 
-def apply_template(tokenizer, text: str) -> str:
-    """``text`` as the user turn of the tokenizer's chat template, with the generation prompt."""
-    try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception as exc:  # jinja2 errors raised by the checkpoint's template
-        raise UsageError(f"the chat template cannot render a user message ({' '.join(str(exc).split())}); "
-                         f"pass --raw to use the text as it is") from exc
-
-
-def encode(tokenizer, text: str, raw: bool) -> list[int]:
-    if tokenizer is None:
-        raise UsageError("this checkpoint has no tokenizer: pass --prompt-ids or prompt_ids in the JSONL file")
-    if not raw and getattr(tokenizer, "chat_template", None):
-        text = apply_template(tokenizer, text)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def request_form(p, tokenizer, raw: bool):
+    """What the API is given for prompt ``p``: its ids; its text as the user turn of the chat
+    template (chat messages); or, with ``--raw`` or without a template, the text as it is."""
+    if p.ids is not None:
+        return list(p.ids)
+    if raw or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return p.text
+    return [{"role": "user", "content": p.text}]
 
 
 def prompt_label(p, i: int = 0) -> str:
@@ -52,23 +50,15 @@ def prompt_label(p, i: int = 0) -> str:
     return {"prompt": "--prompt", "prompt-ids": "--prompt-ids"}.get(p.id, f"prompt {p.id or i + 1}")
 
 
-def check_mask_in_text(p, tokenizer, mask_id: int, i: int = 0) -> None:
-    """A prompt text that spells the mask token is refused (a prompt never changes: a MASK in it
-    would be decoded over). Names the character position."""
-    mask = tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None else None
-    if mask and p.text is not None and mask in p.text:
-        raise UsageError(f"{prompt_label(p, i)}: the text spells the mask token {mask!r} at character "
-                         f"{p.text.index(mask)}; a prompt cannot contain the mask token (remove it)")
-
-
-def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int | None = None) -> list:
-    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects with ``ids`` set.
+def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
+    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects with ``ids``
+    and ``request`` (the form given to the API, :func:`request_form`) set.
 
     Sources: ``--prompt-ids``, ``--prompt``, ``--prompts-file``, ``--prompt-set`` (bundled
     held-out prompts, or CHAMP / HumanEval held-out problems from their packages); with none of
     them, the first bundled held-out prompt. Texts get the chat template unless ``--raw``.
-    A text that spells the mask token is refused (``mask_id``); ids are checked by
-    :func:`check_prompts`.
+    Encoded by :func:`simsd.entrypoints.encoding.encode_prompt` (a text that spells the mask
+    token is refused there); the ids are checked against the models by :func:`check_prompts`.
     """
     from .prompts import Prompt, load_prompts, read_jsonl
     if args.prompt_ids is not None:
@@ -91,32 +81,18 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int | None = None
     texts = [p for p in prompts if p.ids is None]
     if args.raw and not texts:
         raise UsageError("--raw applies to text prompts; these prompts are token ids (they bypass the tokenizer)")
+    from .encoding import ChatTemplateError, encode_prompt
     for i, p in enumerate(prompts):
-        if p.ids is not None:
-            bad = [t for t in p.ids if not 0 <= int(t) < vocab_size]
-            if bad:
-                raise UsageError(f"{prompt_label(p, i)}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        else:
-            if mask_id is not None:
-                check_mask_in_text(p, tokenizer, mask_id, i)
-            p.ids = encode(tokenizer, p.text, args.raw)
+        if p.ids is None and tokenizer is None:
+            raise UsageError("this checkpoint has no tokenizer: pass --prompt-ids or prompt_ids in the JSONL file")
+        p.request = request_form(p, tokenizer, args.raw)
+        try:
+            p.ids, _ = encode_prompt(p.request, tokenizer, vocab_size, mask_id)
+        except ChatTemplateError as exc:
+            raise UsageError(f"{exc}; pass --raw to use the text as it is") from exc
+        except ParamError as exc:
+            raise UsageError(f"{prompt_label(p, i)}: {exc}") from exc
     return prompts
-
-
-def check_device(name: str, device: str) -> torch.device:
-    """``torch.device`` of a ``--device``-style option; ``UsageError`` if unknown or absent here."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise UsageError(f"{name} {device!r} is not a device name (cpu, cuda, cuda:1, ...)") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"{name} {device}: no CUDA device is available (torch {torch.__version__})")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"{name} {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise UsageError(f"{name} {device}: only cpu and cuda devices are supported")
-    return dev
 
 
 def resolve_device_dtype(args):
@@ -140,19 +116,36 @@ def check_prompts(prompts: list, models: list, cfg: DecodeConfig, mask_id: int |
                 raise UsageError(f"{prompt_label(p, i)}: {exc}") from exc
 
 
-def decode_config(args, target_config) -> DecodeConfig:
-    """The target's :class:`DecodeConfig` from the options (checked first with flag names)."""
+def request_params(args) -> SamplingParams:
+    """The options as the API's :class:`SamplingParams` (checked by :func:`check_options` before)."""
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_tokens=args.max_new_tokens, seed=args.seed or 0, steps=args.steps,
+                              strategy=args.strategy, threshold=args.threshold, gamma=args.gamma,
+                              draft_strategy=args.draft_strategy, draft_threshold=args.draft_threshold)
+    except ParamError as exc:  # (the option checks come first: a safety net)
+        raise UsageError(f"{option_name({'max_tokens': 'max_new_tokens'}.get(exc.param, exc.param))}: {exc}") \
+            from None
+
+
+def decode_config(args, target_config, params: SamplingParams) -> DecodeConfig:
+    """The target's :class:`DecodeConfig` of the run, as :func:`resolve` makes it for every request
+    (the block options checked first with their flag names)."""
     B = args.block_length if args.block_length is not None else (target_config.block_size or 4)
     check_block_options(args, B, target_config.max_position_embeddings)
-    cfg = DecodeConfig(
-        block_length=B, steps=args.steps, strategy=args.strategy, threshold=args.threshold,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-        max_new_tokens=args.max_new_tokens, seed=args.seed or 0, fold_commit=args.fold_commit,
-    )
+    try:
+        cfg = resolve(vanilla_params(params), Settings("vanilla", B, target_config.vocab_size, args.fold_commit))[0]
+    except ParamError as exc:
+        raise UsageError(f"{option_name(exc.param)}: {exc}") from None
     if args.block_length is not None and args.block_length != target_config.block_size:
         print(f"simsd: warning: --block-length {args.block_length} differs from the checkpoint's block_size "
               f"{target_config.block_size} (SDAR checkpoints are trained for one block length)", file=sys.stderr)
     return cfg
+
+
+def vanilla_params(params: SamplingParams) -> SamplingParams:
+    """``params`` without the draft's settings (a vanilla run next to speculative ones in bench)."""
+    return dataclasses.replace(params, gamma=None, draft_strategy=None, draft_threshold=None)
 
 
 def check_engine_args(args, device: str) -> None:
@@ -163,13 +156,8 @@ def check_engine_args(args, device: str) -> None:
         if world()[1] != tp:
             raise UsageError(f"--tp {tp}: this process group has {world()[1]} rank(s); launch with torchrun "
                              f"--nproc-per-node {tp} or let simsd spawn the ranks")
-    if getattr(args, "cuda_graphs", False):
-        if getattr(args, "invariant", False):
-            raise UsageError("--invariant is not available with --cuda-graphs (the graph runner does not run "
-                             "the per-unit path)")
-        devices = {device, args.draft_device or device}
-        if any(torch.device(d).type != "cuda" for d in devices) or not torch.cuda.is_available():
-            raise UsageError(f"--cuda-graphs needs CUDA devices, got {', '.join(sorted(devices))}")
+    check_engine_options([device, args.draft_device or device], getattr(args, "cuda_graphs", False),
+                         getattr(args, "invariant", False))
 
 
 def dense_attention(backend: str, device) -> bool:
@@ -194,7 +182,13 @@ class Run:
     draft: CheckpointInfo | None
     cfg: DecodeConfig
     prompts: list
-    stop_ids: list = field(default_factory=list)
+    params: SamplingParams
+
+    def params_of(self, mode: str) -> list:
+        """The :class:`SamplingParams` of every prompt in ``mode``: prompt ``i`` samples with the
+        seed ``(--seed + i) mod 2**63`` (whatever the batch size)."""
+        base = self.params if mode != "vanilla" else vanilla_params(self.params)
+        return [dataclasses.replace(base, seed=(base.seed + i) % MAX_SEED) for i in range(len(self.prompts))]
 
 
 def modes_of(args) -> list:
@@ -219,7 +213,6 @@ def prepare(args, modes: list) -> Run:
     see the module doc. Raises :class:`UsageError` / :class:`CheckpointError`."""
     from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
     from ..engine.threads import apply_threads
-    from .prompts import role_markers
     check_options(args, modes)
     device, dtype = resolve_device_dtype(args)
     if getattr(args, "tp", 1) > 1:
@@ -238,29 +231,25 @@ def prepare(args, modes: list) -> Run:
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
     apply_threads([c.config for c in (target, draft) if c is not None], getattr(args, "threads", None))
-    cfg = decode_config(args, target.config)
+    params = request_params(args)
+    cfg = decode_config(args, target.config, params)
     if args.limit is None and getattr(args, "command", "generate") == "bench" and args.prompts_file is None \
             and args.prompt is None and args.prompt_ids is None:
         args.limit = 8
         args.prompt_set = args.prompt_set or "bundled"
     prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size, target.mask_token_id)
     check_prompts(prompts, [m for m in (target, draft) if m is not None], cfg, target.mask_token_id)
-    stop_ids = list(target.stop_ids)
-    texts = [p for p in prompts if p.text is not None]
     tok = target.tokenizer
-    if texts and not args.raw and tok is not None:
-        if getattr(tok, "chat_template", None):  # a new turn's role marker ends the answer, as a stop id does
-            stop_ids = sorted(set(stop_ids) | (set(role_markers(tok)) - {target.mask_token_id}))
-        else:
-            print(f"simsd: note: {target.path.name} has no chat template; text prompts are used as they are",
-                  file=sys.stderr)
+    if any(p.text is not None for p in prompts) and not args.raw and not getattr(tok, "chat_template", None):
+        print(f"simsd: note: {target.path.name} has no chat template; text prompts are used as they are",
+              file=sys.stderr)
     from .resources import RunShape, check_run_memory
     models = {"target": (target.config, dtype, device, dense[device])}
     if draft is not None:
         models["draft"] = (draft.config, dtype, draft_device, dense[draft_device])
     check_run_memory(RunShape(models, [len(p.ids) for p in prompts], cfg.max_new_tokens, cfg.block_length,
                               args.gamma, min(args.batch_size, len(prompts)), modes))
-    return Run(args, modes, device, draft_device, dtype, target, draft, cfg, prompts, stop_ids)
+    return Run(args, modes, device, draft_device, dtype, target, draft, cfg, prompts, params)
 
 
 def loading_line(run: Run) -> str:
@@ -272,47 +261,35 @@ def loading_line(run: Run) -> str:
             f"thread{'s' if torch.get_num_threads() > 1 else ''}")
 
 
-def load_models(run: Run):
-    """Load the prepared checkpoints' weights (one line on stderr); returns ``(target, draft)``."""
+def build_llm(run: Run, mode: str, loaded: dict | None = None):
+    """The :class:`~simsd.entrypoints.api.LLM` of a prepared run in ``mode``: ``--batch-size``
+    rows (at most one per prompt) of the positions the longest prompt needs, the scheduler on
+    this thread. ``loaded``: checkpoints loaded by an LLM of another mode, to share
+    (``{"target": ..., "draft": ...}``; updated with those this one loads). The first LLM of a
+    run says on stderr what it loads."""
     from ..engine.tp import world
+    from .api import LLM
     args = run.args
-    if world()[0] == 0:
+    loaded = {} if loaded is None else loaded
+    if not loaded and world()[0] == 0:
         print(loading_line(run), file=sys.stderr, flush=True)
-    target = load_checkpoint(run.target.path, dtype=run.dtype, device=run.device, info=run.target)
-    target.model.attention_backend = args.attention_backend
-    target = dataclasses.replace(target, stop_ids=run.stop_ids)
-    target.model.invariant = getattr(args, "invariant", False)
-    tp = getattr(args, "tp", 1)
-    if tp > 1:
-        from ..engine.tp import shard_model
-        shard_model(target.model, world()[0], tp)
-    draft = None
-    if run.draft is not None:
-        draft = load_checkpoint(run.draft.path, dtype=run.dtype, device=run.draft_device, info=run.draft)
-        draft.model.attention_backend = args.attention_backend
-    return target, draft
-
-
-def spec_config(mode: str, args):
-    from ..speculative.decoder import SpecConfig
-    return SpecConfig(mode=mode, gamma=args.gamma, on_reject=args.on_reject or "redraft",
-                      rope_copy=not args.no_rope_copy, draft_strategy=args.draft_strategy,
-                      draft_threshold=args.draft_threshold,
-                      optimistic={None: None, "auto": None, "on": True, "off": False}[getattr(args, "optimistic", None)])
-
-
-def make_batch_decoder(mode: str, args, target, draft, cfg: DecodeConfig):
-    """A callable ``(prompts, first_index) -> BatchResult`` for ``mode`` (prompt ``first_index + i``
-    of the set samples with ``cfg.seed + first_index + i``)."""
-    graphs = getattr(args, "cuda_graphs", False)
-    if mode == "vanilla":
-        from ..decoding.vanilla import vanilla_generate_batch
-        return lambda prompts, first: vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
-                                                             target.stop_ids, first, cuda_graphs=graphs)
-    from ..speculative.decoder import speculative_generate_batch
-    spec = spec_config(mode, args)
-    return lambda prompts, first: speculative_generate_batch(target, draft, prompts, cfg, spec, first,
-                                                             cuda_graphs=graphs)
+    B = run.cfg.block_length
+    limit = min(m.config.max_position_embeddings for m in (run.target, run.draft) if m is not None)
+    need = max(len(p.ids) for p in run.prompts) + run.cfg.max_new_tokens
+    spec = mode != "vanilla"
+    llm = LLM(loaded.get("target", run.target), loaded.get("draft", run.draft) if spec else None, mode,
+              device=run.device, draft_device=run.draft_device if spec else None, dtype=run.dtype,
+              batch_size=min(args.batch_size, len(run.prompts)), max_model_len=min(limit, max(need, B + 1)),
+              max_waiting=len(run.prompts), block_length=B, fold_commit=args.fold_commit,
+              on_reject=(args.on_reject or "redraft") if spec else "redraft",
+              rope_copy=not (args.no_rope_copy and mode == "paper"),
+              optimistic={None: None, "auto": None, "on": True, "off": False}[args.optimistic] if spec else None,
+              max_gamma=args.gamma if spec else None,
+              attention_backend=args.attention_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
+              invariant=getattr(args, "invariant", False), tp=getattr(args, "tp", 1),
+              threads=getattr(args, "threads", None), scheduler_thread=False)
+    loaded.update({"target": llm.target, **({"draft": llm.draft} if llm.draft is not None else {})})
+    return llm
 
 
 def summary_line(stats: dict) -> str:
@@ -325,38 +302,27 @@ def summary_line(stats: dict) -> str:
     return line
 
 
-def decode_text(tokenizer, ids, stop_ids) -> str | None:
-    if tokenizer is None:
-        return None
-    if ids and ids[-1] in set(stop_ids):
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
 def run_generate(args) -> int:
+    from .outputs import run_decode_seconds
     run = prepare(args, [args.mode])
-    target, draft = load_models(run)
-    prompts, cfg = run.prompts, run.cfg
-    decoder = make_batch_decoder(args.mode, args, target, draft, cfg)
-    n = min(args.batch_size, len(prompts))
+    llm = build_llm(run, args.mode)
+    prompts, n = run.prompts, llm.batch_size
     if n < args.batch_size:
         print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)
-    chunks = [(i, prompts[i:i + n]) for i in range(0, len(prompts), n)]
-    from tqdm import tqdm
-    for first, chunk in tqdm(chunks, disable=len(chunks) < 2, file=sys.stderr, desc=args.mode):
-        batch = decoder([p.ids for p in chunk], first)
-        for prompt, result in zip(chunk, batch.results):
-            text = decode_text(target.tokenizer, result.token_ids, target.stop_ids)
-            if args.json:
-                print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": text, "token_ids": result.token_ids,
-                                  "stats": result.stats}), flush=True)
-            else:
-                if len(prompts) > 1:
-                    print(f"### {prompt.id}")
-                print(text if text is not None else " ".join(map(str, result.token_ids)))
-                print(summary_line(result.stats), flush=True)
-        if len(chunk) > 1 and not args.json:
-            s = batch.stats
-            print(f"[batch of {s['batch_size']}] {s['new_tokens']} tokens in {s['decode_seconds']:.3f} s "
-                  f"({s['tokens_per_second']:.1f} tokens/s)", flush=True)
+    outs = []
+    for prompt, out in zip(prompts, llm.generate_iter([p.request for p in prompts], run.params_of(args.mode),
+                                                      use_tqdm=len(prompts) > n)):
+        outs.append(out)
+        if args.json:
+            print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": out.text, "token_ids": out.token_ids,
+                              "stats": out.stats}), flush=True)
+        else:
+            if len(prompts) > 1:
+                print(f"### {prompt.id}")
+            print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+            print(summary_line(out.stats), flush=True)
+    if n > 1 and not args.json:  # the run as a whole: its tokens over its decode time
+        tokens, seconds = sum(len(o.token_ids) for o in outs), run_decode_seconds(outs)
+        print(f"[{len(prompts)} prompts, batch size {n}] {tokens} tokens in {seconds:.3f} s "
+              f"({tokens / seconds if seconds > 0 else float('nan'):.1f} tokens/s)", flush=True)
     return 0

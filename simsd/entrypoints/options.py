@@ -160,6 +160,40 @@ def check_options(args, modes, names: dict | None = None) -> None:
                          f"chat template")
 
 
+def check_device(name: str, value):
+    """``torch.device`` of a device option (``name`` as errors show it); :class:`UsageError` if
+    it is not a device name, or names a device this machine does not have."""
+    import torch
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"{name} {value!r} is not a device name (cpu, cuda, cuda:1, ...)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"{name} {value}: no CUDA device is available (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{name} {value}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise UsageError(f"{name} {value}: only cpu and cuda devices are supported")
+    return dev
+
+
+def check_engine_options(devices, cuda_graphs: bool, invariant: bool, names: dict | None = None) -> None:
+    """Engine options this machine or build cannot honour: ``cuda_graphs`` needs every model's
+    device (``devices``: names or ``torch.device``) to be a CUDA device, and is not combined with
+    ``invariant`` (the graph runner does not run the per-unit path). Raises :class:`UsageError`."""
+    import torch
+    n = lambda attr: option_name(attr, names)  # noqa: E731
+    if not cuda_graphs:
+        return
+    if invariant:
+        raise UsageError(f"{n('invariant')} is not available with {n('cuda_graphs')} (the graph runner does not run "
+                         f"the per-unit path)")
+    devices = sorted({str(d) for d in devices})
+    if any(torch.device(d).type != "cuda" for d in devices) or not torch.cuda.is_available():
+        raise UsageError(f"{n('cuda_graphs')} needs CUDA devices, got {', '.join(devices)}")
+
+
 def check_block_options(args, block_length: int, max_positions: int, names: dict | None = None) -> None:
     """Checks that need the block length ``B`` (given or the checkpoint's) and the model's
     maximum length: ``block_length < max_positions``, ``steps`` and ``gamma`` in ``[1, B]``."""
@@ -176,5 +210,5 @@ def check_block_options(args, block_length: int, max_positions: int, names: dict
                          f"(a block is finished in at most {block_length} steps; valid: 1 to {block_length})")
 
 
-__all__ = ["RANGES", "SEED_MAX", "check_options", "check_block_options", "check_threshold", "check_value",
-           "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]
+__all__ = ["RANGES", "SEED_MAX", "check_options", "check_block_options", "check_device", "check_engine_options",
+           "check_threshold", "check_value", "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]

@@ -4,7 +4,8 @@
 :class:`simsd.decoding.sampling.SamplingParams` (it *is* one, so it also fits
 ``DecodeConfig(sampling=...)``), the OpenAI-style request fields (``max_tokens``, ``seed``,
 ``stop``, ``stop_token_ids``) and the SDAR decoding settings (``steps``, ``strategy``,
-``threshold``, ``gamma``, ``draft_strategy``). Field checks run when it is built; the checks
+``threshold``, ``gamma``, ``draft_strategy``, ``draft_threshold``). Field checks run when it is
+built; the checks
 that need the model and mode run in :func:`resolve`, which also builds the
 :class:`~simsd.decoding.config.DecodeConfig` and :class:`~simsd.speculative.decoder.SpecConfig`
 of the request. Every error is a :class:`~simsd.entrypoints.errors.ParamError` naming the field.
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 
 from ..decoding.config import DecodeConfig
 from ..decoding.sampling import SamplingParams as StepSampling
-from ..decoding.strategies import DEFAULT_THRESHOLD, parse_strategy
+from ..decoding.strategies import parse_strategy
 from ..speculative.decoder import SpecConfig
-from .errors import ParamError
+from .errors import ParamError, UsageError
+from .options import check_threshold, draft_settings
 
 #: seeds are integers in [0, MAX_SEED) (the draft's generator adds 2**20 to it)
 MAX_SEED = 2 ** 63
@@ -58,7 +60,8 @@ class SamplingParams(StepSampling):
     ``strategy`` (``sequential | static | dynamic | entropy``), ``threshold`` (``dynamic``:
     confidence in [0, 1], default 0.9; ``entropy``: bound >= 0 nats, default 0.35), ``gamma``
     (draft steps verified per round, paper/exact only, default B), ``draft_strategy`` (default:
-    ``strategy``).
+    ``strategy``), ``draft_threshold`` (in the draft strategy's range; default: ``threshold``
+    when the draft runs the target's strategy, else the draft strategy's default).
 
     Raises:
         ParamError: a field of the wrong type or out of range (``param`` names it).
@@ -74,6 +77,7 @@ class SamplingParams(StepSampling):
     threshold: float | None = None
     gamma: int | None = None
     draft_strategy: str | None = None
+    draft_threshold: float | None = None
 
     def __post_init__(self):
         _number("temperature", self.temperature)
@@ -110,17 +114,15 @@ class SamplingParams(StepSampling):
                 object.__setattr__(self, name, parse_strategy(value))
             except ValueError as exc:
                 raise ParamError(name, f"{name}: {exc}") from None
-        if self.threshold is not None:
-            _number("threshold", self.threshold)
-            if self.strategy not in DEFAULT_THRESHOLD:
-                raise ParamError("threshold", f"threshold applies to the dynamic and entropy strategies, "
-                                              f"not {self.strategy}")
-            if self.strategy == "dynamic" and not 0.0 <= self.threshold <= 1.0:
-                raise ParamError("threshold", f"threshold of the dynamic strategy is a confidence in [0, 1], "
-                                              f"got {self.threshold}")
-            if self.strategy == "entropy" and self.threshold < 0:
-                raise ParamError("threshold", f"threshold of the entropy strategy is an entropy bound >= 0, "
-                                              f"got {self.threshold}")
+        d_strategy, _ = draft_settings(self.strategy, None, self.draft_strategy, None)
+        for name, strategy in (("threshold", self.strategy), ("draft_threshold", d_strategy)):
+            value = getattr(self, name)
+            if value is not None:
+                _number(name, value)
+                try:  # the command line's check, with the field's name
+                    check_threshold(strategy, value, name, {name: name})
+                except UsageError as exc:
+                    raise ParamError(name, str(exc)) from None
 
 
 def fresh_seed() -> int:
@@ -138,6 +140,8 @@ class Settings:
     on_reject: str = "redraft"
     rope_copy: bool = True
     optimistic: bool | None = None
+    #: the most draft steps a request may verify per round (None: the block length)
+    max_gamma: int | None = None
 
 
 def resolve(params: SamplingParams, settings: Settings) -> tuple:
@@ -145,8 +149,10 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     mode and the model, then the configurations the row programs take.
 
     Raises:
-        ParamError: a block length other than the LLM's, ``steps`` or ``gamma`` above it,
-            ``gamma`` / ``draft_strategy`` in vanilla mode, a stop id outside the vocabulary.
+        ParamError: a block length other than the LLM's, ``steps`` above it, ``gamma`` above it
+            or above the LLM's ``max_gamma``, ``gamma`` / ``draft_strategy`` /
+            ``draft_threshold`` in vanilla mode, a stop id outside the vocabulary. A request
+            without ``gamma`` verifies ``max_gamma`` (else B) draft steps per round.
     """
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
@@ -157,12 +163,16 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     if params.steps is not None and params.steps > B:
         raise ParamError("steps", f"steps must be in [1, block_length={B}], got {params.steps}")
     vanilla = settings.mode == "vanilla"
-    for name in ("gamma", "draft_strategy"):
+    for name in ("gamma", "draft_strategy", "draft_threshold"):
         if vanilla and getattr(params, name) is not None:
             raise ParamError(name, f"{name} is used by the paper and exact modes only (this LLM runs vanilla)")
     if params.gamma is not None and params.gamma > B:
         raise ParamError("gamma", f"gamma {params.gamma} exceeds the block length {B} "
                                   f"(a block is finished in at most {B} steps)")
+    if params.gamma is not None and settings.max_gamma is not None and params.gamma > settings.max_gamma:
+        raise ParamError("gamma", f"gamma {params.gamma} exceeds this LLM's max_gamma {settings.max_gamma} "
+                                  f"(its caches hold the verify forwards of at most that many draft steps)")
+    gamma = params.gamma if params.gamma is not None else settings.max_gamma
     bad = [t for t in params.stop_token_ids if t >= settings.vocab_size]
     if bad:
         raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary "
@@ -173,7 +183,7 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
                        max_new_tokens=params.max_tokens, seed=seed, fold_commit=settings.fold_commit)
     spec = None
     if not vanilla:
-        spec = SpecConfig(mode=settings.mode, gamma=params.gamma, on_reject=settings.on_reject,
+        spec = SpecConfig(mode=settings.mode, gamma=gamma, on_reject=settings.on_reject,
                           rope_copy=settings.rope_copy, draft_strategy=params.draft_strategy,
-                          optimistic=settings.optimistic)
+                          optimistic=settings.optimistic, draft_threshold=params.draft_threshold)
     return cfg, spec, seed

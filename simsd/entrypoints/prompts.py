@@ -185,26 +185,3 @@ def load_prompts(source: str = "bundled", split: str = "heldout") -> list:
     if source == "humaneval":
         return humaneval_prompts(split)
     return read_jsonl(source)
-
-
-def role_markers(tokenizer) -> list[int]:
-    """Ids of the special tokens the tokenizer's chat template puts in front of a role name
-    (``<|im_start|>`` in ChatML / Qwen3's template): a model that emits one has started a new
-    turn, so the answer ends there, as at a stop id. Found by rendering a small conversation;
-    empty without a template or when it cannot render."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return []
-    roles = ("system", "user", "assistant")
-    rendered = ""
-    for msgs in ([{"role": r, "content": "x"} for r in roles], [{"role": r, "content": "x"} for r in roles[1:]]):
-        try:
-            rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            break
-        except Exception:  # a template that refuses a system turn, or any other template error
-            continue
-    if not isinstance(rendered, str):
-        return []
-    special = {t: i for t, i in tokenizer.get_added_vocab().items()}
-    special.update({t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
-    return sorted({i for t, i in special.items() if t and any(t + r in rendered for r in roles)})

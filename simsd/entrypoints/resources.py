@@ -37,15 +37,15 @@ def run_estimate(shape: RunShape, **change) -> Estimate:
     total = Estimate()
     for name, (config, dtype, device, _) in s.models.items():
         total.add(device, "weights", weight_bytes(config, dtype))
-    for mode in s.modes:  # engines of different modes never live at the same time: the largest counts
+    for mode in s.modes:  # one engine per mode, side by side (simsd bench); one forward at a time
         names = ["target"] if mode == "vanilla" else ["target", "draft"]
         margin = 2 * B if mode == "vanilla" else (gamma + 2) * B
         est = estimate({n: s.models[n] for n in names if n in s.models}, s.batch_size, capacity, margin,
                        with_weights=False)
         for device, parts in est.parts.items():
             have = total.parts[device]
-            for part in ("kv_caches", "workspace"):
-                have[part] = max(have[part], parts[part])
+            have["kv_caches"] += parts["kv_caches"]
+            have["workspace"] = max(have["workspace"], parts["workspace"])
     return total
 
 

@@ -102,6 +102,9 @@ class SpeculativeDecoder:
         self.gamma = spec.gamma or cfg.block_length
         if self.gamma > cfg.block_length:
             raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
+        if self.optimistic() and cfg.fold_commit:
+            raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
+                             "target are on different devices): set optimistic=False or fold_commit=False")
         self.mask_id = target.mask_token_id
         self.diagnostics = None  # dict: compare paper verification with exact (simsd bench)
         self.row_class = SpecRow  # a subclass may replace a rule (bench/bench_coupling.py)
@@ -159,9 +162,6 @@ class SpeculativeDecoder:
         engine = engine_for({"target": self.t.model, "draft": self.d.model}, B, len(prompts), capacity,
                             (self.gamma + 2) * B, cuda_graphs)
         tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
-        if self.optimistic() and cfg.fold_commit:
-            raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
-                             "target are on different devices): set optimistic=False or fold_commit=False")
         seeds = row_seeds(cfg, len(prompts), first_index, seeds)
         rows = [self.new_row(engine.rows[i], seeds[i]) for i in range(len(prompts))]
         with Timer(self.t.model.device) as timer:

@@ -68,9 +68,9 @@ def long_ck():
 def test_cli_refuses_a_run_that_cannot_fit_before_loading(long_ck, capsys, monkeypatch):
     """15.10: exact mode with a block length of 4000 needs a (gamma + 2) x B cache margin and a
     verify forward of gamma x B query tokens; refused with the estimate and what would fit."""
-    import simsd.entrypoints.commands as commands
+    import simsd.entrypoints.api as api
     monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
-    monkeypatch.setattr(commands, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(api, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     code = main(["generate", "--target", long_ck, "--draft", long_ck, "--mode", "exact", "--block-length", "4000",
                  "--prompt-ids", ",".join(["5"] * 168), "--max-new-tokens", "64"])
     out, err = capsys.readouterr()

@@ -157,6 +157,41 @@ def test_rows_are_admitted_between_rounds_and_retired_at_once(pair):
     assert [d.request_id for d in done][0] == reqs[0].request_id and len(done) == 3
 
 
+def test_decode_clock_excludes_every_prefill(pair, monkeypatch):
+    """A request's ``decode_seconds`` is its time in rows less every prefill in between (its own
+    and those of requests admitted meanwhile); the clock's span over a run is the run's decode
+    time: its wall time less the prefills."""
+    import time
+    target, draft = pair
+    engine = engine_for("vanilla", target, draft, rows=2)
+    prefills, prefill = [], engine.prefill
+
+    def slow_prefill(index, ids):  # a prefill long enough to see in the clocks
+        t0 = time.perf_counter()
+        time.sleep(0.2)
+        out = prefill(index, ids)
+        prefills.append((t0, time.perf_counter()))
+        return out
+    monkeypatch.setattr(engine, "prefill", slow_prefill)
+    sched = Scheduler(engine, max_waiting=8)
+    reqs = [request("vanilla", target, draft, i, False, []) for i in (2, 3, 4, 0)]  # 5, 17, 11, 9 tokens
+    for r in reqs:
+        sched.submit(r)
+    start = time.perf_counter()
+    sched.run_until_idle(max_rounds=2000)
+    wall = time.perf_counter() - start
+    assert len(prefills) == 4 and sched.prefill_seconds >= 0.8
+    overlapped = 0
+    for r in reqs:
+        inside = sum(b - a for a, b in prefills if r.admitted < a < r.finished)
+        overlapped += inside > 0
+        assert r.decode_seconds == pytest.approx(r.finished - r.admitted - inside, abs=0.02), r.request_id
+    assert overlapped >= 1  # a request ran while another one was admitted
+    span = max(r.decode_interval[1] for r in reqs) - min(r.decode_interval[0] for r in reqs)
+    first = min(r.admitted for r in reqs)
+    assert span == pytest.approx(wall - (first - start) - sum(b - a for a, b in prefills if a > first), abs=0.03)
+
+
 def test_queue_bound_refuses_or_blocks(pair):
     target, draft = pair
     sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=2)

@@ -37,6 +37,13 @@ def _rank(path, draft_path, out):
     res = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
            "kv_heads": t.model.new_cache(1, 4).k[0].shape[2]}
+    from simsd import LLM, SamplingParams  # the Python API over the ranks: each rank shards its own target
+    llm = LLM(str(path), str(draft_path), "exact", tp=world, dtype="float64", device="cpu", attention_backend="torch",
+              batch_size=2)
+    assert llm.target.model.tp == (rank, world) and not llm.scheduler_thread
+    outs = llm.generate([list(range(1, 11)), list(range(3, 9))], SamplingParams(max_tokens=12))
+    res["api_exact"] = outs[0].token_ids
+    res["api_second"] = outs[1].token_ids
     Path(f"{out}.{rank}").write_text(json.dumps(res))
     shutdown()
 
@@ -48,6 +55,8 @@ def test_tp2_decoding_equals_single_process(tmp_path):
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
     want = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
             "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids}
+    want["api_exact"] = want["exact"]
+    want["api_second"] = speculative_generate(t, d, list(range(3, 9)), cfg, SpecConfig(mode="exact")).token_ids
     spawn(_rank, 2, str(path), str(draft), str(tmp_path / "res"))
     for rank in range(2):
         got = json.loads((tmp_path / f"res.{rank}").read_text())

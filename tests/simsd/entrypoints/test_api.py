@@ -169,6 +169,6 @@ def test_llm_construction_errors(llms):
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(base.target, mode="vanilla", kv_cache_memory=1000)
     small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256,
-                kv_cache_memory=3 * 4096 * (256 + 4 + 8))  # 4 KiB per token: room for 3 rows
+                kv_cache_memory=3 * 4096 * (512 + 8) + 4095)  # 4 KiB per token, 256 + 4 rounded to 512: 3 rows
     assert small.batch_size == 3
     small.shutdown()

@@ -399,3 +399,56 @@ def test_bench_output_path_and_modes_checked_first(ckdir, capsys, tmp_path):
     assert code == 2 and out == "" and "cannot be written" in err
     code, out, err = run(capsys, *common, "--modes", "vanilla,vanilla")
     assert code == 2 and out == "" and "twice" in err
+
+
+def test_generate_and_bench_are_a_layer_over_the_api(ckdir, capsys, tmp_path, monkeypatch):
+    """One code path: with the batch decoders disabled the commands still run; what they run is
+    the LLM (scheduler on this thread, --batch-size rows) with prompt i at seed + i."""
+    import simsd.decoding.vanilla
+    import simsd.speculative.decoder
+    from simsd.entrypoints.api import LLM
+
+    def boom(*a, **k):
+        raise AssertionError("the command line called a batch decoder")
+    monkeypatch.setattr(simsd.decoding.vanilla, "vanilla_generate_batch", boom)
+    monkeypatch.setattr(simsd.speculative.decoder.SpeculativeDecoder, "generate_batch", boom)
+    calls = []
+    real = LLM.generate_iter
+
+    def spy(self, prompts, params=None, use_tqdm=False):
+        calls.append((self, list(prompts), params))
+        return real(self, prompts, params, use_tqdm)
+    monkeypatch.setattr(LLM, "generate_iter", spy)
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": [4 + i, 5, 6, 7]}) for i in range(3)))
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--draft", str(ckdir), "--mode", "exact",
+                         "--prompts-file", str(f), "--max-new-tokens", "6", "--temperature", "1", "--seed", "5",
+                         "--batch-size", "2")
+    assert code == 0, err
+    (llm, prompts, params), = calls
+    assert not llm.scheduler_thread and llm.batch_size == 2 and llm.mode == "exact"
+    assert prompts == [[4, 5, 6, 7], [5, 5, 6, 7], [6, 5, 6, 7]] and [p.seed for p in params] == [5, 6, 7]
+    assert {(p.max_tokens, p.temperature) for p in params} == {(6, 1.0)}
+    lines = out.splitlines()
+    tokens = sum(int(re.search(r"\] (\d+) tokens", ln).group(1)) for ln in lines if ln.startswith("[exact]"))
+    assert re.fullmatch(rf"\[3 prompts, batch size 2\] {tokens} tokens in [0-9.]+ s \([0-9.]+ tokens/s\)", lines[-1])
+    calls.clear()
+    code, out, err = run(capsys, "bench", "--target", str(ckdir), "--draft", str(ckdir), "--prompts-file", str(f),
+                         "--max-new-tokens", "6", "--modes", "vanilla,paper,exact", "--repeats", "1", "--warmup", "0")
+    assert code == 0, err
+    used = {c[0].mode: c[0] for c in calls}
+    assert set(used) == {"vanilla", "paper", "exact"} and len({id(x.target) for x in used.values()}) == 1
+    assert used["paper"].draft is used["exact"].draft  # the checkpoints load once
+
+
+def test_seeds_wrap_at_the_top_of_the_range(ckdir, capsys, tmp_path):
+    """Prompt i samples with (--seed + i) mod 2**63: past the largest seed, prompt 1 is seed 0."""
+    from simsd.entrypoints.options import SEED_MAX
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_ids": [4, 5, 6, 7]}) for _ in range(2)))
+    common = ["generate", "--target", str(ckdir), "--prompts-file", str(f), "--max-new-tokens", "8",
+              "--temperature", "1.5", "--json"]
+    _, top, _ = run(capsys, *common, "--seed", str(SEED_MAX))
+    _, zero, _ = run(capsys, *common, "--seed", "0")
+    top, zero = ([json.loads(x)["token_ids"] for x in o.splitlines()] for o in (top, zero))
+    assert top[1] == zero[0] and top[0] != zero[0]

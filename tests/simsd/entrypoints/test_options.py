@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import simsd.entrypoints.api as api
 import simsd.entrypoints.commands as commands
 from simsd.entrypoints.cli import build_parser, main
 from simsd.entrypoints.options import SEED_MAX, draft_settings
@@ -17,11 +18,13 @@ def ck():
 
 @pytest.fixture()
 def no_loading(monkeypatch):
-    """Fail the test if any checkpoint file is read (for errors that must come first)."""
+    """Fail the test if any checkpoint file is read (for errors that must come first): by the
+    command line's checks or by the API it runs on."""
     def boom(*a, **k):
         raise AssertionError("a checkpoint was read before the options were checked")
     monkeypatch.setattr(commands, "read_checkpoint", boom)
-    monkeypatch.setattr(commands, "load_checkpoint", boom)
+    monkeypatch.setattr(api, "read_checkpoint", boom)
+    monkeypatch.setattr(api, "load_checkpoint", boom)
 
 
 def run(capsys, *argv):
@@ -109,7 +112,7 @@ def test_options_that_would_do_nothing_are_refused(capsys, no_loading, flags, ne
 
 
 def test_block_dependent_ranges_before_any_weight(ck, capsys, monkeypatch):
-    monkeypatch.setattr(commands, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(api, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     assert "--steps must be in [1, 4] (the block length), got 9" in error_of(
         capsys, "generate", "--target", ck, "--prompt-ids", "5,6", "--steps", "9")
     assert "--gamma 5 exceeds the block length 4" in error_of(
@@ -263,7 +266,7 @@ def test_missing_attention_backend_is_a_one_line_error(capsys, monkeypatch, no_l
 # -- role markers of the chat template ---------------------------------------------------------
 def test_role_markers_of_the_chat_template():
     from simsd.assets import DEFAULT_TARGET
-    from simsd.entrypoints.prompts import role_markers
+    from simsd.entrypoints.encoding import role_markers
     from simsd.models.loading import read_checkpoint
     tok = read_checkpoint(DEFAULT_TARGET).tokenizer
     assert tok.convert_ids_to_tokens(role_markers(tok)) == ["<|im_start|>"]

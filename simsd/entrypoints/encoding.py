@@ -1,0 +1,114 @@
+"""A request's prompt as token ids, and the ids that end its generation: the one definition that
+the Python API (:class:`~simsd.entrypoints.api.LLM`), the server and the command line use.
+
+Prompt forms: a string (encoded as it is, no chat template), a list of chat messages
+(``[{"role": ..., "content": ...}, ...]``, rendered by the checkpoint's chat template with the
+generation prompt, then encoded) or a list of token ids (used as they are). A prompt never
+changes (README, "Prompts never change"): a text that spells the mask token is refused here,
+naming the character; ids that hold the mask id are refused by
+:func:`simsd.decoding.config.check_prompt`, naming the token.
+
+A prompt that went through the chat template also stops at the template's role markers
+(:func:`role_markers`, ``<|im_start|>`` in Qwen's template): a model
+that starts a new turn has finished its answer.
+"""
+from __future__ import annotations
+
+from .errors import ParamError
+
+
+def is_messages(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) for m in x)
+
+
+def is_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in x)
+
+
+class ChatTemplateError(ParamError):
+    """The checkpoint's chat template raised on the messages (``param``: ``messages``)."""
+
+
+def check_text(text: str, tokenizer, mask_id: int, param: str = "prompt") -> None:
+    """``ParamError`` when ``text`` spells the mask token (the error names the character)."""
+    mask = tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None else None
+    if mask and mask in text:
+        raise ParamError(param, f"the text spells the mask token {mask!r} at character {text.index(mask)}; a prompt "
+                                f"cannot contain the mask token (remove it)")
+
+
+def render_chat(tokenizer, messages) -> str:
+    """``messages`` through the tokenizer's chat template with the generation prompt.
+
+    Raises:
+        ChatTemplateError: the template raises (its message, on one line).
+    """
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2 errors raised by the checkpoint's template
+        what = "a user message" if len(messages) == 1 and messages[0].get("role") == "user" else "these messages"
+        raise ChatTemplateError("messages", f"the chat template cannot render {what} "
+                                            f"({' '.join(str(exc).split())})") from exc
+
+
+def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[list, bool]:
+    """``(token ids, templated)`` of ``prompt`` (see the module doc for the forms); ``templated``:
+    the chat template was applied.
+
+    Raises:
+        ParamError: no tokenizer (or chat template) for text, bad messages, a text that spells
+            the mask token, ids outside the vocabulary (``param``: ``prompt`` or ``messages``).
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ParamError("prompt", "this checkpoint has no tokenizer: give token ids")
+        check_text(prompt, tokenizer, mask_id)
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"], False
+    if is_messages(prompt):
+        for m in prompt:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ParamError("messages", f"each message needs a string 'role' and 'content', got {m!r}")
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ParamError("messages", "this checkpoint has no chat template: give a text prompt or ids")
+        for m in prompt:
+            check_text(m["content"], tokenizer, mask_id, "messages")
+        return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"], True
+    if is_ids(prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ParamError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        return list(prompt), False
+    raise ParamError("prompt", f"a prompt is a string, a list of chat messages or a list of token ids, "
+                               f"got {type(prompt).__name__}")
+
+
+def template_stop_ids(tokenizer, mask_id: int) -> list:
+    """The role markers of the tokenizer's chat template as stop ids (the mask id excluded);
+    empty without a template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return []
+    return sorted(set(role_markers(tokenizer)) - {mask_id})
+
+
+def role_markers(tokenizer) -> list[int]:
+    """Ids of the special tokens the tokenizer's chat template puts in front of a role name
+    (``<|im_start|>`` in ChatML / Qwen3's template): a model that emits one has started a new
+    turn, so the answer ends there, as at a stop id. Found by rendering a small conversation;
+    empty without a template or when it cannot render."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return []
+    roles = ("system", "user", "assistant")
+    rendered = ""
+    for msgs in ([{"role": r, "content": "x"} for r in roles], [{"role": r, "content": "x"} for r in roles[1:]]):
+        try:
+            rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            break
+        except Exception:  # a template that refuses a system turn, or any other template error
+            continue
+    if not isinstance(rendered, str):
+        return []
+    special = {t: i for t, i in tokenizer.get_added_vocab().items()}
+    special.update({t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
+    return sorted({i for t, i in special.items() if t and any(t + r in rendered for r in roles)})

@@ -1,0 +1,191 @@
+"""What a request of the Python API gives back: :class:`RequestOutput`, the :class:`RequestHandle`
+of a submitted request (events, result, cancellation) and the errors of a request."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..engine.scheduler import Request
+from .detokenize import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(RuntimeError):
+    """A request failed inside the engine (the other requests go on); ``__cause__`` is the
+    original exception."""
+
+
+class RequestCancelled(RuntimeError):
+    """The request was cancelled before it finished."""
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    ``prompt``: as given (text, chat messages or ids); ``prompt_token_ids``: what was decoded
+    after; ``text``: the generated text (None without a tokenizer), ending before a stop string
+    and without the text of a final stop token; ``token_ids``: generated ids, up to and
+    including the stop id (or the token that completed a stop string), at most ``max_tokens``;
+    ``finish_reason``: ``stop`` (a stop id or string) or ``length`` (``max_tokens``);
+    ``stop_reason``: the stop id or string, None for ``length``; ``seed``: the seed the request
+    sampled with (given or fresh); ``stats``: the statistics ``simsd generate --json`` prints
+    (``new_tokens``, ``cut_tokens``, ``decode_seconds`` — the rounds from the request's
+    admission to its end, shared with the requests in flight, no prefill (its own or
+    another's), see :mod:`simsd.engine.scheduler` —, ``tokens_per_second`` (``new_tokens`` /
+    ``decode_seconds``), ``target_forwards``, ``target_forwards_per_token``,
+    ``prefill_forwards``, ``blocks``; paper/exact add ``draft_forwards``, ``proposed``,
+    ``accepted``, ``acceptance_rate``, ``from_draft``, ``draft_share``, ``rounds``,
+    ``accepted_per_round``, ``fallback_steps``, ...) plus ``batch_size`` (the engine's rows),
+    ``queue_seconds`` (submission to the end of the prefill) and ``time_to_first_token``
+    (seconds from submission to the first finished block). ``decode_interval``: ``(start,
+    end)`` on the scheduler's decode clock (:func:`run_decode_seconds` of a run's outputs).
+    """
+    request_id: str
+    prompt: object
+    prompt_token_ids: list
+    text: str | None
+    token_ids: list
+    finish_reason: str
+    stop_reason: object
+    seed: int
+    stats: dict = field(default_factory=dict)
+    decode_interval: tuple | None = None
+
+
+def run_decode_seconds(outputs) -> float:
+    """The decode time of a run of requests of one :class:`~simsd.entrypoints.api.LLM` (e.g. one
+    ``generate`` call): the span of the scheduler's decode clock from the first request's
+    admission to the last one's end; prefills excluded (README, "Statistics")."""
+    spans = [o.decode_interval for o in outputs if o.decode_interval is not None]
+    return max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+
+
+class RequestHandle:
+    """A submitted request (:meth:`LLM.submit`): its events, result and cancellation.
+
+    Events, in order: ``("delta", (text, token_ids))`` per finished block (``text`` may be
+    empty while a character or a possible stop string is incomplete), then one of
+    ``("done", RequestOutput)``, ``("error", exception)``, ``("cancelled", None)``. With a
+    ``listener`` they are passed to ``listener(kind, payload)`` on the scheduling thread;
+    otherwise :meth:`events` yields them. Without a scheduling thread
+    (``LLM(scheduler_thread=False)``), :meth:`result` and :meth:`events` run the scheduler's
+    rounds on the calling thread until what they wait for has happened.
+    """
+
+    def __init__(self, llm, request_id: str, prompt, prompt_ids: list, seed: int, stream: TextStream,
+                 listener=None):
+        self.llm, self.request_id, self.prompt, self.prompt_token_ids = llm, request_id, prompt, prompt_ids
+        self.seed, self.stream, self.listener = seed, stream, listener
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.first_token_at: float | None = None
+        self._queue: queue.Queue | None = None if listener is not None else queue.Queue()
+        self._done = threading.Event()
+        self._request: Request | None = None
+        self._row = None      # the engine row (vanilla) or SimSD row state, once admitted
+        self._stats = None    # (row, n, blocks, seconds) -> stats
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> bool:
+        """Cancel the request (its row is freed before the next round). False if it had ended."""
+        if self.done or self._request is None:
+            return False
+        return self.llm.scheduler.cancel(self._request)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the output.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (a scheduling thread only;
+                without one the rounds run here until the request ends).
+            RequestError: the request failed (``__cause__``: why).
+            RequestCancelled: it was cancelled.
+        """
+        self.llm._drive(lambda: self.done)
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+        if self.error is not None:
+            raise RequestError(f"request {self.request_id} failed: {self.error!r}") from self.error
+        if self.cancelled:
+            raise RequestCancelled(f"request {self.request_id} was cancelled")
+        return self.output
+
+    def events(self, timeout: float | None = None):
+        """Yield ``(kind, payload)`` until the final event (see the class doc); ``timeout``:
+        the longest wait for one event (``TimeoutError`` after it)."""
+        if self._queue is None:
+            raise RuntimeError("this request reports its events to its listener")
+        while True:
+            self.llm._drive(lambda: not self._queue.empty())
+            try:
+                kind, payload = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no event from request {self.request_id} for {timeout} s") from None
+            yield kind, payload
+            if kind != "delta":
+                return
+
+    # -- the scheduling thread -----------------------------------------------------------
+    def _emit(self, kind: str, payload) -> None:
+        if self._queue is not None:
+            self._queue.put((kind, payload))
+            return
+        try:
+            self.listener(kind, payload)
+        except Exception:
+            log.exception("simsd: the listener of request %s raised", self.request_id)
+
+    def _on_block(self, new_ids: list) -> bool:
+        before = len(self.stream.token_ids)
+        text = self.stream.push(new_ids)
+        kept = self.stream.token_ids[before:]
+        if kept and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if kept:
+            self._emit("delta", (text, kept))
+        return self.stream.finished
+
+    def _on_finish(self, req: Request) -> None:
+        if req.cancelled:
+            self.cancelled = True
+            self.llm._count(self, "cancelled", req)
+            self._emit("cancelled", None)
+        elif req.error is not None:
+            self.error = req.error
+            self.llm._count(self, "error", req)
+            self._emit("error", req.error)
+        else:
+            try:
+                self.output = self._output(req)
+            except Exception as exc:  # a fault in the bookkeeping stays with this request too
+                self.error = exc
+                self.llm._count(self, "error", req)
+                self._emit("error", exc)
+            else:
+                self.llm._count(self, self.output.finish_reason, req)
+                self._emit("done", self.output)
+        self._done.set()
+
+    def _output(self, req: Request) -> RequestOutput:
+        generated, blocks = req.result
+        rest = self.stream.finish()
+        if rest:
+            self._emit("delta", (rest, []))
+        n = len(self.stream.token_ids)
+        stats = self._stats(self._row, n, blocks, req.decode_seconds, len(generated) - n)
+        stats["batch_size"] = self.llm.batch_size
+        stats["queue_seconds"] = req.admitted - req.arrived
+        stats["time_to_first_token"] = (None if self.first_token_at is None
+                                        else self.first_token_at - req.arrived)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.stream.text,
+                             list(self.stream.token_ids), self.stream.finish_reason, self.stream.stop_reason,
+                             self.seed, stats, req.decode_interval)
