@@ -52,9 +52,9 @@ done
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     DEV=(--device cpu)
-    CHECK_TRITON=(--backends triton --dtypes float32 --head-dims 64,96 --modes paper --groups 4 --caches short,split
+    CHECK_TRITON=(--backends triton --dtypes float32 --head-dims 64,96 --mask-modes paper --groups 4 --caches short,split
                   --jobs 2)
-    CHECK_REST=(--backends all --exclude triton --dtypes float32 --head-dims 64,96 --modes paper --groups 1,4
+    CHECK_REST=(--backends all --exclude triton --dtypes float32 --head-dims 64,96 --mask-modes paper --groups 1,4
                 --caches short)
     TEST_JOBS=2
     GROUP_CUDA="tests/kernels/test_cuda_attention.py -k splits2"

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude", default="", help="comma list of backends to leave out of --backends all")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of float16, bfloat16, float32")
     p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma list of head dims")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of mask modes")
+    p.add_argument("--mask-modes", default=",".join(MODES),
+                   help=f"comma list of attention mask modes ({', '.join(MODES)}); not decoding modes")
     p.add_argument("--caches", default=",".join(CACHES), help=f"comma list of {', '.join(CACHES)}")
     p.add_argument("--groups", default=",".join(map(str, GROUPS)), help="comma list of GQA groups Hq/Hkv")
     p.add_argument("--reps", type=int, default=None, help="timed calls per row (default 20 on a GPU, 1 on the CPU)")
@@ -107,7 +108,7 @@ def plan(args) -> tuple:
     head_dims = _csv(args.head_dims, None, "head-dims", int)
     if any(d <= 0 or d % 2 for d in head_dims):
         raise ValueError(f"--head-dims: head dims must be positive and even, got {head_dims}")
-    modes = _csv(args.modes, MODES, "modes")
+    modes = _csv(args.mask_modes, MODES, "mask-modes")
     caches = _csv(args.caches, tuple(CACHES), "caches")
     groups = _csv(args.groups, None, "groups", int)
     if any(g < 1 for g in groups):

@@ -128,7 +128,7 @@ class LLM:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         for name, value, low in (("batch_size", batch_size, 1), ("max_waiting", max_waiting, 0), ("tp", tp, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise ParamError(name, f"{name} must be an integer >= {low}, got {value!r}")
         if on_reject not in ("redraft", "fallback"):
             raise ValueError(f"on_reject must be 'redraft' or 'fallback', got {on_reject!r}")
         if mode == "vanilla":
@@ -158,6 +158,22 @@ class LLM:
         if mode != "vanilla":
             infos["draft"] = _read(draft or DEFAULT_DRAFT)
             check_pair(infos["target"], infos["draft"])  # before any weight is loaded
+        configs = [i.config for i in infos.values()]  # sizes checked before any weight is loaded
+        tc = configs[0]
+        B = block_length if block_length is not None else (tc.block_size or 4)
+        limit = min(c.max_position_embeddings for c in configs)
+        if isinstance(B, bool) or not isinstance(B, int) or not 1 <= B < limit:
+            raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got {B!r}")
+        if max_model_len is None:
+            max_model_len = limit
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not B < max_model_len <= limit:
+            raise ParamError("max_model_len", f"max_model_len must be an integer in ({B}, {limit}] (the models' "
+                                              f"positions), got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        if max_gamma is not None and (isinstance(max_gamma, bool) or not isinstance(max_gamma, int)
+                                      or not 1 <= max_gamma <= B):
+            raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {B}] (the block length), "
+                                          f"got {max_gamma!r}")
         apply_threads([i.config for i in infos.values()], threads)
         if tp > 1:
             check_tp(infos["target"].config, tp)
@@ -170,20 +186,6 @@ class LLM:
         if mode != "vanilla":
             self.draft = self._load(infos["draft"], dtype, draft_device or device, attention_backend)
         self.models = [m for m in (self.target, self.draft) if m is not None]
-        tc = self.target.config
-        B = block_length if block_length is not None else (tc.block_size or 4)
-        limit = min(m.config.max_position_embeddings for m in self.models)
-        if isinstance(B, bool) or not isinstance(B, int) or not 1 <= B < limit:
-            raise ValueError(f"block_length must be an integer in [1, {limit}), got {B!r}")
-        if max_model_len is None:
-            max_model_len = limit
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not B < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in ({B}, {limit}] (the models' positions), "
-                             f"got {max_model_len!r}")
-        self.max_model_len = max_model_len
-        if max_gamma is not None and (isinstance(max_gamma, bool) or not isinstance(max_gamma, int)
-                                      or not 1 <= max_gamma <= B):
-            raise ValueError(f"max_gamma must be an integer in [1, {B}] (the block length), got {max_gamma!r}")
         self.settings = Settings(mode, B, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic, max_gamma)
         if mode != "vanilla":  # the combinations the row programs refuse (fold_commit with optimistic drafting)
             SpeculativeDecoder(self.target, self.draft, DecodeConfig(block_length=B, fold_commit=fold_commit),
@@ -223,8 +225,9 @@ class LLM:
         if kv_cache_memory is not None:
             rows = min(batch_size, int(kv_cache_memory // per_row))
             if rows < 1:
-                raise ValueError(f"kv_cache_memory {kv_cache_memory / 2**30:.2f} GiB holds no row of "
-                                 f"{L} tokens ({per_row / 2**30:.2f} GiB per row); lower max_model_len")
+                raise ParamError("kv_cache_memory", f"kv_cache_memory {kv_cache_memory / 2**30:.2f} GiB holds no row "
+                                                    f"of {L} tokens ({per_row / 2**30:.2f} GiB per row); lower "
+                                                    f"max_model_len")
         self.kv_cache_bytes = rows * per_row
         engine_models = {"target": self.target.model}
         if self.draft is not None:

@@ -121,7 +121,9 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="simsd", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = OneLineParser(prog="simsd", allow_abbrev=False,
+                           description="simsd: speculative decoding for block-diffusion language models (SDAR). "
+                                       "Commands: generate, bench, check, serve.")
     parser.add_argument("--version", action="version", version=f"simsd {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     kw = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
@@ -130,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(gen)
     add_decode_args(gen)
     gen.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"],
-                     help="vanilla SDAR decoding with the target; paper: SimSD as published; exact: SimSD with "
-                          "output identical to vanilla (greedy)")
+                     help="vanilla: SDAR decoding with the target; paper: SimSD as published; exact: SimSD "
+                          "with output identical to vanilla (greedy or sampled, same seed; see README)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     bench = sub.add_parser("bench", help="run a prompt set through several modes in one process", **kw)
     add_model_args(bench)
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
     except OSError as exc:  # output that cannot be written (a full disk, an unwritable --json path)
         print(f"simsd: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, no traceback
+        print("simsd: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -29,8 +30,11 @@ from .params import MAX_SEED, SamplingParams, Settings, resolve
 
 
 def parse_ids(text: str) -> list[int]:
+    items = text.replace(" ", "").split(",")
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        if any(t == "" for t in items):
+            raise ValueError("an empty item")
+        return [int(t) for t in items]
     except ValueError as exc:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
 
@@ -230,7 +234,16 @@ def prepare(args, modes: list) -> Run:
             check_pair(target, draft)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
-    apply_threads([c.config for c in (target, draft) if c is not None], getattr(args, "threads", None))
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads > (os.cpu_count() or 1):
+        print(f"simsd: warning: --threads {threads} exceeds this machine's {os.cpu_count()} CPU cores "
+              f"(oversubscribed threads wait for each other)", file=sys.stderr)
+    apply_threads([c.config for c in (target, draft) if c is not None], threads)
+    if draft is not None and draft.config.block_size and target.config.block_size \
+            and draft.config.block_size != target.config.block_size:
+        print(f"simsd: warning: the draft's block_size {draft.config.block_size} differs from the target's "
+              f"{target.config.block_size}; the draft denoises blocks of the run's block length "
+              f"(SDAR checkpoints are trained for one block length)", file=sys.stderr)
     params = request_params(args)
     cfg = decode_config(args, target.config, params)
     if args.limit is None and getattr(args, "command", "generate") == "bench" and args.prompts_file is None \
@@ -315,6 +328,7 @@ def run_generate(args) -> int:
         outs.append(out)
         if args.json:
             print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                               "stats": out.stats}), flush=True)
         else:
             if len(prompts) > 1:

@@ -31,7 +31,13 @@ class ChatTemplateError(ParamError):
 
 
 def check_text(text: str, tokenizer, mask_id: int, param: str = "prompt") -> None:
-    """``ParamError`` when ``text`` spells the mask token (the error names the character)."""
+    """``ParamError`` when ``text`` is not valid Unicode (a lone surrogate, e.g. from bytes that
+    were not UTF-8) or spells the mask token (the error names the character)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(param, f"the text is not valid Unicode: character {exc.start} is a lone surrogate "
+                                f"(U+{ord(text[exc.start]):04X}; bytes that are not UTF-8?)") from None
     mask = tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None else None
     if mask and mask in text:
         raise ParamError(param, f"the text spells the mask token {mask!r} at character {text.index(mask)}; a prompt "

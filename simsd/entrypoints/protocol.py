@@ -13,14 +13,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import ParamError
 from .params import SamplingParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion ("5" or true are not a max_tokens); unknown fields are refused
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -122,9 +123,20 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"only text content is supported (a string, or parts of type 'text'), got a "
+                                     f"part of type {kind!r}")
+        return value
 
     def as_dict(self) -> dict:
         content = self.content

@@ -16,30 +16,34 @@ from pathlib import Path
 from .errors import ParamError, UsageError
 
 #: request parameters whose command-line option is not ``--`` + the name with dashes
-FLAGS = {"max_tokens": "--max-new-tokens"}
+FLAGS = {"max_tokens": "--max-new-tokens", "batch_size": "--max-batch-size"}
 SPEC_FLAGS = {"draft": "--draft", "draft_device": "--draft-device", "gamma": "--gamma",
               "on_reject": "--on-reject", "draft_strategy": "--draft-strategy", "optimistic": "--optimistic"}
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
+    from .cli import DefaultsHelpFormatter
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, streaming)",
-                       allow_abbrev=False)
+                       allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("models and engine")
     g.add_argument("--target", type=Path, default=None, help="target SDAR checkpoint (default: the bundled tiny target)")
     g.add_argument("--draft", type=Path, default=None, help="draft checkpoint, paper/exact (default: the bundled draft)")
-    g.add_argument("--mode", default="exact", choices=["vanilla", "paper", "exact"])
+    g.add_argument("--mode", default="exact", choices=["vanilla", "paper", "exact"], help="decoding mode")
     g.add_argument("--device", "--target-device", dest="device", default=None,
                    help="device of the target (default: cuda if available)")
     g.add_argument("--draft-device", default=None, help="device of the draft (default: the target's)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
+                   help="attention kernels (auto: cuda > triton > torch on a GPU, torch on the CPU)")
     g.add_argument("--cuda-graphs", action="store_true", help="replay the forwards as CUDA graphs (CUDA only)")
     g.add_argument("--block-length", type=int, default=None, help="B (default: the checkpoint's block_size)")
     g.add_argument("--fold-commit", action="store_true", help="fold each block's commit into the next forward")
-    g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"])
+    g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
+                   help="after a rejection: draft again, or let the target finish the block (default: redraft)")
     g.add_argument("--no-rope-copy", action="store_true", help="ablation (paper mode)")
-    g.add_argument("--optimistic", default=None, choices=["auto", "on", "off"])
+    g.add_argument("--optimistic", default=None, choices=["auto", "on", "off"],
+                   help="draft the next round while the target verifies (auto: when the devices differ)")
     g.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (engine rows)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="positions per request, prompt + max_tokens (default: the models' maximum)")
@@ -48,21 +52,23 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may wait for a row; beyond it: 503 with Retry-After")
     d = p.add_argument_group("request defaults (a request's own fields override them)")
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--max-new-tokens", type=int, default=128, help="a request's max_tokens when it gives none")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    d.add_argument("--top-k", type=int, default=0)
-    d.add_argument("--top-p", type=float, default=1.0)
-    d.add_argument("--steps", type=int, default=None)
+    d.add_argument("--top-k", type=int, default=0, help="0 = off")
+    d.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: B)")
     d.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
-    d.add_argument("--threshold", type=float, default=None)
+    d.add_argument("--threshold", type=float, default=None,
+                   help="confidence threshold (dynamic) or entropy bound (entropy)")
     d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
-    d.add_argument("--draft-strategy", default=None)
+    d.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    h.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     h.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target "
                                                                "directory's name)")
-    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     return p
 
 
@@ -100,6 +106,8 @@ def build_llm(args):
         raise UsageError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name must not be empty")
     params = default_params(args)
     from ..assets import DEFAULT_TARGET
     from ..models.config import ModelConfig
@@ -108,18 +116,42 @@ def build_llm(args):
         if getattr(args, name) is not None and getattr(args, name) > B:
             raise UsageError(f"{_flag(name)}: {name} {getattr(args, name)} exceeds the block length {B}")
     optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
-    llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
-              dtype=args.dtype, batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-              kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-              max_waiting=args.max_waiting, block_length=args.block_length, fold_commit=args.fold_commit,
-              on_reject=args.on_reject or "redraft", rope_copy=not args.no_rope_copy, optimistic=optimistic,
-              attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, default_params=params)
+    try:
+        llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
+                  dtype=args.dtype, batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                  kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+                  max_waiting=args.max_waiting, block_length=args.block_length, fold_commit=args.fold_commit,
+                  on_reject=args.on_reject or "redraft", rope_copy=not args.no_rope_copy, optimistic=optimistic,
+                  attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, default_params=params)
+    except ParamError as exc:
+        raise UsageError(f"{_flag(exc.param)}: {exc}") from None
     try:
         resolve(params, llm.settings)  # the defaults against the model (e.g. --gamma above B)
     except ParamError as exc:
         llm.shutdown()
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None
     return llm
+
+
+def listen_socket(host: str, port: int):
+    """A listening TCP socket on ``host:port`` for uvicorn (``UsageError`` naming the address when
+    it cannot be had: a taken port, a host that is not this machine's)."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_serve(args) -> int:
@@ -131,7 +163,12 @@ def run_serve(args) -> int:
         raise UsageError(f"simsd serve needs the serve extra ({exc.name} is not installed): "
                          f"pip install 'simsd[serve]'") from None
     from .server import build_app
-    llm = build_llm(args)
+    sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
+    try:
+        llm = build_llm(args)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(llm, args.served_model_name)
     state = app.state.simsd
 
@@ -153,8 +190,8 @@ def run_serve(args) -> int:
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     print(f"simsd: serving {state.model_name!r} ({llm.mode}, {llm.batch_size} rows of {llm.max_model_len} "
-          f"positions, KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB) on http://{args.host}:{args.port}",
+          f"positions, KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB) on http://{args.host}:{sock.getsockname()[1]}",
           file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[sock])
     llm.shutdown()
     return 0

@@ -144,11 +144,13 @@ def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True
     @app.exception_handler(RequestValidationError)
     async def on_validation(request, exc: RequestValidationError):
         err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # union members show up in the location as their type (``str``, ``list[int]``): not a field
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type_tag(str(x))]
         if err.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
         param = ".".join(loc) or None
-        return error_response(400, f"{param}: {err.get('msg')}" if param else err.get("msg", "bad request"), param)
+        msg = err.get("msg", "bad request").removeprefix("Value error, ")
+        return error_response(400, f"{param}: {msg}" if param else msg, param)
 
     @app.exception_handler(ParamError)
     async def on_param(request, exc: ParamError):
@@ -314,3 +316,8 @@ async def _sse(state: ServerState, call: _Call, rid: str, created: int, chat: bo
         yield "data: [DONE]\n\n"
     finally:
         call.cancel()  # no-op for finished requests; a disconnect cancels the task here
+
+
+def _is_type_tag(part: str) -> bool:
+    """Whether a pydantic error location part names a union member's type, not a field."""
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")

@@ -9,7 +9,7 @@ from simsd_kernels import backends, check
 from simsd_kernels.backends import Backend
 from simsd_kernels.reference import append_kv_torch, temporal_attention_torch
 
-SMALL = ["--dtypes", "float32,bfloat16", "--head-dims", "64,96", "--modes", "paper,exact", "--groups", "4",
+SMALL = ["--dtypes", "float32,bfloat16", "--head-dims", "64,96", "--mask-modes", "paper,exact", "--groups", "4",
          "--caches", "empty,short"]
 
 
@@ -56,7 +56,7 @@ def test_a_wrong_backend_fails_its_rows_and_auto_avoids_it(capsys):
                                        auto_devices=("cpu",)), auto_rank=0)
     try:
         code = check.main(["--device", "cpu", "--backends", "wrong,auto", "--dtypes", "float32", "--head-dims", "64",
-                           "--modes", "paper", "--groups", "1", "--caches", "short"])
+                           "--mask-modes", "paper", "--groups", "1", "--caches", "short"])
     finally:
         backends.unregister_backend("wrong")
     out = capsys.readouterr().out
@@ -70,7 +70,7 @@ def test_a_wrong_backend_fails_its_rows_and_auto_avoids_it(capsys):
 
 def test_table_without_json(capsys):
     assert check.main(["--device", "cpu", "--backends", "torch", "--dtypes", "float16", "--head-dims", "128",
-                       "--modes", "block_causal", "--groups", "1", "--caches", "split", "--reps", "2"]) == 0
+                       "--mask-modes", "block_causal", "--groups", "1", "--caches", "split", "--reps", "2"]) == 0
     out = capsys.readouterr().out
     (line,) = [x for x in out.splitlines() if x.startswith("torch ")]
     assert line.split()[:8] == ["torch", "torch", "float16", "128", "block_causal", "split", "1", "pass"]
@@ -78,7 +78,7 @@ def test_table_without_json(capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--dtypes", "float64"], "--dtypes: 'float64' is not one of"),
-    (["--modes", "causal"], "--modes: 'causal'"),
+    (["--mask-modes", "causal"], "--mask-modes: 'causal'"),
     (["--head-dims", "63"], "--head-dims"),
     (["--caches", ""], "--caches is empty"),
     (["--groups", "0"], "--groups must be >= 1"),
@@ -95,6 +95,6 @@ def test_bad_options_are_one_line_errors(capsys, argv, needle):
 def test_simsd_check_subcommand(capsys):
     from simsd.entrypoints.cli import main
     assert main(["check", "--device", "cpu", "--backends", "auto", "--dtypes", "bfloat16", "--head-dims", "48",
-                 "--modes", "exact", "--groups", "2", "--caches", "short", "--json"]) == 0
+                 "--mask-modes", "exact", "--groups", "2", "--caches", "short", "--json"]) == 0
     (row,) = _rows(capsys.readouterr().out)
     assert row["status"] == "pass" and row["resolved"] == "torch" and row["head_dim"] == 48

@@ -312,3 +312,66 @@ def test_no_chat_template_is_said(tmp_path, capsys):
     (path / "chat_template.jinja").unlink(missing_ok=True)
     code, out, err = run(capsys, "generate", "--target", str(path), "--prompt", "hello", "--max-new-tokens", "4")
     assert code == 0 and "has no chat template; text prompts are used as they are" in err
+
+
+# -- found by a new user's trial ------------------------------------------------------------------
+def test_text_that_is_not_unicode_is_refused(capsys, tmp_path):
+    """Bytes that are not UTF-8 reach Python as lone surrogates (argv, JSON escapes): refused with
+    the character named, from the command line, a prompt file and the API alike."""
+    line = error_of(capsys, "generate", "--prompt", "caf\udce9", "--max-new-tokens", "4")
+    assert line == ("simsd: error: --prompt: the text is not valid Unicode: character 3 is a lone surrogate "
+                    "(U+DCE9; bytes that are not UTF-8?)")
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a \\ud800"}\n')
+    line = error_of(capsys, "generate", "--prompts-file", str(f), "--max-new-tokens", "4")
+    assert "p.jsonl:1" in line and "character 2 is a lone surrogate (U+D800" in line
+    from simsd.entrypoints.encoding import check_text
+    from simsd.entrypoints.errors import ParamError
+    with pytest.raises(ParamError, match="lone surrogate") as info:
+        check_text("ok \ud800", None, 0, "messages")
+    assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1"])
+def test_empty_items_in_prompt_ids_are_refused(capsys, ids):
+    line = error_of(capsys, "generate", "--prompt-ids", ids)
+    assert line == f"simsd: error: --prompt-ids must be comma-separated integers, got {ids!r}"
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(commands, "run_generate", interrupted)
+    code, out, err = run(capsys, "generate", "--prompt-ids", "5,6")
+    assert (code, out, err) == (130, "", "simsd: interrupted\n")
+
+
+def test_json_rows_carry_the_finish_reason(capsys, ck):
+    code, out, _ = run(capsys, "generate", "--target", ck, "--prompt-ids", "5,6,7", "--max-new-tokens", "8",
+                       "--json")
+    row = json.loads(out)
+    assert code == 0 and row["finish_reason"] in ("stop", "length")
+    if row["finish_reason"] == "length":
+        assert row["stop_reason"] is None and len(row["token_ids"]) == 8
+    else:
+        assert row["token_ids"][-1] == row["stop_reason"]
+
+
+def test_more_threads_than_cores_and_mismatched_draft_blocks_warn(capsys, ck, tmp_path, monkeypatch):
+    """Accepted, with one warning line each: ``--threads`` above the core count, and a draft
+    trained for another block length than the target."""
+    import os
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    from simsd.testing import make_random_checkpoint
+    draft = make_random_checkpoint(tmp_path / "d8", block_size=8, num_hidden_layers=1, tokenizer=False,
+                                   vocab_size=256)
+    target = random_checkpoint("t4-256", tokenizer=False, vocab_size=256)
+    code, out, err = run(capsys, "generate", "--target", str(target), "--draft", str(draft), "--mode", "exact",
+                         "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--threads", "3")
+    warnings = [ln for ln in err.splitlines() if ln.startswith("simsd: warning: ")]
+    assert code == 0, err
+    assert warnings == [
+        "simsd: warning: --threads 3 exceeds this machine's 2 CPU cores (oversubscribed threads wait for each "
+        "other)",
+        "simsd: warning: the draft's block_size 8 differs from the target's 4; the draft denoises blocks of the "
+        "run's block length (SDAR checkpoints are trained for one block length)"]

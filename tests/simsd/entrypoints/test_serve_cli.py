@@ -101,6 +101,9 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
     (["--gamma", "9"], "--gamma: gamma 9 exceeds the block length 4"),
     (["--steps", "5"], "--steps: steps 5 exceeds the block length 4"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+    (["--max-model-len", "100000"], "--max-model-len: max_model_len must be an integer in (4, 2048]"),
+    (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address of this machine"),
 ])
 def test_bad_options_fail_in_one_line(capsys, argv, words):
     pytest.importorskip("fastapi")
@@ -121,3 +124,23 @@ def test_serve_without_the_extra_names_it(capsys, monkeypatch):
     code = main(["serve"])
     err = capsys.readouterr().err
     assert code == 2 and "fastapi is not installed" in err and "pip install 'simsd[serve]'" in err
+
+
+def test_a_taken_port_fails_before_the_models_load(capsys, monkeypatch):
+    """``--port`` already in use: one line naming the address, and no checkpoint read."""
+    pytest.importorskip("fastapi")
+    import socket
+
+    import simsd.entrypoints.api as api
+
+    def boom(*a, **k):
+        raise AssertionError("a checkpoint was read before the port was checked")
+    monkeypatch.setattr(api, "read_checkpoint", boom)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"simsd: error: --host 127.0.0.1 --port {port}: cannot listen there " \
+                                "(Address already in use)\n"

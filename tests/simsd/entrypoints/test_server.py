@@ -121,6 +121,10 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "gamma": 9}, "gamma", "block length"),
     ({"model": NAME, "prompt": [11, 3, 12]}, "prompt", "mask token"),
     ({"model": NAME}, "prompt", "Field required"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "5"}, "max_tokens", "integer"),  # no coercion
+    ({"model": NAME, "prompt": "hi", "max_tokens": True}, "max_tokens", "integer"),
+    ({"model": NAME, "prompt": "hi", "stream": 1}, "stream", "boolean"),
+    (json.dumps({"model": NAME, "prompt": "a \ud800 b"}).encode(), "prompt", "lone surrogate"),  # JSON escape
 ]
 
 
@@ -143,11 +147,28 @@ def test_bad_completion_requests_are_400_naming_the_field(url, body, param, word
     ({"model": NAME, "messages": CHAT, "max_tokens": 5, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({"model": NAME, "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, "messages.0.role"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "a \ud800 b"}]}).encode(), "messages"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(url, body, param):
     with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
-        r = h.post("/v1/chat/completions", json=body)
+        if isinstance(body, bytes):
+            r = h.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = h.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_non_text_content_is_refused_in_words(url):
+    """An image part gets a sentence about text content, not a pydantic union error."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/chat/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content", r.text
+    assert err["message"] == ("messages.0.content: only text content is supported (a string, or parts of type "
+                              "'text'), got a part of type 'image_url'")
 
 
 def _stream_lines(h, body):
