@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..models.config import CheckpointError
 from .errors import UsageError
+from .help_format import DefaultsHelpFormatter
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -17,17 +18,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"simsd: error: {message} (see {self.prog} --help)\n")
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Help that shows every option's default: ``(default: X)`` unless the text already says it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (action.option_strings and action.nargs != 0 and "default" not in text
-                and action.default not in (None, argparse.SUPPRESS)):
-            text += " (default: %(default)s)"
-        return text
 
 
 def default_target() -> Path:

@@ -22,7 +22,7 @@ SPEC_FLAGS = {"draft": "--draft", "draft_device": "--draft-device", "gamma": "--
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from .cli import DefaultsHelpFormatter
+    from .help_format import DefaultsHelpFormatter
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, streaming)",
                        allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("models and engine")
