@@ -26,9 +26,21 @@ A baseline run of all the named tests without any mutant comes first (``--no-bas
 it): a mutant is only meaningful against a green suite. A mutant whose text is no longer in the
 code (the code moved on) is reported as stale and not run.
 
-The C++ edit of a multi-mirror mutant (``csrc/mask_rule.cuh``) takes effect only once the CUDA
-extension is rebuilt (``.ci/cuda_check.sh`` builds it and runs tests/kernels/test_expected_masks.py
-against it); in a CPU-only install the tests see the Python and Triton copies of the change.
+The C++ edit of a multi-mirror mask mutant (``csrc/mask_rule.cuh``) takes effect only once the
+CUDA extension is rebuilt (``.ci/cuda_check.sh`` builds it and runs tests/kernels/test_expected_masks.py
+against it); in a CPU-only install the tests see the Python and Triton copies of the change. The
+split rule in ``csrc/tile_layout.cuh`` is plain C++ as well: tests/kernels/test_cuda_layout.py
+compiles it with the host compiler, so its mutants run everywhere.
+
+Some changes are not faults and are not listed (a mutant must change what a user can observe):
+the ``proposed`` value that :func:`~simsd.speculative.verification.exact_step_verdict` and
+``accept_in_order`` return is not read (``SpecRow.decide`` counts proposals from the reveal
+steps); dropping the round from paper mode's noise keys changes no law (a round starts at a later
+block step than the last, and every proposal judged in a round is committed, so no judged noise is
+reused); acceptance uniforms drawn from the ``SAMPLE`` stream are independent of paper mode's
+draft (it samples from ``PAPER_DRAFT``); an API ``max_tokens + 1`` is cut by the request's text
+stream at ``max_tokens`` before it shows; the invariant plan's natural tile equals
+``INVARIANT_BLOCK_M`` for GQA groups >= 4.
 """
 from __future__ import annotations
 
@@ -353,6 +365,9 @@ MUTANTS = [
     m("verdict", VER, "ok_prefix = (mine[:n] == after).all(-1).long().cumprod(0)",
       "ok_prefix = (mine[:n].sort(-1).values == after.sort(-1).values).all(-1).long().cumprod(0)", VERDICT,
       EXACT_REF, note="exact: a draft step accepted on its tokens only (not their positions)"),
+    m("verdict", SR, "noise = step_noise([self.key(start)] * C, [block_step + c for c in range(C)], L, logits.shape[-1],",
+      "noise = step_noise([self.key(start)] * C, [block_step for c in range(C)], L, logits.shape[-1],",
+      EXACT_SAMPLING, note="exact under sampling: every copy's step drawn with the round's first step's noise"),
     # the split plan (shape-invariant mode) -------------------------------------------------------------
     m("split plan", SP, "batch, q_len = 1, INVARIANT_Q_LEN", "batch = 1", SPLIT,
       note="the invariant plan sized for the call's Lq"),
