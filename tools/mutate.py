@@ -408,6 +408,14 @@ MUTANTS = [
       note="a tiny top_p drops every token"),
     m("sampling", SAMP, "return (x - x.amax(-1, keepdim=True)) / temperature", "return x / temperature", EDGES,
       note="small temperatures divide the raw logits (overflow)"),
+    multi("noise", [
+        ("simsd/decoding/step.py",
+         "noise = step_noise([steps[j].key for j in rows], index, batch.shape[1], batch.shape[2], batch.device)",
+         "noise = step_noise([steps[j].key for j in rows], 0, batch.shape[1], batch.shape[2], batch.device)"),
+        (SR, "noise = step_noise([self.key(start)] * C, [block_step + c for c in range(C)], L, logits.shape[-1],",
+         "noise = step_noise([self.key(start)] * C, [block_step for c in range(C)], L, logits.shape[-1],"),
+    ], NOISE, EXACT_SAMPLING, note="every step draws the noise of step 0, in the engine and in exact "
+                                   "verification alike (exact still equals vanilla)"),
 ]
 
 
