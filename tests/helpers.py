@@ -17,3 +17,31 @@ def random_checkpoint(name: str = "base", **kwargs) -> Path:
     if not (path / "config.json").exists():
         make_random_checkpoint(path, **kwargs)
     return path
+
+
+def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
+    """A float64 checkpoint whose logits at a MASK position are exactly ``mask_logits`` (V,)
+    whatever the context: attention and MLP write nothing back (o_proj and down_proj are zero),
+    so a position's logits depend on its own token only; the LM head maps the MASK embedding's
+    final hidden state ``h`` onto ``mask_logits`` (rows ``a_j * h / |h|^2``). Stop ids: none."""
+    import torch
+
+    from simsd.models.config import ModelConfig
+    from simsd.models.loading import Checkpoint
+    from simsd.models.model import SDARForCausalLM
+    from simsd.testing import config_dict, random_state_dict
+
+    logits = torch.as_tensor(mask_logits, dtype=torch.float64)
+    cfg = config_dict(vocab_size=logits.shape[0], hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, mask_token_id=mask_id)
+    sd = random_state_dict(cfg, seed=seed)
+    for k in sd:
+        if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+            sd[k].zero_()
+    model = SDARForCausalLM(ModelConfig.from_dict(cfg))
+    model.load_state_dict(sd)
+    model = model.double().eval()
+    with torch.no_grad():
+        h = model.model.norm(model.model.embed_tokens.weight[mask_id][None])[0]
+        model.lm_head.weight.copy_(logits[:, None] * h[None] / (h @ h))
+    return Checkpoint(None, model, None, mask_id, [])

@@ -26,9 +26,21 @@ A baseline run of all the named tests without any mutant comes first (``--no-bas
 it): a mutant is only meaningful against a green suite. A mutant whose text is no longer in the
 code (the code moved on) is reported as stale and not run.
 
-The C++ edit of a multi-mirror mutant (``csrc/mask_rule.cuh``) takes effect only once the CUDA
-extension is rebuilt (``.ci/cuda_check.sh`` builds it and runs tests/kernels/test_expected_masks.py
-against it); in a CPU-only install the tests see the Python and Triton copies of the change.
+The C++ edit of a multi-mirror mask mutant (``csrc/mask_rule.cuh``) takes effect only once the
+CUDA extension is rebuilt (``.ci/cuda_check.sh`` builds it and runs tests/kernels/test_expected_masks.py
+against it); in a CPU-only install the tests see the Python and Triton copies of the change. The
+split rule in ``csrc/tile_layout.cuh`` is plain C++ as well: tests/kernels/test_cuda_layout.py
+compiles it with the host compiler, so its mutants run everywhere.
+
+Some changes are not faults and are not listed (a mutant must change what a user can observe):
+the ``proposed`` value that :func:`~simsd.speculative.verification.exact_step_verdict` and
+``accept_in_order`` return is not read (``SpecRow.decide`` counts proposals from the reveal
+steps); dropping the round from paper mode's noise keys changes no law (a round starts at a later
+block step than the last, and every proposal judged in a round is committed, so no judged noise is
+reused); acceptance uniforms drawn from the ``SAMPLE`` stream are independent of paper mode's
+draft (it samples from ``PAPER_DRAFT``); an API ``max_tokens + 1`` is cut by the request's text
+stream at ``max_tokens`` before it shows; the invariant plan's natural tile equals
+``INVARIANT_BLOCK_M`` for GQA groups >= 4.
 """
 from __future__ import annotations
 
@@ -58,6 +70,19 @@ USER = "tests/simsd/entrypoints/test_console_script.py"
 CLI = "tests/simsd/entrypoints/test_cli.py"
 PROGRESS = "tests/simsd/decoding/test_progress.py"
 PAPER_REF = "tests/simsd/speculative/test_paper_reference.py"
+VERDICT = "tests/simsd/speculative/test_verdicts.py"
+COUNTERS = "tests/simsd/speculative/test_counters.py"
+EXACT_SAMPLING = "tests/simsd/speculative/test_exact_sampling.py"
+NOISE = "tests/simsd/decoding/test_noise.py"
+EDGES = "tests/simsd/decoding/test_sampling_edges.py"
+SPLIT = "tests/kernels/test_split_plan.py"
+CUDA_LAYOUT = "tests/kernels/test_cuda_layout.py"
+TRITON_TILES = "tests/kernels/test_triton_tiles.py"
+SELFCHECK = "tests/kernels/test_backend_selfcheck.py"
+GRAPH_CHECK = "tests/simsd/engine/test_graph_check.py"
+API = "tests/simsd/entrypoints/test_api.py"
+OPTIONS = "tests/simsd/entrypoints/test_options.py"
+PROMPTS = "tests/simsd/entrypoints/test_prompts.py"
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,7 @@ def multi(kind, edits, *tests, note=""):
 MR, TR, CR = "simsd_kernels/mask_rule.py", "triton_ops/common.py", "csrc/mask_rule.cuh"
 SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 SAMP, STRATS = "simsd/decoding/sampling.py", "simsd/decoding/strategies.py"
+NZ, SP, GR = "simsd/decoding/noise.py", "simsd_kernels/split_plan.py", "simsd/engine/graphs.py"
 
 MUTANTS = [
     # 1. exact == vanilla with several tokens per step: verdicts and the schedule -------------------
@@ -126,17 +152,17 @@ MUTANTS = [
     m("confidence", SAMP, "confidence = base.gather(-1, tokens[..., None]).squeeze(-1)",
       "confidence = (base if params.greedy else probs).gather(-1, tokens[..., None]).squeeze(-1)", SAMPLING,
       note="issue 13 item 4: confidence from the filtered distribution when sampling"),
-    m("confidence", SAMP, "t = params.temperature if params.temperature > 0 else 1.0", "t = 1.0", SAMPLING,
+    m("confidence", SAMP, "t = 1.0 if params.greedy else params.temperature", "t = 1.0", SAMPLING,
       note="issue 13 item 4: confidence ignores the temperature"),
-    m("confidence", SAMP, "t = params.temperature if params.temperature > 0 else 1.0",
-      "t = params.temperature if params.temperature > 0 else 2.0", REF, SAMPLING,
+    m("confidence", SAMP, "t = 1.0 if params.greedy else params.temperature",
+      "t = 2.0 if params.greedy else params.temperature", REF, SAMPLING,
       note="greedy confidence at temperature 2 instead of 1"),
     m("sampling", SAMP, "scores = scores.masked_fill(scores < kth, float(\"-inf\"))",
       "scores = scores.masked_fill(scores <= kth, float(\"-inf\"))", SAMPLING, note="top-k keeps k - 1"),
     m("sampling", SAMP, "drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p",
       "drop = cum >= params.top_p", SAMPLING, note="top-p drops the token that crosses p"),
-    m("sampling", SAMP, "scores = logits.float() / params.temperature", "scores = logits.float()", SAMPLING,
-      note="sampling ignores the temperature"),
+    m("sampling", SAMP, "scores = scaled_scores(logits, params.temperature)", "scores = scaled_scores(logits, 1.0)",
+      SAMPLING, note="sampling ignores the temperature"),
     m("sampling", SAMP, "return (weights.float() / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)",
       "return (weights.float() * noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)", SAMPLING,
       note="a biased draw"),
@@ -144,22 +170,24 @@ MUTANTS = [
       "entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1) / 2 if with_entropy else None", SAMPLING, REF,
       note="entropy off by a factor"),
     # 3. rejection sampling and reveal-step bookkeeping -----------------------------------------------
-    m("reveal step", SR, "at = logits[(draft.tau - 1).clamp(0, draft.n - 1), torch.arange(L, device=logits.device)]",
-      "at = logits[torch.zeros_like(draft.tau), torch.arange(L, device=logits.device)]", REJECT,
-      note="issue 13 item 3: every proposal judged at copy 0"),
+    m("reveal step", VER, "taus = torch.cat([torch.zeros(nl, dtype=torch.int64, device=device), t, t])",
+      "taus = torch.cat([torch.zeros(nl, dtype=torch.int64, device=device), t, torch.ones_like(t)])",
+      PAPER_REF, REJECT, note="issue 13 item 3: every proposal judged as at the round's first step (M slots "
+                              "labelled tau = 1: they see no draft token)"),
     m("reveal step", SR, "probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)",
       "probs = p.to(probs.dtype)", REJECT, note="the draft distribution of the last step, not the reveal step"),
     m("reveal step", SR, "tau = torch.where(revealed, c + 1, tau)", "tau = torch.where(revealed, c + 2, tau)",
       REJECT, EXACT_REF, note="reveal steps off by one"),
-    m("rejection", VER, "ok = (pd_x > 0) & (u * pd_x.double() < pt_x.double())",
-      "ok = (pd_x > 0) & (u * pt_x.double() < pd_x.double())", REJECT, note="accept with min(1, p_d / p_t)"),
+    m("rejection", VER, "ok = (pd_x > 0) & (u.double() * pd_x.double() < pt_x.double())",
+      "ok = (pd_x > 0) & (u.double() * pt_x.double() < pd_x.double())", REJECT, note="accept with min(1, p_d / p_t)"),
     m("rejection", VER, "residual = (p_t - p_d).clamp_min(0)", "residual = p_t.clone()", REJECT,
       note="a rejected token resampled from p_t instead of the residual"),
-    m("rejection", SR, "mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg, block_step + draft.n,",
-      "mine, _, _ = denoise_step(logits[draft.n - 1], draft.final, self.mask_id, self.cfg, block_step + draft.n,",
-      REJECT, note="sampling: the bonus step read from the last draft copy"),
+    m("verdict", SR, "logits = logits.view(C, L, -1)",
+      "logits = logits.view(C, L, -1)[torch.arange(C).clamp(max=draft.n - 1)]", EXACT_REF, REJECT,
+      note="the bonus step read from the last draft copy's logits"),
     # 5. stop ids ---------------------------------------------------------------------------------------
-    m("stop ids", SR, "stops = set(dec.t.stop_ids)", "stops = set(dec.d.stop_ids)", EXACT_REF,
+    m("stop ids", SR, "self.stop_ids = list(dec.t.stop_ids if stop_ids is None else stop_ids)",
+      "self.stop_ids = list(dec.d.stop_ids if stop_ids is None else stop_ids)", EXACT_REF,
       note="issue 13 item 5: stop ids of the draft checkpoint"),
     m("stop ids", "simsd/speculative/decoder.py", "token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)",
       "token_ids = finish(generated, self.d.stop_ids, cfg.max_new_tokens)", EXACT_REF,
@@ -233,12 +261,12 @@ MUTANTS = [
       note="paper: the steps an accepted round used, one short"),
     m("verdict", VER, "last = mine[n] if bonus else drafted", "last = drafted", EXACT_REF,
       note="exact: the bonus copy's step replaced by the draft's final state"),
-    m("verdict", SR, "at = logits[m_index.clamp_min(0)]",
-      "at = logits[(m_index - int((block == self.mask_id).sum())).clamp_min(0)]", PAPER_REF, SPEC,
-      note="paper: proposals judged at their D slot instead of their M slot"),
-    m("schedule", SR, "\"draft\", state, Step(state, block_step + c, dcfg, self.mask_id, self.draft_generator))",
-      "\"draft\", state, Step(state, c, dcfg, self.mask_id, self.draft_generator))", PAPER_REF,
-      note="the draft's schedule restarts at every round"),
+    m("verdict", SR, "at = without_mask_token(logits[m_index.clamp_min(0)], self.mask_id)",
+      "at = without_mask_token(logits[(m_index - int((block == self.mask_id).sum())).clamp_min(0)], self.mask_id)",
+      PAPER_REF, SPEC, note="paper: proposals judged at their D slot instead of their M slot"),
+    m("schedule", SR, "\"draft\", state, Step(state, block_step + c, dcfg, self.mask_id, key))",
+      "\"draft\", state, Step(state, c, dcfg, self.mask_id, key))", PAPER_REF, EXACT_SAMPLING,
+      note="the draft's step (schedule and noise key) restarts at every round"),
     m("schedule", SR, "if spec.on_reject == \"fallback\" and masks < dec.gamma:",
       "if spec.on_reject == \"fallback\" and masks <= dec.gamma:", PAPER_REF,
       note="the paper's fallback one position early"),
@@ -267,10 +295,132 @@ MUTANTS = [
     m("user path", "simsd/entrypoints/detokenize.py", 'self.finish_reason, self.stop_reason = "stop", t',
       'self.finish_reason, self.stop_reason = "stop", t; self._text += self.detok.push([t])', CLI, USER,
       note="the text keeps the stop token"),
+    m("user path", "simsd/entrypoints/params.py", "sampling=StepSampling(params.temperature, params.top_k, params.top_p),",
+      "sampling=StepSampling(params.temperature, params.top_k, 1.0),", API,
+      note="the API ignores a request's top_p"),
+    m("user path", "simsd/entrypoints/encoding.py", "any(t + r in rendered for r in roles)",
+      "any(t in rendered for r in roles)", OPTIONS,
+      note="every special token of the chat template ends the answer, not only the role markers"),
+    m("user path", "simsd/entrypoints/prompts.py", 'line = line.lstrip("\\ufeff")', "line = line", PROMPTS,
+      note="a prompt file with a byte-order mark is refused"),
+    m("user path", "simsd/entrypoints/options.py", "greedy = temperature == 0 or top_k == 1",
+      "greedy = temperature == 0", OPTIONS, note="--seed accepted with --top-k 1 (greedy: the seed would be ignored)"),
+    m("user path", "simsd/entrypoints/options.py", "if steps is not None and steps > block_length:",
+      "if steps is not None and steps >= block_length:", OPTIONS,
+      note="--steps equal to the block length refused"),
     m("hang", "simsd/decoding/step.py", "logits = without_mask_token(logits, mask_id)", "logits = logits",
       PROGRESS, VANILLA, note="issue 13 item 9: MASK can be 'revealed' (no progress)"),
     m("hang", VER, "new = torch.index_select(candidates, 0, n_ok.view(1))[0]", "new = states[0]", PROGRESS,
       note="an exact round that commits nothing"),
+    m("hang", STRATS, "n = ((ranked.cumsum(-1) <= threshold).sum(-1, keepdim=True)).clamp_min(1)",
+      "n = ((ranked.cumsum(-1) <= threshold).sum(-1, keepdim=True)).clamp_min(0)", STRAT, REF, PROGRESS,
+      note="entropy: a step under a tight bound reveals nothing (no progress)"),
+    m("hang", "simsd/engine/batching.py", "if served[i] > limit:", "if served[i] > limit * 10 ** 9:", PROGRESS,
+      note="the engine's bound on a row's requests removed: a program that never finishes loops"),
+    # counters (issue 13 item 6; README "Statistics") ---------------------------------------------------
+    m("counters", SR, "proposals = sorted((t, i) for i, t in enumerate(tau) if t <= draft.n)",
+      "proposals = sorted((t, i) for i, t in enumerate(tau) if t <= taken)", COUNTERS,
+      note="proposed counts only the steps a round took (the draft steps after a rejection dropped)"),
+    m("counters", VER, "return new, rejected, taken, r, (prop & (tau <= taken)).sum()",
+      "return new, rejected, taken, r + rejected.long(), (prop & (tau <= taken)).sum()", COUNTERS,
+      note="paper: accepted off by one (the corrected proposal counted)"),
+    m("counters", VER, "accepted = (counts * ok_prefix).sum()", "accepted = (counts * (steps <= n_ok + 1)).sum()",
+      VERDICT, COUNTERS, note="exact: the rejected step's tokens counted as accepted"),
+    m("counters", SR, "self.stats.target_tokens += i not in from_draft", "self.stats.target_tokens += i in from_draft",
+      COUNTERS, note="target_tokens counts the draft's tokens (target_tokens / from_draft swapped)"),
+    m("counters", "simsd/speculative/decoder.py", "from_draft = sum(1 for o in r.stats.origins[:n] if o)",
+      "from_draft = sum(1 for o in r.stats.origins[:n] if not o)", COUNTERS,
+      note="from_draft counts the target's tokens"),
+    m("counters", "simsd/speculative/decoder.py", "from_draft = sum(1 for o in r.stats.origins[:n] if o)",
+      "from_draft = sum(1 for o in r.stats.origins if o)", COUNTERS,
+      note="from_draft counts the cut tokens too"),
+    m("counters", "simsd/speculative/decoder.py", '"draft_share": from_draft / n if n else 0.0,',
+      '"draft_share": from_draft / len(r.stats.origins) if n else 0.0,', COUNTERS,
+      note="draft_share over the decoded tokens, not the returned ones"),
+    m("counters", SR, "self.mark(before, block_host, {i for _, i in proposals[:acc]})",
+      "self.mark(before, block_host, {i for _, i in proposals[:acc + 1]})", COUNTERS,
+      note="the target's correction counted as the draft's"),
+    m("counters", SR, "self.stats.origins.extend(self.origin[first_gen:])", "self.stats.origins.extend(self.origin)",
+      COUNTERS, note="origins include the prompt tail's positions (from_draft shifted)"),
+    m("counters", "simsd/speculative/decoder.py",
+      "stats = self.row_stats(r, len(token_ids), blocks, timer.seconds, len(generated) - len(token_ids))",
+      "stats = self.row_stats(r, len(token_ids), blocks, timer.seconds, cfg.max_new_tokens - len(token_ids))",
+      COUNTERS, note="cut_tokens counted against the budget, not the decoded tokens"),
+    m("counters", "simsd/decoding/vanilla.py",
+      "stats = vanilla_stats(row, len(token_ids), blocks, timer.seconds, len(generated) - len(token_ids))",
+      "stats = vanilla_stats(row, len(token_ids), blocks, timer.seconds, max(0, len(generated) - cfg.max_new_tokens))",
+      COUNTERS, note="vanilla: tokens cut after a stop id not counted"),
+    # keyed noise (docs/design.md §4.2) --------------------------------------------------------------
+    m("noise", NZ, "state = mix64_(base[:, None] + pos * _signed(GOLDEN))", "state = mix64_(base[:, None] + 0 * pos)",
+      NOISE, note="key field dropped: position"),
+    m("noise", NZ, "state = mix64_(state + steps.reshape(R, 1) * _signed(GOLDEN))",
+      "state = mix64_(state + 0 * steps.reshape(R, 1))", NOISE, note="key field dropped: step"),
+    m("noise", NZ, "z = mix64(self.seed)", "z = mix64(0)", NOISE, note="key field dropped: seed"),
+    m("noise", "simsd/decoding/step.py",
+      "noise = step_noise([steps[j].key for j in rows], index, batch.shape[1], batch.shape[2], batch.device)",
+      "noise = step_noise([steps[j].key for j in rows], 0, batch.shape[1], batch.shape[2], batch.device)",
+      NOISE, EXACT_SAMPLING, note="denoising steps draw the noise of the block's step 0"),
+    m("noise", SR, "u = uniform([self.key(start, ACCEPT, r)], 0, L, 1, at.device)[0, :, 0]",
+      "u = uniform([self.key(start, PAPER_DRAFT, r)], 0, L, 1, at.device)[0, :, 0]", REJECT,
+      note="paper: the acceptance uniforms reuse the draft's sampling stream"),
+    m("noise", SR, "rng = (u, step_noise([self.key(start, RESIDUAL, r)], 0, L, V, at.device)[0])",
+      "rng = (u, step_noise([self.key(start, PAPER_DRAFT, r)], 0, L, V, at.device)[0])", REJECT,
+      note="paper: the residual draw reuses the draft's sampling stream"),
+    # exact verdicts on hand-made cases ---------------------------------------------------------------
+    m("verdict", VER, "ok_prefix = (mine[:n] == after).all(-1).long().cumprod(0)",
+      "ok_prefix = (mine[:n].sort(-1).values == after.sort(-1).values).all(-1).long().cumprod(0)", VERDICT,
+      EXACT_REF, note="exact: a draft step accepted on its tokens only (not their positions)"),
+    m("verdict", SR, "noise = step_noise([self.key(start)] * C, [block_step + c for c in range(C)], L, logits.shape[-1],",
+      "noise = step_noise([self.key(start)] * C, [block_step for c in range(C)], L, logits.shape[-1],",
+      EXACT_SAMPLING, note="exact under sampling: every copy's step drawn with the round's first step's noise"),
+    # the split plan (shape-invariant mode) -------------------------------------------------------------
+    m("split plan", SP, "batch, q_len = 1, INVARIANT_Q_LEN", "batch = 1", SPLIT,
+      note="the invariant plan sized for the call's Lq"),
+    m("split plan", SP, "work = cdiv(max(cache_len, 0), BLOCK_N) + (0 if invariant else cdiv(q_len, BLOCK_N))",
+      "work = cdiv(max(cache_len, 0), BLOCK_N) + cdiv(q_len, BLOCK_N)", SPLIT, CUDA_LAYOUT,
+      note="Python: the invariant active split count depends on Lq"),
+    m("split plan", "triton_ops/attention.py", "active = tl.maximum(1, tl.minimum(num_splits, work // min_tiles))",
+      "active = tl.maximum(1, tl.minimum(num_splits, (ct + nt) // min_tiles))", TRITON_TILES,
+      note="Triton: the invariant active split count depends on Lq"),
+    m("split plan", "csrc/tile_layout.cuh", "+ (invariant ? 0 : cdiv(q_len, kBlockN));", "+ cdiv(q_len, kBlockN);",
+      CUDA_LAYOUT, note="C++ (compiled on the CPU by the layout test): the invariant active split count depends on Lq"),
+    multi("split plan (all mirrors)", [
+        (SP, "work = cdiv(max(cache_len, 0), BLOCK_N) + (0 if invariant else cdiv(q_len, BLOCK_N))",
+         "work = cdiv(max(cache_len, 0), BLOCK_N) + cdiv(q_len, BLOCK_N)"),
+        ("triton_ops/attention.py", "active = tl.maximum(1, tl.minimum(num_splits, work // min_tiles))",
+         "active = tl.maximum(1, tl.minimum(num_splits, (ct + nt) // min_tiles))"),
+        ("csrc/tile_layout.cuh", "+ (invariant ? 0 : cdiv(q_len, kBlockN));", "+ cdiv(q_len, kBlockN);"),
+    ], CUDA_LAYOUT, SPLIT, TRITON_TILES, note="the invariant active split count depends on Lq in every mirror"),
+    # self-checks: backends and CUDA graphs (docs/design.md §5) --------------------------------------
+    m("backend self-check", "simsd_kernels/selfcheck.py", "tol = 2 * torch_err + ERR_FLOOR[q.dtype]",
+      'tol = float("inf")', SELFCHECK, note="the tolerance ignored (only NaN fails)"),
+    m("backend self-check", "simsd_kernels/backends.py", "hit = _VERDICTS[key] = (result.ok, result.detail)",
+      "hit = _VERDICTS[key] = (True, result.detail)", SELFCHECK, note="a failing verdict treated as a pass"),
+    m("backend self-check", "simsd_kernels/selfcheck.py",
+      'poisoned[4] = to(v_cache.masked_fill(unread[..., None, None], float("nan")))', "poisoned[4] = clean[4]",
+      SELFCHECK, note="unread V cache slots not poisoned (a backend reading past cache_seqlens passes)"),
+    m("graph self-check", GR, "if not diff <= t:  # NaN fails too", "if diff > t:", GRAPH_CHECK,
+      note="a NaN replay passes the check"),
+    m("graph self-check", GR, "got.append(self._written(lengths, g.ids.shape[1]))", "pass", GRAPH_CHECK,
+      note="the K/V a replay wrote not compared"),
+    m("graph self-check", GR, "self.cache.seqlens.copy_(lengths)", "pass", GRAPH_CHECK,
+      note="the eager rerun starts from the lengths the replay advanced"),
+    m("graph self-check", GR, "t = GRAPH_TOL.get(self.model.dtype, 1e-2) * max(1.0, ref)",
+      "t = GRAPH_TOL.get(self.model.dtype, 1e-2) * max(1.0, ref) * 1e9", GRAPH_CHECK,
+      note="the tolerance ignored"),
+    # sampling edges (issue 15) -----------------------------------------------------------------------------
+    m("sampling", SAMP, "drop[..., 0] = False", "drop[..., 0] = drop[..., 0]", EDGES, SAMPLING,
+      note="a tiny top_p drops every token"),
+    m("sampling", SAMP, "return (x - x.amax(-1, keepdim=True)) / temperature", "return x / temperature", EDGES,
+      note="small temperatures divide the raw logits (overflow)"),
+    multi("noise", [
+        ("simsd/decoding/step.py",
+         "noise = step_noise([steps[j].key for j in rows], index, batch.shape[1], batch.shape[2], batch.device)",
+         "noise = step_noise([steps[j].key for j in rows], 0, batch.shape[1], batch.shape[2], batch.device)"),
+        (SR, "noise = step_noise([self.key(start)] * C, [block_step + c for c in range(C)], L, logits.shape[-1],",
+         "noise = step_noise([self.key(start)] * C, [block_step for c in range(C)], L, logits.shape[-1],"),
+    ], NOISE, EXACT_SAMPLING, note="every step draws the noise of step 0, in the engine and in exact "
+                                   "verification alike (exact still equals vanilla)"),
 ]
 
 

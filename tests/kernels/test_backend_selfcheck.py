@@ -149,6 +149,22 @@ def test_a_backend_that_raises_or_returns_nan_fails_its_check(register):
     assert "'nans'" in msgs[1] and "NaN" in msgs[1]
 
 
+@pytest.mark.parametrize("which", [3, 4], ids=["k_cache", "v_cache"])
+def test_a_backend_that_reads_unread_cache_slots_fails_its_check(register, which):
+    """A kernel that loads cache rows past ``cache_seqlens`` (weighting them 0) is right where the
+    unread slots hold finite values and wrong where they hold garbage: the check fills them with
+    NaN, so ``0 * NaN`` shows the read."""
+    def reads_past(*a):
+        return temporal_attention_torch(*a) + 0 * a[which].sum()
+    register(_wrapping("reads-past", reads_past)[0])
+    args = make_inputs(7, 2, 5, 2, 2, 64, [3, 0], lmax=16)
+    assert torch.equal(reads_past(*args, 1, 1e4, 64 ** -0.5), temporal_attention_torch(*args, 1, 1e4, 64 ** -0.5))
+    out, caught = _recorded(lambda: _attention(args, "block_causal"))
+    assert torch.equal(out, temporal_attention_torch(*args, 1, 1e4, 64 ** -0.5))
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and "'reads-past'" in msgs[0] and "NaN" in msgs[0], msgs
+
+
 def test_wrong_append_kv_falls_back(register):
     def bad_append(k, v, positions, kc, vc, lens, theta, n):
         append_kv_torch(k, v * 2, positions, kc, vc, lens, theta, n)

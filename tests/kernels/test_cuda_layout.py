@@ -50,3 +50,13 @@ def test_device_split_rule_equals_python(layout_check):
             cache[key] = split_ranges(*key)
             assert active == active_splits(*key), key
         assert cache[key][z] == ((clo, chi), (nlo, nhi)), (key, z)
+    # the shape-invariant rule on the C++ rows themselves (equal mirrors can share a fault): the
+    # cache cut depends on the row's cache length only, never on Lq; the new tiles all go to the
+    # last active split
+    invariant: dict = {}
+    for cache_len, q_len, ns, mt, inv, z, active, clo, chi, nlo, nhi in rows:
+        if inv:
+            key = (cache_len, ns, mt, z)
+            assert invariant.setdefault(key, (active, clo, chi)) == (active, clo, chi), (key, q_len)
+            assert (nlo, nhi) == ((0, -(-q_len // 64)) if z == active - 1 else (0, 0)), (key, q_len)
+    assert sum(1 for r in rows if r[4]) >= 3 * len(invariant)  # several Lq per cut: the check has teeth

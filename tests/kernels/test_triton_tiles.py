@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from simsd_kernels.mask_rule import MaskMode  # noqa: E402
 from simsd_kernels.reference import temporal_attention_naive, temporal_attention_torch  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
-from simsd_kernels.split_plan import TRITON_FIGURES, plan_for  # noqa: E402
+from simsd_kernels.split_plan import TRITON_FIGURES, active_splits, plan_for  # noqa: E402
 from simsd_kernels.triton_backend import _attention as triton_attention  # noqa: E402
 from tests.kernels.helpers import make_inputs, max_err  # noqa: E402
 from triton_ops.ops import rope_qk_fwd, temporal_attention_fwd  # noqa: E402
@@ -102,8 +102,12 @@ def test_rope_pre_pass_matches_the_reference_rotation():
 def test_shape_invariant_rows_are_bit_identical(dtype):
     """Exact mode: a denoise forward of one block (Lq 4, copy 0) and a verify forward of 20 copies
     (Lq 80) in a batch of 3 give the block's tokens the same bits with ``shape_invariant`` (under
-    the interpreter; on a GPU it also takes the kernel's tile shapes, which this mode fixes)."""
-    L, lmax, D = 900, 1024, 64  # G 1: the invariant plan (sized for 16 rows) splits this capacity
+    the interpreter; on a GPU it also takes the kernel's tile shapes, which this mode fixes).
+    The cache length is one where counting the new tiles would give the two forwards different
+    split counts (checked below with the speed rule), so a kernel that let Lq into the invariant
+    cut would show here."""
+    # G 1: the invariant plan (sized for 16 rows) splits this capacity; least tiles per split 4 (fp32), 6 (bf16)
+    L, lmax, D = (860 if dtype == torch.float32 else 620), 1024, 64
     one = list(make_inputs(11, 1, 4, 1, 1, D, [L], dtype=dtype, lmax=lmax))
     big = list(make_inputs(12, 3, 80, 1, 1, D, [100, L, 200], dtype=dtype, lmax=lmax))
     for i in (0, 1, 2, 3, 4):  # q, k, v, k_cache, v_cache of row 1 := the single row
@@ -122,6 +126,8 @@ def test_shape_invariant_rows_are_bit_identical(dtype):
     pa = plan_for(one[0], one[1], one[3], figures=TRITON_FIGURES, invariant=True)
     pb = plan_for(big[0], big[1], big[3], figures=TRITON_FIGURES, invariant=True)
     assert pa == pb and pa.num_splits > 1  # the same plan, and it does split this cache
+    assert active_splits(pa.num_splits, pa.min_tiles, False, L, 4) != active_splits(pa.num_splits, pa.min_tiles, False,
+                                                                                    L, 80)
     assert torch.equal(a[0], b[1, :4])
     ref = temporal_attention_naive(*[x.double() if x.is_floating_point() else x for x in one], MaskMode.EXACT,
                                    THETA, scale)

@@ -72,6 +72,17 @@ def corrupting_capture(fn, cache, device, pool):
     return bad_replay, out, pool
 
 
+def nan_capture(fn, cache, device, pool):
+    """A broken capture whose replay leaves NaN in the logits (memory nothing wrote)."""
+    replay, out, pool = eager_capture(fn, cache, device, pool)
+
+    def bad_replay():
+        replay()
+        if out is not None:
+            out.fill_(float("nan"))
+    return bad_replay, out, pool
+
+
 def _recorded(fn):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -93,8 +104,9 @@ def test_first_replay_of_every_shape_is_checked(pair, graph_engines, mode):
         assert all(diff == 0.0 for _, diff, _ in runner.checks), runner.checks
 
 
-@pytest.mark.parametrize("capture,mode", [(stale_capture, "vanilla"), (corrupting_capture, "exact")],
-                         ids=["stale-logits-vanilla", "corrupt-kv-exact"])
+@pytest.mark.parametrize("capture,mode", [(stale_capture, "vanilla"), (corrupting_capture, "exact"),
+                                          (nan_capture, "paper")],
+                         ids=["stale-logits-vanilla", "corrupt-kv-exact", "nan-logits-paper"])
 def test_a_wrong_replay_disables_graphs_with_one_warning(pair, graph_engines, capture, mode):
     graph_engines(capture)
     target, draft = pair

@@ -30,10 +30,11 @@ def test_generate_equals_single_runs_of_the_decoders(llms, mode):
     """Mixed prompt forms and lengths, greedy and seeded sampling, more prompts than rows: each
     output equals the decoders' run of that prompt alone with its seed."""
     llm = llms[mode]
-    params = [SamplingParams(max_tokens=n, temperature=t, top_k=k, seed=s)
-              for n, t, k, s in [(9, 0.0, 0, None), (16, 1.5, 50, 11), (5, 0.0, 0, 3), (12, 0.9, 0, 2**62 + 1),
-                                 (14, 0.0, 0, 7), (7, 1.2, 20, 8)]]
-    prompts = PROMPTS + PROMPTS[:2]
+    params = [SamplingParams(max_tokens=n, temperature=t, top_k=k, top_p=p, seed=s)
+              for n, t, k, p, s in [(9, 0.0, 0, 1.0, None), (16, 1.5, 50, 1.0, 11), (5, 0.0, 0, 1.0, 3),
+                                    (12, 0.9, 0, 1.0, 2**62 + 1), (14, 0.0, 0, 1.0, 7), (7, 1.2, 20, 1.0, 8),
+                                    (16, 2.0, 0, 0.6, 12)]]
+    prompts = PROMPTS + PROMPTS[:3]
     outs = llm.generate(prompts, params)
     assert len({len(o.token_ids) for o in outs}) > 2
     for p, sp, o in zip(prompts, params, outs):

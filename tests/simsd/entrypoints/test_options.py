@@ -121,14 +121,16 @@ def test_block_dependent_ranges_before_any_weight(ck, capsys, monkeypatch):
 
 def test_accepted_combinations(ck, capsys):
     """The counterparts that do something: top-k 1 at a temperature is greedy (same tokens), the
-    optimistic draft without folding, fallback with gamma 2, steps with a draft that uses them."""
+    optimistic draft without folding, fallback with gamma 2, steps with a draft that uses them,
+    steps and gamma at the top of their range [1, B]."""
     base = ["generate", "--target", ck, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "8", "--json"]
     _, greedy, _ = run(capsys, *base)
     code, topk1, err = run(capsys, *base, "--temperature", "0.7", "--top-k", "1")
     assert code == 0, err
     assert json.loads(topk1)["token_ids"] == json.loads(greedy)["token_ids"]
     for flags in (["--optimistic", "on"], ["--on-reject", "fallback", "--gamma", "2"],
-                  ["--strategy", "entropy", "--draft-strategy", "static", "--steps", "2"]):
+                  ["--strategy", "entropy", "--draft-strategy", "static", "--steps", "2"],
+                  ["--steps", "4", "--gamma", "4"]):
         code, out, err = run(capsys, *base, "--draft", ck, "--mode", "exact", *flags)
         assert code == 0, (flags, err)
 

@@ -40,6 +40,14 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, line, needle):
     assert f"{f}:2" in str(err.value) and needle in str(err.value)
 
 
+def test_jsonl_with_a_byte_order_mark(tmp_path):
+    """A UTF-8 byte-order mark (as some editors write) is not part of the first line's JSON."""
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "hi", "id": "x"}\n{"prompt_ids": [4, 5]}\n')
+    out = P.read_jsonl(f)
+    assert [(p.text, p.ids, p.id) for p in out] == [("hi", None, "x"), (None, [4, 5], "bom.jsonl:2")]
+
+
 def test_jsonl_missing_and_empty(tmp_path):
     with pytest.raises(P.PromptFileError, match="not found"):
         P.read_jsonl(tmp_path / "nope.jsonl")

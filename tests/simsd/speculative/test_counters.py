@@ -98,6 +98,35 @@ def test_hand_checked_counters(key, sampling):
     assert s["accepted_per_round"] == want["accepted"] / want["rounds"]
 
 
+# a prompt of 5 tokens: its last token is the first block's tail, the block generates 3 tokens and
+# the next one 4 (7 new tokens). Self draft: one round per block, every proposal accepted (3 + 4).
+# Wrong draft: every round's first proposal rejected: proposals 3+2+1 and 4+3+2+1, 7 rounds.
+HAND_TAIL = {
+    ("exact", "self"): dict(proposed=7, accepted=7, target_tokens=0, rounds=2, from_draft=7, tf=3, df=8),
+    ("paper", "self"): dict(proposed=7, accepted=7, target_tokens=0, rounds=2, from_draft=7, tf=3, df=8),
+    ("exact", "wrong"): dict(proposed=16, accepted=0, target_tokens=7, rounds=7, from_draft=0, tf=8, df=17),
+    ("paper", "wrong"): dict(proposed=16, accepted=0, target_tokens=7, rounds=7, from_draft=0, tf=8, df=17),
+}
+
+
+@pytest.mark.parametrize("key", HAND_TAIL, ids=[f"{m}-{d}" for m, d in HAND_TAIL])
+def test_hand_checked_counters_with_a_prompt_tail(key):
+    """The prompt tail's position is neither the draft's nor the target's: the counters and the
+    draft's share cover the generated positions only."""
+    mode, which = key
+    want = HAND_TAIL[key]
+    cfg = cfg_of(GREEDY, 7)
+    r = speculative_generate(TARGET, TARGET if which == "self" else WRONG, PROMPT + [5], cfg,
+                             SpecConfig(mode=mode, gamma=4))
+    s = r.stats
+    assert r.token_ids == [A] * 7
+    got = {k: s[k] for k in ("proposed", "accepted", "target_tokens", "rounds", "from_draft")}
+    got.update(tf=s["target_forwards"], df=s["draft_forwards"])
+    assert got == want
+    assert (s["new_tokens"], s["cut_tokens"], s["blocks"]) == (7, 0, 2)
+    assert s["draft_share"] == want["from_draft"] / 7
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampling"])
 def test_hand_checked_vanilla(sampling):
     s = run("vanilla", None, sampling).stats

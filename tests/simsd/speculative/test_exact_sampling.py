@@ -65,13 +65,16 @@ def test_exact_equals_vanilla_under_sampling(models, strategy, T):
 @pytest.mark.parametrize("strategy", ["static", "sequential", "dynamic", "entropy"])
 def test_self_draft_accepts_every_step_under_sampling(models, strategy):
     """The target as its own draft sees the same noise and the same logits: every draft step is
-    the target's step, in bfloat16 too."""
-    for dtype in ("float32", "bfloat16"):
+    the target's step, in bfloat16 too; with gamma 2 rounds start mid-block, and the draft's
+    steps still draw the noise of their step in the block (round start + draft step)."""
+    for dtype, gamma in (("float32", None), ("bfloat16", None), ("float32", 2)):
         target = ckpt("target", dtype=dtype)
         cfg = cfg_for(strategy, 1.0, seed=3)
-        got = speculative_generate(target, target, PROMPTS[1], cfg, SpecConfig(mode="exact"))
-        assert got.stats["acceptance_rate"] == 1.0, dtype
-        assert got.token_ids == vanilla_ids(target, PROMPTS[1], cfg), dtype
+        got = speculative_generate(target, target, PROMPTS[1], cfg, SpecConfig(mode="exact", gamma=gamma))
+        assert got.stats["acceptance_rate"] == 1.0, (dtype, gamma)
+        assert got.token_ids == vanilla_ids(target, PROMPTS[1], cfg), (dtype, gamma)
+        if gamma is not None and strategy in ("static", "sequential"):  # one token per step: 2 rounds a block
+            assert got.stats["rounds"] > got.stats["blocks"]  # rounds that start mid-block ran
 
 
 @pytest.mark.parametrize("variant", ["gamma2", "fallback", "fold", "optimistic", "b8_steps4", "draft_strategy"])

@@ -128,3 +128,70 @@ def test_block_joint_distribution_equals_target(mode, layers, gamma):
         exp.append(N - sum(exp))
     assert len(big) >= 8
     assert chisquare(obs, exp).pvalue > 1e-4
+
+
+# -- paper rounds end to end: the joint law of (token, accepted) at each position ----------------
+
+# token 0: the draft's favourite, rarely the target's (rejected 9 times in 10); tokens 1 and 2: the
+# target's residual mass, one the draft likes (0.4), one it does not (0.05)
+CF_MASK = 4
+P_T = [0.05, 0.60, 0.25, 0.10]
+P_D = [0.50, 0.40, 0.05, 0.05]
+
+
+def position_law(p_t, p_d) -> dict:
+    """``{(token, accepted): probability}`` of one judged proposal: the draft proposes x ~ p_d,
+    the target accepts with probability min(1, p_t(x) / p_d(x)), else draws from
+    normalize(max(0, p_t - p_d)): P(x, accepted) = min(p_d(x), p_t(x)), P(x, corrected) =
+    max(0, p_t(x) - p_d(x))."""
+    law = {}
+    for x, (t, d) in enumerate(zip(p_t, p_d)):
+        law[(x, True)] = min(t, d)
+        law[(x, False)] = max(0.0, t - d)
+    return law
+
+
+def test_paper_rounds_accept_and_correct_by_the_rule():
+    """Context-free target and draft (tests/helpers.py ``context_free_checkpoint``): at every MASK
+    position the target's distribution is P_T and the draft's P_D, whatever the context. A block
+    of two MASK positions, gamma 2, ``sequential``: the first position is proposed at draft step 1,
+    the second at step 2 (or, after a rejection of the first, in the next round); each is judged
+    once, with its own keyed noise, so (token, accepted) of each position follows
+    :func:`position_law`, independently. Observed per row: both tokens and the accepted count;
+    4000 rows (one seed each) against the exact joint (chi-square, no rescaling).
+
+    This holds the draft to its reveal-step distribution (the first position's distribution
+    at the draft's last step differs: its own token is then in the input) and the acceptance
+    uniforms and residual draws to streams of their own (sharing the draft's noise correlates
+    the verdict with the proposal)."""
+    import math
+
+    from tests.helpers import context_free_checkpoint
+    target = context_free_checkpoint([math.log(p) for p in P_T] + [0.0], CF_MASK, seed=0)
+    draft = context_free_checkpoint([math.log(p) for p in P_D] + [0.0], CF_MASK, seed=1)
+    law = position_law(P_T, P_D)
+    want: dict = {}
+    for (xa, fa), pa in law.items():
+        for (xb, fb), pb in law.items():
+            key = (xa, xb, int(fa) + int(fb))
+            want[key] = want.get(key, 0.0) + pa * pb
+    assert abs(sum(want.values()) - 1) < 1e-12
+    N = 4000
+    # block [1, MASK, MASK]: the prompt is the first block's tail (no prefill forward)
+    cfg = DecodeConfig(block_length=3, strategy="sequential", max_new_tokens=2, seed=0,
+                       sampling=SamplingParams(temperature=1.0))
+    res = speculative_generate_batch(target, draft, [[1]] * N, cfg, SpecConfig(mode="paper", gamma=2))
+    counts: dict = {}
+    for r in res.results:
+        key = (*r.token_ids, r.stats["accepted"])
+        counts[key] = counts.get(key, 0) + 1
+    impossible = [k for k in counts if want.get(k, 0.0) == 0.0]
+    assert not impossible, impossible[:3]
+    big = [k for k, p in want.items() if p * N >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [want[k] * N for k in big]
+    if N - sum(exp) > 1e-6:  # the outcomes of small probability, pooled
+        obs.append(N - sum(obs))
+        exp.append(N - sum(exp))
+    assert len(big) >= 15
+    assert chisquare(obs, exp).pvalue > 1e-4
