@@ -75,6 +75,16 @@ def _supports_everything(dtype, head_dim) -> tuple:
     return True, ""
 
 
+def supports_listed(dtype, head_dim, dtypes: tuple, head_dims: tuple) -> tuple:
+    """``(ok, reason)`` for a kernel built for the listed ``dtypes`` and ``head_dims`` only
+    (the reason names the value that is not listed)."""
+    if dtype not in dtypes:
+        return False, f"dtype {dtype} is not one of {dtypes}"
+    if head_dim not in head_dims:
+        return False, f"head_dim {head_dim} is not one of {head_dims}"
+    return True, ""
+
+
 @dataclass
 class Backend:
     """An implementation of the two ops.

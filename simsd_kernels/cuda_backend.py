@@ -28,7 +28,7 @@ from contextlib import nullcontext
 import torch
 
 from . import split_plan
-from .backends import Backend
+from .backends import Backend, supports_listed
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO_PATH = os.path.join(_HERE, "_build_info.json")
@@ -84,11 +84,7 @@ def is_available(device) -> tuple:
 
 def supports(dtype, head_dim) -> tuple:
     """``(ok, reason)``: fp16/bf16 (tensor cores) or fp32 (plain path), head_dim 64/128."""
-    if dtype not in SUPPORTED_DTYPES:
-        return False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return False, f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
-    return True, ""
+    return supports_listed(dtype, head_dim, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS)
 
 
 def _guard(t):

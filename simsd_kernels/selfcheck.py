@@ -65,17 +65,26 @@ def case_labels(mode: MaskMode, B: int, Lq: int, gen: torch.Generator):
         lab[:, shared:, 2] = ((idx[shared:] - shared) // 4).to(torch.int32)
         off[:, shared:] = shared + (idx[shared:] - shared) % 4
     else:
-        n = Lq // 2
-        n0 = Lq - 2 * n
-        lab[:, :n0, 0] = KIND_KNOWN
-        lab[:, n0:n0 + n, 0] = KIND_DRAFT
-        lab[:, n0 + n:, 0] = KIND_MASK
-        tau = torch.randint(1, 5, (B, n), generator=gen, dtype=torch.int32)
-        tau[tau == 4] = TAU_INF
-        lab[:, n0:n0 + n, 1] = tau
-        lab[:, n0 + n:, 1] = tau
+        n0, n = fill_paper_labels(lab, gen)
         off[:, n0 + n:] = off[:, n0:n0 + n]
     return lab, off
+
+
+def fill_paper_labels(lab: torch.Tensor, gen: torch.Generator) -> tuple:
+    """Write the paper layout ``[known | D_1..D_n | M_1..M_n]`` into ``lab`` ((B, Lq, 3) int32,
+    in place): kinds in column 0, tau in column 1 (D_k and M_k share a random tau in 1..3 or
+    TAU_INF); ``n = Lq // 2``. Returns ``(n0, n)``, the number of known slots and of pairs."""
+    B, Lq = lab.shape[:2]
+    n = Lq // 2
+    n0 = Lq - 2 * n
+    lab[:, :n0, 0] = KIND_KNOWN
+    lab[:, n0:n0 + n, 0] = KIND_DRAFT
+    lab[:, n0 + n:, 0] = KIND_MASK
+    tau = torch.randint(1, 5, (B, n), generator=gen, dtype=torch.int32)
+    tau[tau == 4] = TAU_INF
+    lab[:, n0:n0 + n, 1] = tau
+    lab[:, n0 + n:, 1] = tau
+    return n0, n
 
 
 def attention_case(device, dtype, head_dim: int, group: int, mask_mode, cache_lens, capacity: int,

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .backends import Backend
+from .backends import Backend, supports_listed
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -38,11 +38,7 @@ def is_available(device) -> tuple:
 
 def supports(dtype, head_dim) -> tuple:
     """``(ok, reason)``: fp16/bf16/fp32 and head_dim 64/128 (the kernels' constexpr tiles)."""
-    if dtype not in SUPPORTED_DTYPES:
-        return False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}"
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return False, f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
-    return True, ""
+    return supports_listed(dtype, head_dim, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS)
 
 
 def device_guard(device: torch.device):

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from simsd_kernels import KIND_DRAFT, KIND_KNOWN, KIND_MASK, TAU_INF, MaskMode
+from simsd_kernels import MaskMode
+from simsd_kernels.selfcheck import fill_paper_labels
 
 
 def load_cuda_backend():
@@ -37,15 +38,7 @@ def make_labels(mode: MaskMode, B: int, Lq: int, gen: torch.Generator, block: in
     elif mode in (MaskMode.BLOCK_CAUSAL, MaskMode.EXACT):
         lab[..., 2] = (idx // block).to(torch.int32)
     else:
-        n = Lq // 2 if Lq > 1 else 0
-        n0 = Lq - 2 * n
-        lab[:, :n0, 0] = KIND_KNOWN
-        lab[:, n0:n0 + n, 0] = KIND_DRAFT
-        lab[:, n0 + n:, 0] = KIND_MASK
-        tau = torch.randint(1, 5, (B, n), generator=gen, dtype=torch.int32)
-        tau[tau == 4] = TAU_INF
-        lab[:, n0:n0 + n, 1] = tau
-        lab[:, n0 + n:, 1] = tau
+        fill_paper_labels(lab, gen)
     return lab
 
 

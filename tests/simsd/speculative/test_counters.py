@@ -16,32 +16,19 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, vanilla_generate
-from simsd.models.config import ModelConfig
 from simsd.models.loading import Checkpoint
-from simsd.models.model import SDARForCausalLM
 from simsd.speculative import SpecConfig, speculative_generate
-from simsd.testing import config_dict, random_state_dict
-from tests.helpers import random_checkpoint
+from tests.helpers import context_free_checkpoint, random_checkpoint
 
 V, MASK, A, B_TOK = 32, 31, 7, 9
 PROMPT = [1, 2, 3, 4]  # aligned: no prompt tail in the first block
 
 
 def context_free(top: int, seed: int = 0) -> Checkpoint:
-    cfg = config_dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, mask_token_id=MASK)
-    sd = random_state_dict(cfg, seed=seed)
-    for k in sd:
-        if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
-            sd[k].zero_()
-    model = SDARForCausalLM(ModelConfig.from_dict(cfg))
-    model.load_state_dict(sd)
-    model = model.double().eval()
-    with torch.no_grad():  # logits at MASK: one-hot at `top` (a margin of ~ 5 * hidden_size)
-        h = model.model.norm(model.model.embed_tokens.weight[MASK][None])[0]
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[top] = 5 * h
-    return Checkpoint(None, model, None, MASK, [])
+    """Logits at MASK one-hot at ``top`` (a margin of 200: exactly one-hot in float32 at T = 1)."""
+    logits = torch.zeros(V, dtype=torch.float64)
+    logits[top] = 200.0
+    return context_free_checkpoint(logits, MASK, seed=seed)
 
 
 TARGET, WRONG = context_free(A), context_free(B_TOK, seed=1)

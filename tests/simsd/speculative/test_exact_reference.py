@@ -8,27 +8,16 @@ the schedule continuing across rounds at the right step.
 import dataclasses
 
 import pytest
-import torch
 
 from simsd import DecodeConfig, load_checkpoint
 from simsd.speculative import SpecConfig, speculative_generate
-from tests.helpers import random_checkpoint
 from tests.reference_decoder import ReferenceModel, reference_generate
-
-V = 96
-THRESHOLD = {"dynamic": 0.7, "entropy": 1.0}
-
-
-def prompt_of(n: int) -> list:
-    return torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+from tests.simsd.speculative.reference_pair import THRESHOLD, V, prompt_of, reference_pair_paths
 
 
 @pytest.fixture(scope="module")
 def paths():
-    target = random_checkpoint("reference", tokenizer=False, vocab_size=V, num_hidden_layers=2, std=0.5)
-    draft = random_checkpoint("reference-draft", tokenizer=False, vocab_size=V, num_hidden_layers=1, std=0.5,
-                              seed=7)
-    return target, draft
+    return reference_pair_paths()
 
 
 @pytest.fixture(scope="module")
