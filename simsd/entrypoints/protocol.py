@@ -6,7 +6,7 @@ Fields follow OpenAI's Completions and Chat Completions APIs. Unknown fields are
 cannot honour are accepted only at their neutral value (``n=1``, ``echo=false``,
 ``logprobs`` off, penalties 0, no ``logit_bias``, no tools, text responses). simsd's own
 per-request fields: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``steps``, ``strategy``,
-``threshold``, ``gamma``, ``draft_strategy`` (see :class:`SamplingParams`).
+``threshold``, ``gamma``, ``draft_strategy``, ``draft_threshold`` (see :class:`SamplingParams`).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ class _Common(_Body):
     threshold: float | None = None
     gamma: int | None = None
     draft_strategy: str | None = None
+    draft_threshold: float | None = None
 
     def check_unsupported(self) -> None:
         """``ParamError`` for OpenAI features away from their neutral value."""
@@ -67,7 +68,8 @@ class _Common(_Body):
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None = None) -> SamplingParams:
         """The request's :class:`SamplingParams`: the server's ``defaults`` with the fields the
         request gives (a request that names a ``strategy`` and no ``threshold`` gets that
-        strategy's default threshold).
+        strategy's default threshold; one that names a ``strategy`` or ``draft_strategy`` and no
+        ``draft_threshold`` gets the draft strategy's default rule).
 
         Raises:
             ParamError: a field out of range (named).
@@ -78,12 +80,14 @@ class _Common(_Body):
         if mt is not None:
             given["max_tokens"] = mt
         for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "steps",
-                     "strategy", "threshold", "gamma", "draft_strategy"):
+                     "strategy", "threshold", "gamma", "draft_strategy", "draft_threshold"):
             value = getattr(self, name)
             if value is not None:
                 given[name] = value
         if "strategy" in given and "threshold" not in given:
             given["threshold"] = None
+        if ("strategy" in given or "draft_strategy" in given) and "draft_threshold" not in given:
+            given["draft_threshold"] = None
         return dataclasses.replace(defaults, **given)
 
 

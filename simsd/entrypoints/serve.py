@@ -18,7 +18,8 @@ from .errors import ParamError, UsageError
 #: request parameters whose command-line option is not ``--`` + the name with dashes
 FLAGS = {"max_tokens": "--max-new-tokens", "batch_size": "--max-batch-size"}
 SPEC_FLAGS = {"draft": "--draft", "draft_device": "--draft-device", "gamma": "--gamma",
-              "on_reject": "--on-reject", "draft_strategy": "--draft-strategy", "optimistic": "--optimistic"}
+              "on_reject": "--on-reject", "draft_strategy": "--draft-strategy",
+              "draft_threshold": "--draft-threshold", "optimistic": "--optimistic"}
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -37,6 +38,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
                    help="attention kernels (auto: cuda > triton > torch on a GPU, torch on the CPU)")
     g.add_argument("--cuda-graphs", action="store_true", help="replay the forwards as CUDA graphs (CUDA only)")
+    g.add_argument("--invariant", action="store_true",
+                   help="shape-invariant numerics for the target (exact mode then equals vanilla bit for bit in "
+                        "every dtype on the torch backend; slower verify forwards)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, else chosen from "
+                        "the model size)")
     g.add_argument("--block-length", type=int, default=None, help="B (default: the checkpoint's block_size)")
     g.add_argument("--fold-commit", action="store_true", help="fold each block's commit into the next forward")
     g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
@@ -62,6 +69,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="confidence threshold (dynamic) or entropy bound (entropy)")
     d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
     d.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
+    d.add_argument("--draft-threshold", type=float, default=None,
+                   help="the draft's threshold, in its strategy's range (default: --threshold when the draft runs "
+                        "the target's strategy, else the draft strategy's default)")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
@@ -82,7 +92,8 @@ def default_params(args):
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_tokens=args.max_new_tokens, steps=args.steps, strategy=args.strategy,
-                              threshold=args.threshold, gamma=args.gamma, draft_strategy=args.draft_strategy)
+                              threshold=args.threshold, gamma=args.gamma, draft_strategy=args.draft_strategy,
+                              draft_threshold=args.draft_threshold)
     except ParamError as exc:
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None
 
@@ -122,7 +133,8 @@ def build_llm(args):
                   kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
                   max_waiting=args.max_waiting, block_length=args.block_length, fold_commit=args.fold_commit,
                   on_reject=args.on_reject or "redraft", rope_copy=not args.no_rope_copy, optimistic=optimistic,
-                  attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, default_params=params)
+                  attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+                  invariant=args.invariant, threads=args.threads, default_params=params)
     except ParamError as exc:
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None
     try:

@@ -104,6 +104,10 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
     (["--served-model-name", " "], "--served-model-name must not be empty"),
     (["--max-model-len", "100000"], "--max-model-len: max_model_len must be an integer in (4, 2048]"),
     (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address of this machine"),
+    (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+    (["--mode", "vanilla", "--draft-threshold", "0.5"], "--draft-threshold: used by the paper and exact modes only"),
+    (["--strategy", "dynamic", "--draft-threshold", "1.5"],
+     "--draft-threshold of the dynamic strategy is a confidence in [0, 1], got 1.5"),
 ])
 def test_bad_options_fail_in_one_line(capsys, argv, words):
     pytest.importorskip("fastapi")
@@ -144,3 +148,29 @@ def test_a_taken_port_fails_before_the_models_load(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2 and err == f"simsd: error: --host 127.0.0.1 --port {port}: cannot listen there " \
                                 "(Address already in use)\n"
+
+
+def test_serve_passes_the_engine_and_draft_options_to_the_llm():
+    """``--invariant``, ``--threads`` and ``--draft-threshold`` reach the LLM the server runs (the
+    same settings as ``simsd generate``'s flags of those names)."""
+    import torch
+
+    from simsd.entrypoints.cli import build_parser
+    from simsd.entrypoints.serve import build_llm
+    before = torch.get_num_threads()
+    args = build_parser().parse_args(["serve", "--invariant", "--threads", "1", "--strategy", "dynamic",
+                                      "--threshold", "0.8", "--draft-strategy", "entropy",
+                                      "--draft-threshold", "0.4", "--max-batch-size", "1"])
+    llm = build_llm(args)
+    try:
+        assert llm.target.model.invariant is True and torch.get_num_threads() == 1
+        p = llm.default_params
+        assert (p.strategy, p.threshold, p.draft_strategy, p.draft_threshold) == ("dynamic", 0.8, "entropy", 0.4)
+        plain = build_llm(build_parser().parse_args(["serve", "--max-batch-size", "1"]))
+        try:
+            assert plain.target.model.invariant is False and plain.default_params.draft_threshold is None
+        finally:
+            plain.shutdown()
+    finally:
+        llm.shutdown()
+        torch.set_num_threads(before)

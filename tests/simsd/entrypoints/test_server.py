@@ -119,6 +119,7 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
     ({"model": NAME, "prompt": "hi", "frobnicate": 1}, "frobnicate", "Extra inputs"),
     ({"model": NAME, "prompt": "hi", "gamma": 9}, "gamma", "block length"),
+    ({"model": NAME, "prompt": "hi", "strategy": "dynamic", "draft_threshold": 1.5}, "draft_threshold", "[0, 1]"),
     ({"model": NAME, "prompt": [11, 3, 12]}, "prompt", "mask token"),
     ({"model": NAME}, "prompt", "Field required"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "5"}, "max_tokens", "integer"),  # no coercion
@@ -287,3 +288,18 @@ def test_16_concurrent_requests_equal_their_single_runs(llm, url):
     row_forwards = after["target_forwards"] - before["target_forwards"]
     batched = after["batched_forwards"]["target"] - before["batched_forwards"]["target"]
     assert batched < row_forwards  # requests shared forwards
+
+
+def test_a_request_draft_threshold_and_the_server_default():
+    """A request's ``draft_threshold`` overrides the server's ``--draft-threshold``; a request that
+    names another strategy or draft strategy without one falls back to the draft strategy's
+    default rule (a bound for one strategy is never read as another's)."""
+    from simsd.entrypoints.params import SamplingParams
+    from simsd.entrypoints.protocol import CompletionRequest
+    defaults = SamplingParams(strategy="dynamic", threshold=0.8, draft_strategy="entropy", draft_threshold=0.4)
+    req = lambda **kw: CompletionRequest(model=NAME, prompt="hi", **kw).sampling_params(defaults)  # noqa: E731
+    assert req().draft_threshold == 0.4
+    assert req(draft_threshold=0.2).draft_threshold == 0.2
+    assert req(draft_strategy="dynamic").draft_threshold is None
+    assert req(strategy="entropy").draft_threshold is None and req(strategy="entropy").threshold is None
+    assert req(draft_strategy="dynamic", draft_threshold=0.6).draft_threshold == 0.6
