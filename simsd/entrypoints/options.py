@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from ..decoding.sampling import MIN_TEMPERATURE
 from ..decoding.strategies import DEFAULT_THRESHOLD, STRATEGIES, parse_strategy, threshold_range
 from .errors import UsageError
 
@@ -121,16 +122,18 @@ def check_options(args, modes, names: dict | None = None) -> None:
         check_threshold(d_strategy, getattr(args, "draft_threshold", None), "draft_threshold", names)
     # sampling: options that shape a sampling distribution need one
     temperature, top_k, top_p = args.temperature, args.top_k, args.top_p
-    if temperature == 0:
-        if top_k not in (0, 1):
-            raise UsageError(f"{n('top_k')} {top_k} needs {n('temperature')} > 0 (with {n('temperature')} 0 decoding "
-                             f"is greedy and top-k would be ignored)")
-        if top_p != 1.0:
-            raise UsageError(f"{n('top_p')} {top_p} needs {n('temperature')} > 0 (with {n('temperature')} 0 decoding "
-                             f"is greedy and top-p would be ignored)")
-    greedy = temperature == 0 or top_k == 1
+    # a temperature too small to divide float32 logits by is greedy (simsd.decoding.sampling)
+    need = "> 0" if temperature == 0 else f">= {MIN_TEMPERATURE:.3g}"
+    if temperature < MIN_TEMPERATURE:
+        for attr, value, off in (("top_k", top_k, top_k in (0, 1)), ("top_p", top_p, top_p == 1.0)):
+            if not off:
+                raise UsageError(f"{n(attr)} {value} needs {n('temperature')} {need} (with {n('temperature')} "
+                                 f"{temperature:g} decoding is greedy and {attr.replace('_', '-')} would be ignored)")
+    greedy = temperature < MIN_TEMPERATURE or top_k == 1
     if greedy and _given(args, "seed"):
-        raise UsageError(f"{n('seed')}: greedy decoding ({n('temperature')} 0 or {n('top_k')} 1) draws nothing at "
+        tiny = 0 < temperature < MIN_TEMPERATURE
+        t_greedy = f"{n('temperature')} {temperature:g} < {MIN_TEMPERATURE:.3g}" if tiny else f"{n('temperature')} 0"
+        raise UsageError(f"{n('seed')}: greedy decoding ({t_greedy} or {n('top_k')} 1) draws nothing at "
                          f"random, the seed would be ignored")
     if _given(args, "steps") and strategy == "entropy" and d_strategy == "entropy":
         raise UsageError(f"{n('steps')}: the entropy strategy picks how many tokens a step reveals by its bound, "

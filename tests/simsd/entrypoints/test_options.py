@@ -89,6 +89,10 @@ IGNORED = [
     (["--top-k", "5"], "--top-k 5 needs --temperature > 0"),
     (["--seed", "3"], "--seed: greedy decoding"),
     (["--temperature", "0.7", "--top-k", "1", "--seed", "3"], "--seed: greedy decoding"),
+    # a temperature below float32's smallest normal is greedy too (sampling.MIN_TEMPERATURE)
+    (["--temperature", "1e-40", "--seed", "3"], "--seed: greedy decoding (--temperature 1e-40 < 1.18e-38"),
+    (["--temperature", "1e-40", "--top-k", "5"], "--top-k 5 needs --temperature >= 1.18e-38"),
+    (["--temperature", "1e-40", "--top-p", "0.5"], "--top-p 0.5 needs --temperature >= 1.18e-38"),
     (["--raw", "--prompt-ids", "5,6"], "--raw applies to text prompts"),
     (["--strategy", "static", "--threshold", "0.5"], "--threshold applies to the dynamic and entropy strategies"),
     (["--mode", "exact", "--draft-strategy", "static", "--draft-threshold", "0.5"],
