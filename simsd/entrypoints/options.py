@@ -74,6 +74,14 @@ def check_threshold(strategy: str, value, attr: str = "threshold", names: dict |
         raise UsageError(f"{name} of the {strategy} strategy is {text}, got {value}")
 
 
+def named_strategy(name: str, attr: str, names: dict | None = None) -> str:
+    """:func:`parse_strategy` whose error names the option (``UsageError``)."""
+    try:
+        return parse_strategy(name)
+    except ValueError as exc:
+        raise UsageError(f"{option_name(attr, names)}: {exc}") from None
+
+
 def draft_settings(strategy: str, threshold, draft_strategy, draft_threshold) -> tuple[str, float | None]:
     """The draft's ``(strategy, threshold)``: its own when given; else the target's strategy, and
     the target's threshold only when the strategies are the same (a confidence threshold is
@@ -109,7 +117,7 @@ def check_options(args, modes, names: dict | None = None) -> None:
     n = lambda attr: option_name(attr, names)  # noqa: E731
     for attr in RANGES:
         check_value(attr, getattr(args, attr, None), names)
-    strategy = parse_strategy(getattr(args, "strategy", None) or "static")
+    strategy = named_strategy(getattr(args, "strategy", None) or "static", "strategy", names)
     speculative = bool({"paper", "exact"} & set(modes))
     check_threshold(strategy, getattr(args, "threshold", None), "threshold", names)
     if not speculative:
@@ -118,7 +126,8 @@ def check_options(args, modes, names: dict | None = None) -> None:
             raise UsageError(f"{', '.join(given)}: used by the paper and exact modes only (this run is vanilla)")
     d_strategy = strategy
     if speculative:
-        d_strategy, _ = draft_settings(strategy, None, getattr(args, "draft_strategy", None), None)
+        d_given = getattr(args, "draft_strategy", None)
+        d_strategy = strategy if d_given is None else named_strategy(d_given, "draft_strategy", names)
         check_threshold(d_strategy, getattr(args, "draft_threshold", None), "draft_threshold", names)
     # sampling: options that shape a sampling distribution need one
     temperature, top_k, top_p = args.temperature, args.top_k, args.top_p

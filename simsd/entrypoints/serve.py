@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import sys
 from pathlib import Path
 
 from .errors import ParamError, UsageError
+from .options import check_engine_options
 
 #: request parameters whose command-line option is not ``--`` + the name with dashes
 FLAGS = {"max_tokens": "--max-new-tokens", "batch_size": "--max-batch-size"}
@@ -113,10 +115,13 @@ def build_llm(args):
             raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
     if args.max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
-        raise UsageError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.kv_cache_memory is not None and not (math.isfinite(args.kv_cache_memory) and args.kv_cache_memory > 0):
+        raise UsageError(f"--kv-cache-memory must be a finite number > 0 (GiB), got {args.kv_cache_memory}")
+    check_port(args.port)
+    check_engine_options([args.device, args.draft_device or args.device], args.cuda_graphs, args.invariant)
+    if args.max_model_len is not None and args.max_new_tokens >= args.max_model_len:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no position for a prompt in "
+                         f"--max-model-len {args.max_model_len} (a request without max_tokens would be refused)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("--served-model-name must not be empty")
     params = default_params(args)
@@ -142,13 +147,41 @@ def build_llm(args):
     except ParamError as exc:
         llm.shutdown()
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None
+    if args.max_new_tokens >= llm.max_model_len:
+        llm.shutdown()
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no position for a prompt in the "
+                         f"{llm.max_model_len} positions of a request (--max-model-len; a request without "
+                         f"max_tokens would be refused)")
     return llm
+
+
+def serving_summary(llm) -> str:
+    """What ``simsd serve`` runs, for its start-up line: mode, rows, positions, KV cache, device
+    and dtype, CPU threads, and whether the target's numerics are shape-invariant."""
+    import torch
+    model = llm.target.model
+    param = next(model.parameters())
+    parts = [llm.mode, f"{llm.batch_size} row{'s' if llm.batch_size != 1 else ''} of {llm.max_model_len} positions",
+             f"KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB", f"{param.device} {str(param.dtype).replace('torch.', '')}"]
+    if param.device.type == "cpu":
+        n = torch.get_num_threads()
+        parts.append(f"{n} CPU thread{'s' if n > 1 else ''}")
+    if getattr(model, "invariant", False):
+        parts.append("invariant numerics")
+    return ", ".join(parts)
+
+
+def check_port(port: int) -> None:
+    """``UsageError`` unless ``port`` is a TCP port number (0: any free port)."""
+    if not 0 <= port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
 
 
 def listen_socket(host: str, port: int):
     """A listening TCP socket on ``host:port`` for uvicorn (``UsageError`` naming the address when
     it cannot be had: a taken port, a host that is not this machine's)."""
     import socket
+    check_port(port)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -201,9 +234,8 @@ def run_serve(args) -> int:
                     signal.signal(sig, handler)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    print(f"simsd: serving {state.model_name!r} ({llm.mode}, {llm.batch_size} rows of {llm.max_model_len} "
-          f"positions, KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB) on http://{args.host}:{sock.getsockname()[1]}",
-          file=sys.stderr, flush=True)
+    print(f"simsd: serving {state.model_name!r} ({serving_summary(llm)}) on http://{args.host}:"
+          f"{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     llm.shutdown()
     return 0

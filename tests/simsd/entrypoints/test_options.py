@@ -64,8 +64,8 @@ RANGE_ERRORS = [
     (["--strategy", "dynamic", "--threshold", "nan"], "--threshold of the dynamic strategy"),
     (["--mode", "exact", "--draft-strategy", "dynamic", "--draft-threshold", "3"],
      "--draft-threshold of the dynamic strategy is a confidence in [0, 1], got 3"),
-    (["--strategy", "fancy"], "unknown strategy 'fancy'"),
-    (["--mode", "exact", "--draft-strategy", "fancy"], "unknown strategy 'fancy'"),
+    (["--strategy", "fancy"], "--strategy: unknown strategy 'fancy'"),
+    (["--mode", "exact", "--draft-strategy", "fancy"], "--draft-strategy: unknown strategy 'fancy'"),
 ]
 
 

@@ -105,6 +105,14 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
     (["--max-model-len", "100000"], "--max-model-len: max_model_len must be an integer in (4, 2048]"),
     (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address of this machine"),
     (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+    (["--kv-cache-memory", "inf"], "--kv-cache-memory must be a finite number > 0 (GiB), got inf"),
+    (["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number > 0 (GiB), got nan"),
+    (["--port", "-1"], "--port must be in [0, 65535], got -1"),
+    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no position for a prompt in the 2048"),
+    (["--max-model-len", "5"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 5"),
+    (["--invariant", "--cuda-graphs"], "--invariant is not available with --cuda-graphs"),
+    (["--strategy", "foo"], "--strategy: unknown strategy 'foo'"),
+    (["--draft-strategy", "foo"], "--draft-strategy: unknown strategy 'foo'"),
     (["--mode", "vanilla", "--draft-threshold", "0.5"], "--draft-threshold: used by the paper and exact modes only"),
     (["--strategy", "dynamic", "--draft-threshold", "1.5"],
      "--draft-threshold of the dynamic strategy is a confidence in [0, 1], got 1.5"),
@@ -156,7 +164,7 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
     import torch
 
     from simsd.entrypoints.cli import build_parser
-    from simsd.entrypoints.serve import build_llm
+    from simsd.entrypoints.serve import build_llm, serving_summary
     before = torch.get_num_threads()
     args = build_parser().parse_args(["serve", "--invariant", "--threads", "1", "--strategy", "dynamic",
                                       "--threshold", "0.8", "--draft-strategy", "entropy",
@@ -164,11 +172,13 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
     llm = build_llm(args)
     try:
         assert llm.target.model.invariant is True and torch.get_num_threads() == 1
+        assert serving_summary(llm).endswith("cpu float32, 1 CPU thread, invariant numerics")
         p = llm.default_params
         assert (p.strategy, p.threshold, p.draft_strategy, p.draft_threshold) == ("dynamic", 0.8, "entropy", 0.4)
         plain = build_llm(build_parser().parse_args(["serve", "--max-batch-size", "1"]))
         try:
             assert plain.target.model.invariant is False and plain.default_params.draft_threshold is None
+            assert "invariant" not in serving_summary(plain) and serving_summary(plain).startswith("exact, 1 row of 2048 positions")
         finally:
             plain.shutdown()
     finally:
