@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .errors import ParamError, UsageError
-from .options import check_engine_options
+from .options import check_block_options, check_engine_options
 
 #: request parameters whose command-line option is not ``--`` + the name with dashes
 FLAGS = {"max_tokens": "--max-new-tokens", "batch_size": "--max-batch-size"}
@@ -127,10 +127,9 @@ def build_llm(args):
     params = default_params(args)
     from ..assets import DEFAULT_TARGET
     from ..models.config import ModelConfig
-    B = args.block_length or ModelConfig.from_dir(args.target or DEFAULT_TARGET).block_size or 4
-    for name in ("gamma", "steps"):  # before the models load
-        if getattr(args, name) is not None and getattr(args, name) > B:
-            raise UsageError(f"{_flag(name)}: {name} {getattr(args, name)} exceeds the block length {B}")
+    target_config = ModelConfig.from_dir(args.target or DEFAULT_TARGET)
+    B = args.block_length or target_config.block_size or 4
+    check_block_options(args, B, target_config.max_position_embeddings)  # before the models load
     optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
     try:
         llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
