@@ -132,10 +132,14 @@ def read_jsonl(path) -> list:
             raise PromptFileError(f"prompt file not found: {path}" if not path.exists() else
                                   f"prompt file {path} is a directory")
         name = str(path)
+        data = path.read_bytes()
         try:
-            lines = path.read_bytes().decode("utf-8").splitlines()
+            lines = data.decode("utf-8").splitlines()
         except UnicodeDecodeError as exc:
-            raise PromptFileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+            line_no = data.count(b"\n", 0, exc.start) + 1
+            column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+            raise PromptFileError(f"{path}:{line_no}: not UTF-8 text (byte {exc.start}, column {column} of the "
+                                  f"line: {exc.reason})") from exc
     prompts, seen = [], {}
     for n, line in enumerate(lines, 1):
         line = line.lstrip("\ufeff")  # a byte-order mark (stdin, concatenated files)
@@ -145,13 +149,17 @@ def read_jsonl(path) -> list:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise PromptFileError(f"{where}: invalid JSON ({exc.msg})") from exc
+            raise PromptFileError(f"{where}: invalid JSON ({exc.msg}); a prompt file holds one JSON object per "
+                                  f"line, e.g. {{\"prompt\": \"...\"}}") from exc
         if not isinstance(obj, dict):
             raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         has_text, has_ids = "prompt" in obj, "prompt_ids" in obj
         if has_text == has_ids:
             raise PromptFileError(f"{where}: need exactly one of 'prompt' or 'prompt_ids'")
         pid = obj.get("id")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))
+                                or (isinstance(pid, str) and not pid.strip())):
+            raise PromptFileError(f"{where}: 'id' must be a non-empty string or an integer, got {json.dumps(pid)}")
         pid = str(pid) if pid is not None else f"{Path(name).name}:{n}"
         if pid in seen:
             raise PromptFileError(f"{where}: id {pid!r} already used on line {seen[pid]}")

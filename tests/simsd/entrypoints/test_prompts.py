@@ -32,6 +32,11 @@ def test_jsonl_text_and_ids(tmp_path):
     ('{"prompt_ids": [1, -2]}', "non-negative ints"),
     ('{"prompt_ids": [1, 2.5]}', "non-negative ints"),
     ('{"prompt_ids": [true]}', "non-negative ints"),
+    ('{"prompt": "x", "id": [1]}', "'id' must be a non-empty string or an integer, got [1]"),
+    ('{"prompt": "x", "id": ""}', "'id' must be a non-empty string or an integer"),
+    ('{"prompt": "x", "id": true}', "'id' must be a non-empty string or an integer, got true"),
+    ('{"prompt": "x", "id": 1.5}', "'id' must be a non-empty string or an integer, got 1.5"),
+    ("plain text", "one JSON object per line"),
 ])
 def test_jsonl_bad_line_names_file_and_line(tmp_path, line, needle):
     f = write(tmp_path, ['{"prompt": "ok"}', line])
@@ -46,6 +51,19 @@ def test_jsonl_with_a_byte_order_mark(tmp_path):
     f.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "hi", "id": "x"}\n{"prompt_ids": [4, 5]}\n')
     out = P.read_jsonl(f)
     assert [(p.text, p.ids, p.id) for p in out] == [("hi", None, "x"), (None, [4, 5], "bom.jsonl:2")]
+
+
+def test_jsonl_integer_ids_are_their_decimal_text(tmp_path):
+    out = P.read_jsonl(write(tmp_path, ['{"prompt": "a", "id": 7}', '{"prompt": "b", "id": "x"}']))
+    assert [p.id for p in out] == ["7", "x"]
+
+
+def test_jsonl_not_utf8_names_line_and_column(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(P.PromptFileError) as err:
+        P.read_jsonl(f)
+    assert f"{f}:2: not UTF-8 text (byte 32, column 16 of the line" in str(err.value)
 
 
 def test_jsonl_missing_and_empty(tmp_path):
