@@ -66,11 +66,15 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[lis
         ParamError: no tokenizer (or chat template) for text, bad messages, a text that spells
             the mask token, ids outside the vocabulary (``param``: ``prompt`` or ``messages``).
     """
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        raise ParamError("prompt", "a prompt must not be empty (got an empty list: give token ids, a text or "
+                                   "chat messages)")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParamError("prompt", "this checkpoint has no tokenizer: give token ids")
         check_text(prompt, tokenizer, mask_id)
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"], False
+        # verbose=False: the length against the model's positions is checked by the caller, in one line
+        return tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"], False
     if is_messages(prompt):
         for m in prompt:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -79,7 +83,8 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[lis
             raise ParamError("messages", "this checkpoint has no chat template: give a text prompt or ids")
         for m in prompt:
             check_text(m["content"], tokenizer, mask_id, "messages")
-        return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"], True
+        return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False,
+                         verbose=False)["input_ids"], True
     if is_ids(prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:

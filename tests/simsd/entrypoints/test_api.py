@@ -114,6 +114,7 @@ def test_bad_fields_name_themselves(make, param):
     ("exact", [5, 10**6], SamplingParams(), "prompt"),
     ("exact", "", SamplingParams(), "prompt"),
     ("exact", 42, SamplingParams(), "prompt"),
+    ("exact", [[]], SamplingParams(), "prompt"),  # a batch of one empty prompt
     ("exact", [{"role": "user"}], SamplingParams(), "messages"),
 ])
 def test_bad_requests_name_the_field(llms, mode, prompt, params, param):

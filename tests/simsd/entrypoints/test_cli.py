@@ -452,3 +452,17 @@ def test_seeds_wrap_at_the_top_of_the_range(ckdir, capsys, tmp_path):
     _, zero, _ = run(capsys, *common, "--seed", "0")
     top, zero = ([json.loads(x)["token_ids"] for x in o.splitlines()] for o in (top, zero))
     assert top[1] == zero[0] and top[0] != zero[0]
+
+
+def test_a_text_prompt_past_the_positions_is_one_line():
+    """The tokenizer's own warning about a long sequence is not printed (simsd says it, once); a
+    real process, so that the warning would reach stderr as a user sees it."""
+    import os
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "simsd", "generate", "--mode", "vanilla", "--prompt", "x " * 3000,
+                           "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("simsd: loading")]
+    assert proc.returncode == 2 and lines == ["simsd: error: --prompt: prompt of 3010 tokens is longer than the "
+                                              "model's maximum length 2048"], proc.stderr

@@ -122,6 +122,7 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "strategy": "dynamic", "draft_threshold": 1.5}, "draft_threshold", "[0, 1]"),
     ({"model": NAME, "prompt": [11, 3, 12]}, "prompt", "mask token"),
     ({"model": NAME}, "prompt", "Field required"),
+    ({"model": NAME, "prompt": [[]]}, "prompt", "must not be empty"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "5"}, "max_tokens", "integer"),  # no coercion
     ({"model": NAME, "prompt": "hi", "max_tokens": True}, "max_tokens", "integer"),
     ({"model": NAME, "prompt": "hi", "stream": 1}, "stream", "boolean"),
