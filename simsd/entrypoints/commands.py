@@ -270,8 +270,11 @@ def loading_line(run: Run) -> str:
     parts = [f"{role} {info.path.name} ({parameter_count(info.config) / 1e6:.1f}M parameters, {dev})"
              for role, info, dev in (("target", run.target, run.device), ("draft", run.draft, run.draft_device))
              if info is not None]
+    from ..engine.tp import world
+    tp = world()[1]
+    sharded = f", the target tensor-parallel over {tp} ranks" if tp > 1 else ""
     return (f"simsd: loading {' and '.join(parts)} in {run.dtype}, {torch.get_num_threads()} CPU "
-            f"thread{'s' if torch.get_num_threads() > 1 else ''}")
+            f"thread{'s' if torch.get_num_threads() > 1 else ''}{' per rank' if tp > 1 else ''}{sharded}")
 
 
 def build_llm(run: Run, mode: str, loaded: dict | None = None):

@@ -73,6 +73,8 @@ def test_cli_tp2_spawns_ranks():
     two = subprocess.run(common + ["--tp", "2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
     assert len(two.stdout.splitlines()) == 1  # rank 0 prints, rank 1 does not
+    loading = [line for line in two.stderr.splitlines() if line.startswith("simsd: loading")]
+    assert len(loading) == 1 and loading[0].endswith("per rank, the target tensor-parallel over 2 ranks"), two.stderr
     t = load_checkpoint(path, dtype="float32", with_tokenizer=False)
     t.model.attention_backend = "torch"
     want = vanilla_generate(t.model, [5, 6, 7, 8, 9], DecodeConfig(max_new_tokens=8), t.mask_token_id, t.stop_ids)
