@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -140,7 +141,18 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    fn(*args)
+    try:
+        fn(*args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # A finished rank leaves without the interpreter's teardown: gloo's communicator threads,
+    # destroyed by C++ static destructors at exit, were seen to abort ("terminate called without
+    # an active exception") after correct output. Errors still propagate (raised above).
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(fn, world_size: int, *args) -> None:

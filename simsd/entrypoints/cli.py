@@ -149,8 +149,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tp_rank_main(argv) -> None:
-    """One spawned tensor-parallel rank (see :mod:`simsd.engine.tp`)."""
-    code = main(argv)
+    """One spawned tensor-parallel rank (see :mod:`simsd.engine.tp`). Every rank checks the same
+    options and prompts, so rank 0 says what they refused: another rank holds its stderr back and,
+    after a refusal (exit 2), gives rank 0 a moment to say it first (the launcher then stops this
+    rank); what it holds is shown if it is still running, and at once for any other failure."""
+    import io
+    import os
+    import time
+    quiet = int(os.environ.get("RANK", "0")) > 0
+    real, code = sys.stderr, 1
+    if quiet:
+        sys.stderr = io.StringIO()
+    try:
+        code = main(argv)
+    finally:
+        if quiet:
+            said, sys.stderr = sys.stderr.getvalue(), real
+            if code == 2:
+                time.sleep(2.0)
+            if code != 0:
+                real.write(said)
+                real.flush()
     if code:
         raise SystemExit(code)
 
@@ -174,11 +193,23 @@ def launch_tp(args, argv) -> int | None:
     from ..engine.tp import check_tp
     from ..models.config import ModelConfig
     check_tp(ModelConfig.from_dir(args.target or DEFAULT_TARGET), args.tp)  # before any rank starts
+    import logging
+    from torch.multiprocessing import ProcessExitedException
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..." of the others
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
     try:
         spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv))
+    except ProcessExitedException as exc:
+        if exc.exit_code == 2:  # a refusal: the rank said it in one line (rank 0 first, see _tp_rank_main)
+            return 2
+        print(f"simsd: error: a tensor-parallel rank failed ({str(exc).strip().splitlines()[-1]})", file=sys.stderr)
+        return 1
     except Exception as exc:  # a rank failed; it printed its own error
         print(f"simsd: error: a tensor-parallel rank failed ({str(exc).strip().splitlines()[-1]})", file=sys.stderr)
         return 1
+    finally:
+        spawn_log.setLevel(level)
     return 0
 
 

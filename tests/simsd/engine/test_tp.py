@@ -95,3 +95,16 @@ def test_nccl_init_names_the_rank_device(monkeypatch):
     calls.clear()
     tp.init_from_env("cpu")
     assert calls == [("gloo", {})]
+
+
+def test_cli_tp2_refusal_is_one_line_exit_2():
+    """A prompt every rank refuses: exit 2 and rank 0's one line, not one per rank nor the
+    launcher's own messages."""
+    path = ckpt_path()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "simsd.entrypoints.cli", "generate", "--target", str(path),
+                           "--prompt-ids", "5,6,999999", "--device", "cpu", "--tp", "2"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("simsd: loading")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("simsd: error: --prompt-ids: token id 999999 is outside the vocabulary"), proc.stderr
