@@ -28,6 +28,22 @@ from tests.helpers import random_checkpoint
 from tests.reference_decoder import ReferenceModel, filtered
 
 
+def assert_follows_law(counts: dict, want: dict, n: int, min_cells: int) -> None:
+    """``counts`` of ``n`` outcomes follow the exact law ``want``: no outcome of probability 0,
+    and a chi-square test (p > 1e-4) over the outcomes expected at least 5 times (at least
+    ``min_cells`` of them; the rest pooled into one cell)."""
+    impossible = [k for k in counts if want.get(k, 0.0) == 0.0]
+    assert not impossible, impossible[:3]
+    big = [k for k, p in want.items() if p * n >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [want[k] * n for k in big]
+    if n - sum(exp) > 1e-6:  # the outcomes of small probability, pooled
+        obs.append(n - sum(obs))
+        exp.append(n - sum(exp))
+    assert len(big) >= min_cells
+    assert chisquare(obs, exp).pvalue > 1e-4
+
+
 def test_committed_token_follows_target_with_overlapping_supports():
     """p_t on {0, 1, 2, 3}, p_d on {2, 3, 4, 5}: tokens the target cannot emit are always
     rejected; tokens the draft never proposes come from the residual."""
@@ -118,16 +134,7 @@ def test_block_joint_distribution_equals_target(mode, layers, gamma):
     counts: dict = {}
     for r in res.results:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    impossible = [k for k in counts if want.get(k, 0.0) == 0.0]
-    assert not impossible, impossible[:3]
-    big = [k for k, p in want.items() if p * N >= 5]
-    obs = [counts.get(k, 0) for k in big]
-    exp = [want[k] * N for k in big]
-    if N - sum(exp) > 1e-6:  # the outcomes of small probability, pooled
-        obs.append(N - sum(obs))
-        exp.append(N - sum(exp))
-    assert len(big) >= 8
-    assert chisquare(obs, exp).pvalue > 1e-4
+    assert_follows_law(counts, want, N, min_cells=8)
 
 
 # -- paper rounds end to end: the joint law of (token, accepted) at each position ----------------
@@ -185,13 +192,4 @@ def test_paper_rounds_accept_and_correct_by_the_rule():
     for r in res.results:
         key = (*r.token_ids, r.stats["accepted"])
         counts[key] = counts.get(key, 0) + 1
-    impossible = [k for k in counts if want.get(k, 0.0) == 0.0]
-    assert not impossible, impossible[:3]
-    big = [k for k, p in want.items() if p * N >= 5]
-    obs = [counts.get(k, 0) for k in big]
-    exp = [want[k] * N for k in big]
-    if N - sum(exp) > 1e-6:  # the outcomes of small probability, pooled
-        obs.append(N - sum(obs))
-        exp.append(N - sum(exp))
-    assert len(big) >= 15
-    assert chisquare(obs, exp).pvalue > 1e-4
+    assert_follows_law(counts, want, N, min_cells=15)
