@@ -68,6 +68,12 @@ HAND = {
 }
 
 
+def hand_counters(stats: dict) -> dict:
+    """The counters the hand-checked tables give (target/draft forwards as ``tf``/``df``)."""
+    got = {k: stats[k] for k in ("proposed", "accepted", "target_tokens", "rounds", "from_draft")}
+    return dict(got, tf=stats["target_forwards"], df=stats["draft_forwards"])
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampling"])
 @pytest.mark.parametrize("key", HAND, ids=[f"{m}-{d}-gamma{g}" for m, d, g in HAND])
 def test_hand_checked_counters(key, sampling):
@@ -76,9 +82,7 @@ def test_hand_checked_counters(key, sampling):
     r = run(mode, TARGET if which == "self" else WRONG, sampling, gamma)
     s = r.stats
     assert r.token_ids == [A] * 8
-    got = {k: s[k] for k in ("proposed", "accepted", "target_tokens", "rounds", "from_draft")}
-    got.update(tf=s["target_forwards"], df=s["draft_forwards"])
-    assert got == want
+    assert hand_counters(s) == want
     assert (s["new_tokens"], s["cut_tokens"], s["blocks"]) == (8, 0, 2)
     assert s["acceptance_rate"] == want["accepted"] / want["proposed"]
     assert s["draft_share"] == want["from_draft"] / 8
@@ -107,9 +111,7 @@ def test_hand_checked_counters_with_a_prompt_tail(key):
                              SpecConfig(mode=mode, gamma=4))
     s = r.stats
     assert r.token_ids == [A] * 7
-    got = {k: s[k] for k in ("proposed", "accepted", "target_tokens", "rounds", "from_draft")}
-    got.update(tf=s["target_forwards"], df=s["draft_forwards"])
-    assert got == want
+    assert hand_counters(s) == want
     assert (s["new_tokens"], s["cut_tokens"], s["blocks"]) == (7, 0, 2)
     assert s["draft_share"] == want["from_draft"] / 7
 
