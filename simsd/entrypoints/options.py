@@ -117,6 +117,8 @@ def check_options(args, modes, names: dict | None = None) -> None:
     n = lambda attr: option_name(attr, names)  # noqa: E731
     for attr in RANGES:
         check_value(attr, getattr(args, attr, None), names)
+    if getattr(args, "tp", 1) > 1:
+        check_tp_devices(getattr(args, "device", None), args.tp, n("tp"))
     strategy = named_strategy(getattr(args, "strategy", None) or "static", "strategy", names)
     speculative = bool({"paper", "exact"} & set(modes))
     check_threshold(strategy, getattr(args, "threshold", None), "threshold", names)
@@ -170,6 +172,25 @@ def check_options(args, modes, names: dict | None = None) -> None:
     if getattr(args, "raw", False) and _given(args, "prompt_ids"):
         raise UsageError(f"{n('raw')} applies to text prompts; {n('prompt_ids')} bypass the tokenizer and its "
                          f"chat template")
+
+
+def check_tp_devices(device, tp: int, name: str = "--tp") -> None:
+    """Tensor parallelism on CUDA runs one rank per GPU (``cuda:<local rank>``, simsd.engine.tp):
+    :class:`UsageError` when the ranks of this machine (``tp``, or torchrun's ``LOCAL_WORLD_SIZE``)
+    outnumber the visible GPUs, before any rank starts or weights load. On the CPU the ranks are
+    processes (gloo): any number. ``device``: the ``--device`` option (None: cuda if available)."""
+    import os
+
+    import torch
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda":
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    visible = torch.cuda.device_count()
+    if local > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"{name} {tp}: {local} ranks on this machine need {local} GPUs (one rank per GPU), "
+                         f"{visible} visible" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
 
 
 def check_device(name: str, value):
