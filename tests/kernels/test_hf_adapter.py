@@ -64,6 +64,21 @@ def _assert_like_sdpa(model, backend, *args, **kwargs):
     assert err <= 2 * native_err + 2 ** -8 * exact.abs().max().item(), (err, native_err)
 
 
+def _assert_over_the_cache_like_sdpa(model, backend, prefill: dict, step: dict, sdpa_step=None, simsd_step=None):
+    """Forward ``prefill`` (model kwargs) into a DynamicCache, then ``step`` over it (plus each
+    implementation's own kwargs): simsd's step logits equal SDPA's (float32)."""
+    logits = {}
+    for impl in ("sdpa", "simsd"):
+        model.set_attn_implementation(impl)
+        cache = transformers.DynamicCache(config=model.config)
+        own = {"simsd_backend": backend} if impl == "simsd" else {}
+        with torch.no_grad():
+            model(**prefill, cache=cache, use_cache=True, **own)
+            extra = {**own, **(simsd_step or {})} if impl == "simsd" else (sdpa_step or {})
+            logits[impl] = model(**step, cache=cache, use_cache=True, **extra).logits
+    torch.testing.assert_close(logits["simsd"], logits["sdpa"], atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", _backends())
 def test_causal_logits_equal_native(backend):
     model = _model(0)
@@ -94,16 +109,9 @@ def test_padded_batch_over_the_cache_with_gqa(backend, kv_heads):
     more = torch.randint(1, 96, (3, 2), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     full_mask = torch.cat([mask, torch.ones_like(more)], 1)
     positions = (full_mask.cumsum(1) - 1).clamp_min(0)
-    logits = {}
-    for impl in ("sdpa", "simsd"):
-        model.set_attn_implementation(impl)
-        cache = transformers.DynamicCache(config=model.config)
-        extra = {"simsd_backend": backend} if impl == "simsd" else {}
-        with torch.no_grad():
-            model(ids, attention_mask=mask, position_ids=positions[:, :9], cache=cache, use_cache=True, **extra)
-            logits[impl] = model(more, attention_mask=full_mask, position_ids=positions[:, 9:], cache=cache,
-                                 use_cache=True, **extra).logits
-    torch.testing.assert_close(logits["simsd"], logits["sdpa"], atol=2e-5, rtol=1e-5)
+    _assert_over_the_cache_like_sdpa(model, backend, dict(input_ids=ids, attention_mask=mask,
+                                                          position_ids=positions[:, :9]),
+                                     dict(input_ids=more, attention_mask=full_mask, position_ids=positions[:, 9:]))
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -134,16 +142,8 @@ def test_custom_4d_mask_over_the_cache_equals_sdpa(backend, kind):
     mask = allowed if kind == "bool" else \
         torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, float("-inf"))
     positions = torch.arange(7, 12, device=DEVICE)[None].expand(2, 5)
-    logits = {}
-    for impl in ("sdpa", "simsd"):
-        model.set_attn_implementation(impl)
-        cache = transformers.DynamicCache(config=model.config)
-        extra = {"simsd_backend": backend} if impl == "simsd" else {}
-        with torch.no_grad():
-            model(prompt, cache=cache, use_cache=True, **extra)
-            logits[impl] = model(new, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                                 **extra).logits
-    torch.testing.assert_close(logits["simsd"], logits["sdpa"], atol=2e-5, rtol=1e-5)
+    _assert_over_the_cache_like_sdpa(model, backend, dict(input_ids=prompt),
+                                     dict(input_ids=new, attention_mask=mask, position_ids=positions))
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -181,40 +181,26 @@ def test_paper_layout_over_cache_equals_native_with_dense_mask(backend):
     allowed = torch.cat([torch.ones(B, 5, P, dtype=torch.bool, device=DEVICE),
                          dense_new_token_mask(labels, MaskMode.PAPER)], dim=-1)
     float_mask = torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, float("-inf"))[:, None]
-
-    logits = {}
-    with torch.no_grad():
-        for impl in ("sdpa", "simsd"):
-            model.set_attn_implementation(impl)
-            cache = transformers.DynamicCache(config=model.config)
-            model(prompt, cache=cache, use_cache=True)
-            extra = dict(simsd_labels=labels, simsd_mask_mode="paper", simsd_backend=backend) if impl == "simsd" \
-                else dict(attention_mask=float_mask)
-            logits[impl] = model(new, position_ids=positions, cache=cache, use_cache=True, **extra).logits
-    torch.testing.assert_close(logits["simsd"], logits["sdpa"], atol=2e-5, rtol=1e-5)
+    _assert_over_the_cache_like_sdpa(model, backend, dict(input_ids=prompt),
+                                     dict(input_ids=new, position_ids=positions), sdpa_step=dict(attention_mask=float_mask),
+                                     simsd_step=dict(simsd_labels=labels, simsd_mask_mode="paper"))
 
 
-def test_labels_over_a_left_padded_cache():
+@pytest.mark.parametrize("backend", _backends())
+def test_labels_over_a_left_padded_cache(backend):
     """With simsd labels the mask still removes padded cache entries: a left-padded prompt, then a
     bidirectional block by labels equals SDPA given the same visibility as a 4-D mask."""
     model = _model(16)
     ids, mask = _padded_batch(17, "left")
     new = torch.randint(1, 96, (3, 4), generator=torch.Generator().manual_seed(18)).to(DEVICE)
-    positions = (mask.sum(1, keepdim=True) + torch.arange(4, device=DEVICE)).to(DEVICE)
-    labels = torch.zeros(3, 4, 3, dtype=torch.int32, device=DEVICE)
+    positions = mask.sum(1, keepdim=True) + torch.arange(4, device=DEVICE)
     allowed = torch.cat([mask.bool()[:, None, None, :].expand(3, 1, 4, 9),
                          torch.ones(3, 1, 4, 4, dtype=torch.bool, device=DEVICE)], -1)
-    logits = {}
-    for impl in ("sdpa", "simsd"):
-        model.set_attn_implementation(impl)
-        cache = transformers.DynamicCache(config=model.config)
-        extra = {"simsd_labels": labels, "simsd_mask_mode": "bidirectional"} if impl == "simsd" else {}
-        with torch.no_grad():
-            model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0), cache=cache,
-                  use_cache=True)
-            logits[impl] = model(new, attention_mask=allowed, position_ids=positions, cache=cache, use_cache=True,
-                                 **extra).logits
-    torch.testing.assert_close(logits["simsd"], logits["sdpa"], atol=2e-5, rtol=1e-5)
+    labels = torch.zeros(3, 4, 3, dtype=torch.int32, device=DEVICE)
+    _assert_over_the_cache_like_sdpa(model, backend, dict(input_ids=ids, attention_mask=mask,
+                                                          position_ids=(mask.cumsum(1) - 1).clamp_min(0)),
+                                     dict(input_ids=new, attention_mask=allowed, position_ids=positions),
+                                     simsd_step=dict(simsd_labels=labels, simsd_mask_mode="bidirectional"))
 
 
 class _Module:
