@@ -3,7 +3,7 @@
     from simsd_kernels.hf_adapter import register
     register()                                    # adds attn_implementation "simsd"
     model = Qwen3ForCausalLM.from_pretrained(path, attn_implementation="simsd")
-    model.generate(**tokenizer(texts, padding=True, return_tensors="pt"))   # padded batches too
+    model.generate(**tokenizer(texts, padding=True, padding_side="left", return_tensors="pt"))
     logits = model(input_ids, position_ids=pos, simsd_labels=labels, simsd_mask_mode="paper").logits
 
 It computes what transformers' own ``sdpa`` attention computes (``sdpa_attention_forward``),
@@ -52,7 +52,7 @@ from .mask_rule import MaskMode
 ATTN_IMPLEMENTATION = "simsd"
 
 #: most cache slots (rows x keys) one call of the row-by-row path gathers
-_ROW_GATHER_SLOTS = 1 << 18
+_ROW_GATHER_SLOTS = 1 << 16
 
 
 def _allowed(mask, B, Hq, Lq, Lk):

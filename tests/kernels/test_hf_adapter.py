@@ -6,6 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from simsd_kernels import hf_adapter  # noqa: E402
 from simsd_kernels.hf_adapter import register, simsd_attention_forward  # noqa: E402
 from simsd_kernels.mask_rule import TAU_INF, MaskMode, dense_new_token_mask  # noqa: E402
 from tests.kernels.helpers import available_backends  # noqa: E402
@@ -128,9 +129,11 @@ def test_bidirectional_attention_equals_sdpa(backend):
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("backend", _backends())
-def test_custom_4d_mask_over_the_cache_equals_sdpa(backend, kind):
+def test_custom_4d_mask_over_the_cache_equals_sdpa(backend, kind, monkeypatch):
     """A 4-D mask given by the caller reaches the attention function as it is: an arbitrary pattern
-    over a 7-token cache (some rows see nothing, some rows fit no one-call form)."""
+    over a 7-token cache (some rows see nothing, some rows fit no one-call form; those are
+    computed two at a time here)."""
+    monkeypatch.setattr(hf_adapter, "_ROW_GATHER_SLOTS", 2 * 12)
     model = _model(12)
     gen = torch.Generator().manual_seed(13)
     prompt = torch.randint(1, 96, (2, 7), generator=gen).to(DEVICE)
