@@ -19,13 +19,13 @@ bundled tiny pair and held-out prompts.
 """
 from .decoding import DecodeConfig, GenerationResult, vanilla_generate, vanilla_generate_batch
 from .entrypoints.api import LLM, RequestCancelled, RequestError, RequestHandle, RequestOutput
-from .entrypoints.errors import ParamError
+from .entrypoints.errors import ParamError, SimsdWarning
 from .entrypoints.params import SamplingParams
 from .models import Checkpoint, CheckpointError, ModelConfig, SDARForCausalLM, load_checkpoint, load_model
 from .speculative import SpecConfig, speculative_generate, speculative_generate_batch
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestHandle", "RequestError", "RequestCancelled",
-           "ParamError", "CheckpointError", "ModelConfig", "DecodeConfig", "GenerationResult", "Checkpoint",
+           "ParamError", "SimsdWarning", "CheckpointError", "ModelConfig", "DecodeConfig", "GenerationResult", "Checkpoint",
            "load_checkpoint", "load_model", "SDARForCausalLM", "vanilla_generate",
            "vanilla_generate_batch", "SpecConfig", "speculative_generate", "speculative_generate_batch"]
 __version__ = "0.1.0"

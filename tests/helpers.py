@@ -19,6 +19,21 @@ def random_checkpoint(name: str = "base", **kwargs) -> Path:
     return path
 
 
+def plain_qwen3_twin(sdar: Path, path: Path) -> Path:
+    """A copy of the SDAR checkpoint ``sdar`` whose config.json reads as a plain autoregressive
+    Qwen3's (model_type qwen3, Qwen3ForCausalLM, no block_size, no mask_token_id): the same
+    weights under another declaration."""
+    import json
+    import shutil
+    shutil.copytree(sdar, path)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("block_size", "mask_token_id"):
+        cfg.pop(key, None)
+    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
     """A float64 checkpoint whose logits at a MASK position are exactly ``mask_logits`` (V,)
     whatever the context: attention and MLP write nothing back (o_proj and down_proj are zero),

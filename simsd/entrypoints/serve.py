@@ -46,7 +46,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, else chosen from "
                         "the model size)")
-    g.add_argument("--block-length", type=int, default=None, help="B (default: the checkpoint's block_size)")
+    g.add_argument("--block-length", type=int, default=None,
+                   help="B (default: the checkpoint's block_size; required for a qwen3 checkpoint without one)")
+    g.add_argument("--mask-token-id", type=int, default=None,
+                   help="the mask token's id, for checkpoints that name none (default: the checkpoint's)")
     g.add_argument("--fold-commit", action="store_true", help="fold each block's commit into the next forward")
     g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
                    help="after a rejection: draft again, or let the target finish the block (default: redraft)")
@@ -128,14 +131,18 @@ def build_llm(args):
     from ..assets import DEFAULT_TARGET
     from ..models.config import ModelConfig
     target_config = ModelConfig.from_dir(args.target or DEFAULT_TARGET)
-    B = args.block_length or target_config.block_size or 4
+    B = args.block_length or target_config.block_size
+    if B is None:  # config.json does not say block-diffusion: refused, naming everything that is missing
+        from ..models.loading import read_checkpoint
+        read_checkpoint(args.target or DEFAULT_TARGET, mask_token_id=args.mask_token_id)
     check_block_options(args, B, target_config.max_position_embeddings)  # before the models load
     optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
     try:
         llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
                   dtype=args.dtype, batch_size=args.max_batch_size, max_model_len=args.max_model_len,
                   kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-                  max_waiting=args.max_waiting, block_length=args.block_length, fold_commit=args.fold_commit,
+                  max_waiting=args.max_waiting, block_length=args.block_length, mask_token_id=args.mask_token_id,
+                  fold_commit=args.fold_commit,
                   on_reject=args.on_reject or "redraft", rope_copy=not args.no_rope_copy, optimistic=optimistic,
                   attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
                   invariant=args.invariant, threads=args.threads, default_params=params)
