@@ -8,7 +8,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..models.config import CheckpointError
 from .errors import UsageError
 from .help_format import DefaultsHelpFormatter
 
@@ -214,13 +213,18 @@ def launch_tp(args, argv) -> int | None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "check":  # its options load torch: parsed only now (see add_check_parser)
+        from .check import parse_check_args
+        args = parse_check_args(OneLineParser, extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "check":
             from .check import run_check
             return run_check(args)
-        from .commands import modes_of
-        from .options import check_options
+        from .options import check_options, modes_of
         check_options(args, modes_of(args))  # before any rank is spawned or file read
         if getattr(args, "tp", 1) > 1:
             code = launch_tp(args, argv)
@@ -239,7 +243,7 @@ def main(argv=None) -> int:
             if getattr(args, "tp", 1) > 1:
                 from ..engine.tp import shutdown
                 shutdown()
-    except (UsageError, CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (UsageError, ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)
         return 2

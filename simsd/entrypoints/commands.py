@@ -195,23 +195,6 @@ class Run:
         return [dataclasses.replace(base, seed=(base.seed + i) % MAX_SEED) for i in range(len(self.prompts))]
 
 
-def modes_of(args) -> list:
-    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
-    if getattr(args, "command", "generate") != "bench":
-        return [args.mode]
-    if getattr(args, "mode", None) is not None:
-        raise UsageError("simsd bench takes --modes (comma-separated), not --mode")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
-    if bad:
-        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from vanilla, paper, exact)")
-    if not modes:
-        raise UsageError("--modes names no mode (choose from vanilla, paper, exact)")
-    if len(set(modes)) != len(modes):
-        raise UsageError(f"--modes names a mode twice: {args.modes}")
-    return modes
-
-
 def prepare(args, modes: list) -> Run:
     """Check a command's options, devices, checkpoints (without weights), prompts and memory;
     see the module doc. Raises :class:`UsageError` / :class:`CheckpointError`."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..decoding.config import DecodeConfig
 from ..decoding.sampling import SamplingParams as StepSampling
-from ..decoding.strategies import parse_strategy
+from ..decoding.choices import parse_strategy
 from ..speculative.decoder import SpecConfig
 from .errors import ParamError, UsageError
 from .options import check_threshold, draft_settings
