@@ -189,7 +189,7 @@ class Scheduler:
         with self._cv:
             while True:
                 if self._closed:
-                    raise SchedulerClosed("the scheduler is shutting down")
+                    raise SchedulerClosed("the scheduler was stopped and takes no new requests")
                 if len(self._waiting) < self.max_waiting + len(self._free):  # free rows take requests at once
                     break
                 left = None if deadline is None else deadline - time.monotonic()

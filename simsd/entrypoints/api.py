@@ -33,7 +33,7 @@ import torch
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
 from ..decoding.vanilla import vanilla_program, vanilla_stats
 from ..engine.batching import BatchEngine, round_capacity
-from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
+from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, load_checkpoint, read_checkpoint
 from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
@@ -308,7 +308,8 @@ class LLM:
         Raises:
             ParamError: a bad prompt or parameter (``param`` names it).
             QueueFull: ``max_waiting`` requests wait already (and ``block`` is False).
-            SchedulerClosed: :meth:`shutdown` was called.
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``; also from
+                :meth:`generate`, :meth:`generate_iter` and :meth:`stream`).
         """
         handle = self._request(prompt, params, listener, request_id)
         self._start()
@@ -316,7 +317,10 @@ class LLM:
         return handle
 
     def _request(self, prompt, params, listener, request_id) -> RequestHandle:
-        """A checked request, not queued yet."""
+        """A checked request, not queued yet (``SchedulerClosed`` after :meth:`shutdown`)."""
+        if self.scheduler.closed:
+            raise SchedulerClosed("this LLM was shut down (LLM.shutdown(), or the end of its with block) and takes "
+                                  "no new requests: create a new LLM")
         ids, templated = self._encode(prompt)
         params = self.default_params if params is None else params
         cfg, spec, seed = resolve(params, self.settings)
@@ -402,6 +406,7 @@ class LLM:
                 requests queued before it are cancelled, and none has run without a scheduling
                 thread).
             RequestError: a request failed (the others are cancelled).
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
         return list(self.generate_iter(prompts, params, use_tqdm))
 
@@ -452,6 +457,7 @@ class LLM:
         Raises:
             ParamError: as :meth:`submit`; also when the checkpoint has no tokenizer.
             RequestError: the request failed.
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
         if self.tokenizer is None:
             raise ParamError("prompt", "streaming text needs a tokenizer (this checkpoint has none)")

@@ -95,6 +95,10 @@ def test_stop_strings_and_stop_token_ids(llms):
     (lambda: SamplingParams(threshold=0.5), "threshold"),
     (lambda: SamplingParams(strategy="dynamic", threshold=1.5), "threshold"),
     (lambda: SamplingParams(max_tokens=True), "max_tokens"),
+    (lambda: SamplingParams(n=2), "n"),
+    (lambda: SamplingParams(n=0), "n"),
+    (lambda: SamplingParams(block_length=8), "block_length"),
+    (lambda: SamplingParams(max_tokens=8, fold_commit=True), "fold_commit"),
 ])
 def test_bad_fields_name_themselves(make, param):
     with pytest.raises(ParamError) as err:
@@ -105,7 +109,6 @@ def test_bad_fields_name_themselves(make, param):
 @pytest.mark.parametrize("mode,prompt,params,param", [
     ("vanilla", "hi", SamplingParams(gamma=2), "gamma"),
     ("exact", "hi", SamplingParams(gamma=5), "gamma"),
-    ("exact", "hi", SamplingParams(block_length=8), "block_length"),
     ("exact", "hi", SamplingParams(steps=5), "steps"),
     ("exact", "hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
     ("exact", [5] * 2048, SamplingParams(max_tokens=1), "prompt"),
@@ -151,6 +154,41 @@ def test_closing_a_stream_cancels_its_request(llms):
     # the freed row serves later requests as before
     p = SamplingParams(max_tokens=10)
     assert llm.generate(PROMPTS[0], p)[0].token_ids == single(llm, llm.prompt_ids(PROMPTS[0]), p, 0).token_ids
+
+
+def test_vllm_habits_get_errors_that_say_what_to_do():
+    """vLLM's ``n`` is accepted at 1 (and None) and refused otherwise; an LLM(...) setting passed
+    to SamplingParams is refused when it is built, with where it belongs; every LLM keyword
+    but the models and the defaults is such a setting."""
+    import inspect
+
+    from simsd.entrypoints.params import LLM_SETTINGS
+    assert SamplingParams(n=1) == SamplingParams(n=None) == SamplingParams() and SamplingParams(n=None).n == 1
+    with pytest.raises(ParamError, match=r"n=2: simsd returns one completion per request \(n=1\)"):
+        SamplingParams(n=2)
+    for name in ("block_length", "on_reject", "device"):
+        with pytest.raises(ParamError, match=rf"^{name} is an LLM\(\.\.\.\) setting.*simsd\.LLM\(\.\.\., {name}=\.\.\.\)"):
+            SamplingParams(**{name: 8})
+    keywords = set(inspect.signature(LLM).parameters) - {"target", "draft", "default_params"}
+    assert set(LLM_SETTINGS) == keywords
+    with pytest.raises(TypeError, match="best_of"):  # not an LLM setting either: Python's own error
+        SamplingParams(best_of=2)
+
+
+def test_requests_after_shutdown_say_the_llm_was_shut_down(llms):
+    """After ``shutdown()``, generate, generate_iter, stream and submit raise a RuntimeError
+    that says this LLM was shut down (the scheduler's own words were about shutting down)."""
+    llm = LLM(llms["exact"].target, mode="vanilla", batch_size=1)
+    assert llm.generate("hi", SamplingParams(max_tokens=4))[0].token_ids
+    assert llm.shutdown(timeout=60)
+    for call in (lambda: llm.generate("hi"), lambda: next(llm.generate_iter(["hi"])),
+                 lambda: next(llm.stream("hi")), lambda: llm.submit("hi")):
+        with pytest.raises(RuntimeError, match="^this LLM was shut down"):
+            call()
+    with LLM(llms["exact"].target, mode="vanilla", batch_size=1) as ctx:
+        pass
+    with pytest.raises(RuntimeError, match="^this LLM was shut down"):
+        ctx.generate("hi")
 
 
 def test_exported_names_and_step_sampling_compatibility():

@@ -113,7 +113,7 @@ BAD = [
     ({"model": NAME, "prompt": [11] * 2000, "max_tokens": 100}, "max_tokens", "exceeds"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n must be 1"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n=2: simsd returns one completion per request (n=1)"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
