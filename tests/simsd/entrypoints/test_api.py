@@ -8,7 +8,7 @@ import simsd
 from simsd import LLM, ParamError, SamplingParams
 from simsd.decoding.config import DecodeConfig
 from simsd.decoding.sampling import SamplingParams as StepSampling
-from tests.simsd.entrypoints.serving import single, wait_for
+from tests.simsd.entrypoints.serving import readme_blocks, single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
            [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}], [11, 12, 13, 14, 15, 16, 17]]
@@ -189,6 +189,22 @@ def test_requests_after_shutdown_say_the_llm_was_shut_down(llms):
         pass
     with pytest.raises(RuntimeError, match="^this LLM was shut down"):
         ctx.generate("hi")
+
+
+def test_the_readme_api_example_shows_text(llms, capsys):
+    """The README's Python API example, run as written with the bundled pair (greedy outputs and
+    a seeded stream): every output and the stream have text (issue 21: its chat prompt "Reverse a
+    list." answered "", its stop token first; the README says so, checked here too)."""
+    (code,) = readme_blocks("Python API", "python")
+    space = {}
+    exec(code, space)
+    outs = space["outs"]
+    assert len(outs) == 3 and all(o.text.strip() for o in outs), [o.text for o in outs]
+    printed = capsys.readouterr().out
+    first = f"{outs[1].text} {outs[1].finish_reason} {outs[1].stats['acceptance_rate']}\n"
+    assert printed.startswith(first) and printed[len(first):].strip(), printed
+    (silent,) = llms["exact"].generate([{"role": "user", "content": "Reverse a list."}], SamplingParams(max_tokens=64))
+    assert (silent.text, silent.finish_reason, len(silent.token_ids)) == ("", "stop", 1)
 
 
 def test_exported_names_and_step_sampling_compatibility():

@@ -3,6 +3,7 @@ CPU): the official ``openai`` client for completions, chat and streaming; plain 
 error cases; cancellation on disconnect; fault isolation; 16 concurrent requests equal to their
 single runs."""
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ pytest.importorskip("fastapi")
 from simsd import LLM, SamplingParams  # noqa: E402
 from simsd.entrypoints.server import build_app  # noqa: E402
 from simsd.speculative.spec_row import SpecRow  # noqa: E402
-from tests.simsd.entrypoints.serving import running_server, single_text, wait_for  # noqa: E402
+from tests.simsd.entrypoints.serving import readme_blocks, running_server, single_text, wait_for  # noqa: E402
 
 NAME = "tiny-sdar-target"
 TIMEOUT = 120
@@ -38,6 +39,18 @@ def url(llm):
 @pytest.fixture
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def test_the_readme_server_examples_show_text(url, capsys):
+    """The README's first requests to ``simsd serve`` (the curl body, the openai client's stream),
+    run as written against the bundled pair: both answer text (issue 21: a first curl that
+    returned "" read as a broken server)."""
+    (curl,), (client_code,) = readme_blocks("Serve", "bash"), readme_blocks("Serve", "python")
+    path = re.search(r"localhost:8000(/v1/\S+) ", curl).group(1)
+    r = httpx.post(url + path, json=json.loads(re.search(r"-d '(.*)'", curl).group(1)), timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].strip(), r.text
+    exec(client_code.replace("http://127.0.0.1:8000", url), {})
+    assert capsys.readouterr().out.strip()
 
 
 def chat_ids(llm, messages=CHAT):
