@@ -68,7 +68,7 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
     if args.prompt_ids is not None:
         prompts = [Prompt(ids=parse_ids(args.prompt_ids), id="prompt-ids")]
     elif args.prompt is not None:
-        if not args.prompt.strip():
+        if not args.prompt:  # whitespace is text, taken as it is (as the API and the server take it)
             raise UsageError("--prompt is empty")
         prompts = [Prompt(text=args.prompt, id="prompt")]
     elif args.prompts_file is not None:
