@@ -161,6 +161,11 @@ def test_bad_inputs(ckdir, capsys, tmp_path):
     assert "not found" in err_of("--target", str(tmp_path / "nope"), "--prompt-ids", "1")
     assert "not found" in err_of("--draft", str(tmp_path / "nope"), "--mode", "exact", "--prompt-ids", "1")
     assert "not found" in err_of("--target", str(ckdir), "--prompts-file", str(tmp_path / "none.jsonl"))
+    weights = ckdir / "model.safetensors"  # a file given for a checkpoint directory is named as a file
+    assert f"simsd: error: {weights} is a file, not a checkpoint directory" in err_of("--target", str(weights),
+                                                                                       "--prompt-ids", "1")
+    assert f"{ckdir / 'config.json'} is a file, not a checkpoint directory" in err_of(
+        "--draft", str(ckdir / "config.json"), "--mode", "exact", "--prompt-ids", "1")
     assert "outside the vocabulary" in err_of("--target", str(ckdir), "--prompt-ids", "1,999999")
     assert "comma-separated" in err_of("--target", str(ckdir), "--prompt-ids", "1,x")
     assert "unknown strategy" in err_of("--target", str(ckdir), "--prompt-ids", "1", "--strategy", "fancy")
