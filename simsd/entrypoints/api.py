@@ -33,6 +33,7 @@ import torch
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
 from ..decoding.vanilla import vanilla_program, vanilla_stats
 from ..engine.batching import BatchEngine, round_capacity
+from ..engine.memory import fmt_bytes
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, load_checkpoint, read_checkpoint
 from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
@@ -225,8 +226,8 @@ class LLM:
         if kv_cache_memory is not None:
             rows = min(batch_size, int(kv_cache_memory // per_row))
             if rows < 1:
-                raise ParamError("kv_cache_memory", f"kv_cache_memory {kv_cache_memory / 2**30:.2f} GiB holds no row "
-                                                    f"of {L} tokens ({per_row / 2**30:.2f} GiB per row); lower "
+                raise ParamError("kv_cache_memory", f"kv_cache_memory {fmt_bytes(kv_cache_memory)} holds no row "
+                                                    f"of {L} tokens ({fmt_bytes(per_row)} per row); lower "
                                                     f"max_model_len")
         self.kv_cache_bytes = rows * per_row
         engine_models = {"target": self.target.model}
@@ -238,7 +239,7 @@ class LLM:
             if "out of memory" not in str(exc).lower():
                 raise
             raise ValueError(f"the KV caches of {rows} rows x {L} positions "
-                             f"({self.kv_cache_bytes / 2**30:.1f} GiB) do not fit: lower batch_size or "
+                             f"({fmt_bytes(self.kv_cache_bytes)}) do not fit: lower batch_size or "
                              f"max_model_len, or set kv_cache_memory") from None
 
     # -- properties ------------------------------------------------------------------------

@@ -108,6 +108,7 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
     (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
     (["--kv-cache-memory", "inf"], "--kv-cache-memory must be a finite number > 0 (GiB), got inf"),
     (["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number > 0 (GiB), got nan"),
+    (["--kv-cache-memory", "0.001"], "--kv-cache-memory: kv_cache_memory 1.02 MiB holds no row of 2048 tokens ("),
     (["--port", "-1"], "--port must be in [0, 65535], got -1"),
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no position for a prompt in the 2048"),
     (["--max-model-len", "5"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 5"),
