@@ -235,8 +235,11 @@ def main(argv=None) -> int:
                 from .commands import run_generate
                 return run_generate(args)
             if args.command == "serve":
-                from .serve import run_serve
-                return run_serve(args)
+                from .serve import leave, run_serve
+                code = run_serve(args)
+                if argv is None:  # the process's own command line: leave without the lingering teardown
+                    leave(code)
+                return code
             from .bench import bench_modes
             return bench_modes(args)
         finally:

@@ -245,3 +245,16 @@ def run_serve(args) -> int:
     server.run(sockets=[sock])
     llm.shutdown()
     return 0
+
+
+def leave(code: int):
+    """End the process now with ``code``, after ``simsd serve`` has finished (socket closed, LLM
+    shut down): the interpreter's teardown of torch, transformers and the server's modules
+    costs about 0.5 s of CPU, seen as 10-30 s of wall time on a busy machine after uvicorn's
+    "Finished server process". Log handlers and the standard streams are flushed first."""
+    import logging
+    import os
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
