@@ -34,8 +34,8 @@ import torch
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
 from ..decoding.vanilla import vanilla_program, vanilla_stats
 from ..engine.batching import BatchEngine, round_capacity
-from ..engine.memory import parameter_count
-from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
+from ..engine.memory import fmt_bytes, parameter_count
+from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
 from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
@@ -268,8 +268,8 @@ class LLM:
         if kv_cache_memory is not None:
             rows = min(batch_size, int(kv_cache_memory // per_row))
             if rows < 1:
-                raise ParamError("kv_cache_memory", f"kv_cache_memory {kv_cache_memory / 2**30:.2f} GiB holds no row "
-                                                    f"of {L} tokens ({per_row / 2**30:.2f} GiB per row); lower "
+                raise ParamError("kv_cache_memory", f"kv_cache_memory {fmt_bytes(kv_cache_memory)} holds no row "
+                                                    f"of {L} tokens ({fmt_bytes(per_row)} per row); lower "
                                                     f"max_model_len")
         self.kv_cache_bytes = rows * per_row
         engine_models = {"target": self.target.model}
@@ -281,7 +281,7 @@ class LLM:
             if "out of memory" not in str(exc).lower():
                 raise
             raise ValueError(f"the KV caches of {rows} rows x {L} positions "
-                             f"({self.kv_cache_bytes / 2**30:.1f} GiB) do not fit: lower batch_size or "
+                             f"({fmt_bytes(self.kv_cache_bytes)}) do not fit: lower batch_size or "
                              f"max_model_len, or set kv_cache_memory") from None
 
     # -- properties ------------------------------------------------------------------------
@@ -351,7 +351,8 @@ class LLM:
         Raises:
             ParamError: a bad prompt or parameter (``param`` names it).
             QueueFull: ``max_waiting`` requests wait already (and ``block`` is False).
-            SchedulerClosed: :meth:`shutdown` was called.
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``; also from
+                :meth:`generate`, :meth:`generate_iter` and :meth:`stream`).
         """
         handle = self._request(prompt, params, listener, request_id)
         self._start()
@@ -359,7 +360,10 @@ class LLM:
         return handle
 
     def _request(self, prompt, params, listener, request_id) -> RequestHandle:
-        """A checked request, not queued yet."""
+        """A checked request, not queued yet (``SchedulerClosed`` after :meth:`shutdown`)."""
+        if self.scheduler.closed:
+            raise SchedulerClosed("this LLM was shut down (LLM.shutdown(), or the end of its with block) and takes "
+                                  "no new requests: create a new LLM")
         ids, templated = self._encode(prompt)
         params = self.default_params if params is None else params
         cfg, spec, seed = resolve(params, self.settings)
@@ -445,6 +449,7 @@ class LLM:
                 requests queued before it are cancelled, and none has run without a scheduling
                 thread).
             RequestError: a request failed (the others are cancelled).
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
         return list(self.generate_iter(prompts, params, use_tqdm))
 
@@ -495,6 +500,7 @@ class LLM:
         Raises:
             ParamError: as :meth:`submit`; also when the checkpoint has no tokenizer.
             RequestError: the request failed.
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
         if self.tokenizer is None:
             raise ParamError("prompt", "streaming text needs a tokenizer (this checkpoint has none)")

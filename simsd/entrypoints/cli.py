@@ -9,7 +9,6 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..models.config import CheckpointError
 from .errors import SimsdWarning, UsageError
 from .help_format import DefaultsHelpFormatter
 
@@ -235,7 +234,13 @@ def one_line_warnings(show):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "check":  # its options load torch: parsed only now (see add_check_parser)
+        from .check import parse_check_args
+        args = parse_check_args(OneLineParser, extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     with warnings.catch_warnings():  # simsd's warnings in one line each
         warnings.showwarning = one_line_warnings(warnings.showwarning)
         return run_command(args, argv)
@@ -247,8 +252,7 @@ def run_command(args, argv=None) -> int:
         if args.command == "check":
             from .check import run_check
             return run_check(args)
-        from .commands import modes_of
-        from .options import check_options
+        from .options import check_options, modes_of
         check_options(args, modes_of(args))  # before any rank is spawned or file read
         if getattr(args, "tp", 1) > 1:
             code = launch_tp(args, argv)
@@ -259,15 +263,18 @@ def run_command(args, argv=None) -> int:
                 from .commands import run_generate
                 return run_generate(args)
             if args.command == "serve":
-                from .serve import run_serve
-                return run_serve(args)
+                from .serve import leave, run_serve
+                code = run_serve(args)
+                if argv is None:  # the process's own command line: leave without the lingering teardown
+                    leave(code)
+                return code
             from .bench import bench_modes
             return bench_modes(args)
         finally:
             if getattr(args, "tp", 1) > 1:
                 from ..engine.tp import shutdown
                 shutdown()
-    except (UsageError, CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (UsageError, ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)
         return 2

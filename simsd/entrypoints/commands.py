@@ -68,7 +68,7 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
     if args.prompt_ids is not None:
         prompts = [Prompt(ids=parse_ids(args.prompt_ids), id="prompt-ids")]
     elif args.prompt is not None:
-        if not args.prompt.strip():
+        if not args.prompt:  # whitespace is text, taken as it is (as the API and the server take it)
             raise UsageError("--prompt is empty")
         prompts = [Prompt(text=args.prompt, id="prompt")]
     elif args.prompts_file is not None:
@@ -189,23 +189,6 @@ class Run:
         seed ``(--seed + i) mod 2**63`` (whatever the batch size)."""
         base = self.params if mode != "vanilla" else vanilla_params(self.params)
         return [dataclasses.replace(base, seed=(base.seed + i) % MAX_SEED) for i in range(len(self.prompts))]
-
-
-def modes_of(args) -> list:
-    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
-    if getattr(args, "command", "generate") != "bench":
-        return [args.mode]
-    if getattr(args, "mode", None) is not None:
-        raise UsageError("simsd bench takes --modes (comma-separated), not --mode")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
-    if bad:
-        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from vanilla, paper, exact)")
-    if not modes:
-        raise UsageError("--modes names no mode (choose from vanilla, paper, exact)")
-    if len(set(modes)) != len(modes):
-        raise UsageError(f"--modes names a mode twice: {args.modes}")
-    return modes
 
 
 def prepare(args, modes: list) -> Run:

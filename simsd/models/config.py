@@ -79,6 +79,9 @@ class ModelConfig:
                 (:func:`simsd.models.validation.check_config`); one line naming the file.
         """
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"{path} is a file, not a checkpoint directory (give the directory that holds "
+                                  f"config.json and the weights)")
         if not path.is_dir():
             raise CheckpointError(f"checkpoint directory not found: {path}")
         cfg_file = path / "config.json"
