@@ -29,7 +29,7 @@ MAX_SEED = 2 ** 63
 #: SamplingParams (a vLLM habit for some), they are refused by name, not with a bare TypeError
 LLM_SETTINGS = ("mode", "device", "draft_device", "dtype", "batch_size", "max_model_len", "kv_cache_memory",
                 "max_waiting", "block_length", "fold_commit", "on_reject", "rope_copy", "optimistic", "max_gamma",
-                "attention_backend", "cuda_graphs", "invariant", "tp", "threads", "scheduler_thread")
+                "attention_backend", "cuda_graphs", "invariant", "tp", "threads", "scheduler_thread", "mask_token_id")
 
 
 def _int(name, value, low=None, allow_none=False):
