@@ -56,7 +56,7 @@ def bundled_pair(dtype: str = "float32"):
     return load_checkpoint(DEFAULT_TARGET, dtype=dtype), load_checkpoint(DEFAULT_DRAFT, dtype=dtype)
 
 
-def random_checkpoint(path, shape: str, seed: int = 0, logit_scale: float = 0.05) -> Path:
+def random_checkpoint(path, shape: str, seed: int = 0, logit_scale: float = 0.15) -> Path:
     """Write a random SDAR checkpoint of ``RANDOM_SHAPES[shape]`` to ``path`` with the bundled
     target's tokenizer, vocabulary, mask id, stop ids and block size; float32 weights
     (:func:`simsd.testing.random_state_dict`, seed ``seed``). ``logit_scale`` multiplies
