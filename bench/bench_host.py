@@ -1,7 +1,7 @@
 """Host work per forward: aten ops outside and inside the model forwards, thread CPU time outside.
 
     python bench/bench_host.py [--modes vanilla,paper,exact] [--checkpoint bundled|random]
-        [--prompts 3] [--max-new-tokens 64] [--temperature 0] [--repeats 3] [--json F]
+        [--prompts 3] [--max-new-tokens 64] [--temperature 0] [--repeats 3] [--top N] [--json F]
 
 Per mode, one generate call decodes the prompts together (the public batch functions
 ``simsd.decoding.vanilla.vanilla_generate_batch`` / ``simsd.speculative.decoder.speculative_generate_batch``,
@@ -13,24 +13,29 @@ each forward's inputs, sampling, remasking, verification, the host reads) is *ou
 
 * **aten ops**: every op that reaches a ``TorchDispatchMode`` over the whole call (one
   counted call, after the warm-up): views, ``detach``, in-place and ``copy_`` ops count like any
-  other op (``views`` says how many of them were views); composite ops arrive decomposed (e.g.
-  ``F.linear`` as ``t`` + ``mm`` / ``addmm`` plus views). ``out/fwd``: ops outside the models per
-  target forward; ``tgt in/fwd``: ops inside the target per target forward; ``per layer``:
+  other op (the rows' ``views_*`` fields say how many were views); composite ops arrive decomposed (e.g.
+  ``F.linear`` of a 3-D input as ``view``, ``t``, ``mm``, ``_unsafe_view``). ``out/fwd``: ops outside the models per
+  target forward; ``out/any``: the same per forward of either model (target or draft);
+  ``tgt in/fwd``: ops inside the target per target forward; ``per layer``:
   ``tgt in/fwd / num_hidden_layers`` (the whole forward: embedding, final norm, ``lm_head`` and
   the cache update included); ``layer ops``: ops inside the decoder layer modules per layer
   call, counted by hooks on ``model.model.layers[i]`` (the Qwen3 module path that the
-  checkpoints' parameter names fix; ``-`` when those modules are not called); ``draft in/fwd``:
-  ops inside the draft per draft forward. Target forwards include the prefill forward of each
-  prompt (one per prompt with at least a block of tokens).
+  checkpoints' parameter names fix; ``-`` when those modules are not called); ``dft in/fwd``,
+  ``dft in/tgt``: ops inside the draft per draft forward and per target forward. Target
+  forwards include the prefill forward of each prompt (one per prompt with at least a block of
+  tokens).
 * **thread CPU time** (``time.thread_time``, the calling thread; decoding runs on it): the
-  generate call's time minus the time inside the model forwards, per target forward, median of
-  ``--repeats`` calls run without the dispatch mode (which would slow the host down); the
-  forwards themselves (``fwd ms``: CPU time inside the target per target forward) for scale.
+  generate call's time minus the time inside the model forwards, per target forward
+  (``out ms/fwd``) and per forward of either model (``out ms/any``), median of ``--repeats``
+  calls run without the dispatch mode (which would slow the host down); ``fwd ms``: CPU time
+  inside the target per target forward, for scale.
 
 Defaults reproduce the issue 24 setting: the bundled pair, the first 3 bundled held-out prompts
 (chat template) x 64 new tokens, greedy, static strategy, B = 4, float32, one thread.
 ``--checkpoint random`` runs a random 8-layer head_dim-128 target (``h512-l8-d128``) with a
-random 2-layer draft (``bench/benchlib.py``). ``--json F`` writes the rows.
+random 2-layer draft (``bench/benchlib.py``). ``--top N`` also lists the N most frequent ops
+outside the models and inside the target, per target forward (the rows hold them all).
+``--json F`` writes the rows.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ class Probe:
         self.in_layer = False
         self.forwards, self.ops, self.views, self.cpu = Counter(), Counter(), Counter(), Counter()
         self.layer_calls, self.layer_ops = Counter(), Counter()
+        self.by_op = Counter()  # (place, op name) -> count
         self._t0 = 0.0
         self.handles = []
         for name, model in models.items():
@@ -81,7 +87,7 @@ class Probe:
                 self.handles.append(layer.register_forward_hook(self._leave_layer))
 
     def reset(self) -> None:
-        for c in (self.forwards, self.ops, self.views, self.cpu, self.layer_calls, self.layer_ops):
+        for c in (self.forwards, self.ops, self.views, self.cpu, self.layer_calls, self.layer_ops, self.by_op):
             c.clear()
 
     def remove(self) -> None:
@@ -111,6 +117,7 @@ class Probe:
         self.views[self.where] += int(func.is_view)
         if self.in_layer:
             self.layer_ops[self.where] += 1
+        self.by_op[self.where, func.__name__] += 1
 
 
 class CountOps(TorchDispatchMode):
@@ -151,6 +158,7 @@ def measure(mode: str, target, draft, prompts: list, cfg: DecodeConfig, batch_si
             raise RuntimeError(f"{mode}: the counted call decoded other tokens than the warm-up call")
         ops, views, fwd = dict(probe.ops), dict(probe.views), dict(probe.forwards)
         layer_calls, layer_ops = dict(probe.layer_calls), dict(probe.layer_ops)
+        by_op = Counter(probe.by_op)
         outside_ms, inside_ms = [], []
         for _ in range(repeats):
             probe.reset()
@@ -183,6 +191,9 @@ def measure(mode: str, target, draft, prompts: list, cfg: DecodeConfig, batch_si
         "cpu_ms_outside_per_forward": statistics.median(outside_ms) * n_t / (n_t + n_d),
         "cpu_ms_in_target_per_target_forward": statistics.median(inside_ms),
         "num_hidden_layers": layers,
+        # per target forward: the most frequent ops outside the models and inside the target
+        "top_ops_outside": {op: n / n_t for (where, op), n in by_op.most_common() if where == OUTSIDE},
+        "top_ops_in_target": {op: n / n_t for (where, op), n in by_op.most_common() if where == "target"},
     }
     return row
 
@@ -223,6 +234,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="rows per generate call (default: all prompts)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per mode (median)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top", type=int, default=0, help="also list the N most frequent ops outside and inside")
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -269,6 +281,11 @@ def main(argv=None) -> int:
                       f"{'greedy' if cfg.sampling.greedy else f'temperature {args.temperature}'}, static, "
                       f"B={args.block_length}, float32, {env['threads']} thread(s), {batch} rows per call, "
                       f"torch {env['torch']}, git {env['git_sha']}")
+    for r in rows if args.top else ():
+        for where in ("outside", "in_target"):
+            top = list(r[f"top_ops_{where}"].items())[:args.top]
+            print(f"{r['mode']}: most frequent ops {where.replace('_', ' ')} per target forward: "
+                  + ", ".join(f"{op} {n:.1f}" for op, n in top))
     if args.json:
         benchlib.write_json(args.json, {"script": "bench_host", "prompt_ids": names, **vars(args)}, rows)
     return 0

@@ -35,12 +35,12 @@ from simsd.testing import config_dict, random_state_dict, save_checkpoint  # noq
 
 #: the random checkpoints' shapes (the bundled tokenizer's vocabulary of 6144 ids)
 RANDOM_SHAPES = {
-    # 8 layers, head_dim 128: a forward that is not trivial on one CPU thread (~26M parameters)
+    # 8 layers, head_dim 128: a forward that is not trivial on one CPU thread (38M parameters; 113M)
     "h512-l8-d128": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128),
     "h1024-l8-d128": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=4, head_dim=128),
-    # a draft for the speculative modes on a random target
+    # a draft for the speculative modes on a random target (5M parameters)
     "h256-l2-d128": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=128),
 }

@@ -1,24 +1,14 @@
 """bench/bench_host.py: the in/out split of the op counter, and the table and rows on a tiny setting."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.helpers import load_bench_script
 
 
 def load():
-    sys.path.insert(0, str(BENCH))  # the script imports its neighbour bench/benchlib.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_host", BENCH / "bench_host.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench_script("bench_host")
 
 
 class Twice(torch.nn.Module):
@@ -65,9 +55,11 @@ def test_probe_refuses_a_forward_inside_another():
 def test_table_and_rows_on_the_bundled_pair(tmp_path, capsys):
     bh = load()
     out = tmp_path / "host.json"
-    assert bh.main(["--prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--json", str(out)]) == 0
+    assert bh.main(["--prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--top", "3",
+                    "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "bench_host: bundled tiny pair, 1 prompts x 8 tokens, greedy" in text
+    assert "vanilla: most frequent ops outside per target forward: " in text
     data = json.loads(out.read_text())
     rows = {r["mode"]: r for r in data["rows"]}
     assert set(rows) == {"vanilla", "paper", "exact"}
@@ -82,10 +74,12 @@ def test_table_and_rows_on_the_bundled_pair(tmp_path, capsys):
         assert r["cpu_ms_outside_per_target_forward"] > 0 and r["cpu_ms_in_target_per_target_forward"] > 0
         assert (r["draft_forwards"] > 0) == (mode != "vanilla")
         assert (r["ops_in_draft_per_draft_forward"] is None) == (mode == "vanilla")
+        assert sum(r["top_ops_outside"].values()) == pytest.approx(r["ops_outside_per_target_forward"])
+        assert sum(r["top_ops_in_target"].values()) == pytest.approx(r["ops_in_target_per_target_forward"])
     # the hooks count the forwards simsd's own counters report (decode forwards + the prefill)
     from simsd import DecodeConfig
     from simsd.decoding.vanilla import vanilla_generate_batch
-    benchlib = sys.modules["benchlib"]
+    benchlib = bh.benchlib
     t, _ = benchlib.bundled_pair()
     prompts, _ = benchlib.prompt_ids(t.tokenizer, t.mask_token_id, t.model.config.vocab_size, 1)
     stats = vanilla_generate_batch(t.model, prompts, DecodeConfig(max_new_tokens=8), t.mask_token_id,

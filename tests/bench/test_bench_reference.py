@@ -1,25 +1,15 @@
 """bench/bench_reference.py: simsd's vanilla decoding gives the tokens of an independent
 block-diffusion loop on transformers' Qwen3 (SDPA) on the bundled target, and the report's form."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.helpers import load_bench_script
 
 
 def load():
-    sys.path.insert(0, str(BENCH))  # the script imports its neighbour bench/benchlib.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_reference", BENCH / "bench_reference.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench_script("bench_reference")
 
 
 def test_identical_tokens_on_the_bundled_target(tmp_path, capsys):
