@@ -265,8 +265,7 @@ def main(argv=None) -> int:
     benchlib.set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, name = load_models(args.checkpoint, Path(tmp))
-    prompts, names = benchlib.prompt_ids(target.tokenizer, target.mask_token_id, target.model.config.vocab_size,
-                                       args.prompts)
+    prompts, names = benchlib.prompt_ids(target.tokenizer, args.prompts)
     cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens,
                        sampling=SamplingParams(temperature=args.temperature))
     batch = args.batch_size or len(prompts)

@@ -253,8 +253,7 @@ def main(argv=None) -> int:
             label = f"random {args.shape}"
         target = load_checkpoint(path)
         ref = TransformersLoop(path, target.mask_token_id, target.stop_ids, target.model.config.block_size or 4)
-    prompts, names = benchlib.prompt_ids(target.tokenizer, target.mask_token_id, target.model.config.vocab_size,
-                                         args.prompts)
+    prompts, names = benchlib.prompt_ids(target.tokenizer, args.prompts)
     cfg = DecodeConfig(block_length=ref.B, strategy="static", max_new_tokens=args.max_new_tokens)
     row = compare(target, ref, prompts, names, cfg, args.passes)
     env = benchlib.environment()

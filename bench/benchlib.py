@@ -27,10 +27,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread 
 import torch  # noqa: E402
 
 from simsd import load_checkpoint  # noqa: E402
-from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
+from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET, HELDOUT_PROMPTS  # noqa: E402
 from simsd.entrypoints.bench import git_sha  # noqa: E402
-from simsd.entrypoints.encoding import encode_prompt  # noqa: E402
-from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
 from simsd.testing import config_dict, random_state_dict, save_checkpoint  # noqa: E402
 
 #: the random checkpoints' shapes (the bundled tokenizer's vocabulary of 6144 ids)
@@ -72,17 +70,22 @@ def random_checkpoint(path, shape: str, seed: int = 0, logit_scale: float = 0.15
     return save_checkpoint(path, cfg, sd, tok, stop_ids=stops if isinstance(stops, list) else [stops])
 
 
-def prompt_ids(tokenizer, mask_id: int, vocab_size: int, n: int) -> tuple[list, list]:
-    """``(ids, names)`` of the first ``n`` bundled held-out prompts, chat-formatted.
+def prompt_ids(tokenizer, n: int) -> tuple[list, list]:
+    """``(ids, names)`` of the first ``n`` bundled held-out prompts as one user message each
+    through the tokenizer's chat template with the generation prompt (what ``simsd generate``
+    sends for a text prompt).
 
     Raises:
         ValueError: ``n`` outside ``[1, number of bundled prompts]``."""
-    prompts = bundled_prompts()
+    prompts = [json.loads(line) for line in HELDOUT_PROMPTS.read_text().splitlines() if line.strip()]
     if not 1 <= n <= len(prompts):
         raise ValueError(f"--prompts must be in [1, {len(prompts)}] (the bundled held-out prompts), got {n}")
-    chosen = prompts[:n]
-    ids = [encode_prompt([{"role": "user", "content": p.text}], tokenizer, vocab_size, mask_id)[0] for p in chosen]
-    return ids, [p.id for p in chosen]
+    ids = []
+    for p in prompts[:n]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids, [p["id"] for p in prompts[:n]]
 
 
 def environment() -> dict:

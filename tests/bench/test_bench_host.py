@@ -81,7 +81,7 @@ def test_table_and_rows_on_the_bundled_pair(tmp_path, capsys):
     from simsd.decoding.vanilla import vanilla_generate_batch
     benchlib = bh.benchlib
     t, _ = benchlib.bundled_pair()
-    prompts, _ = benchlib.prompt_ids(t.tokenizer, t.mask_token_id, t.model.config.vocab_size, 1)
+    prompts, _ = benchlib.prompt_ids(t.tokenizer, 1)
     stats = vanilla_generate_batch(t.model, prompts, DecodeConfig(max_new_tokens=8), t.mask_token_id,
                                    t.stop_ids).results[0].stats
     assert rows["vanilla"]["target_forwards"] == stats["target_forwards"] + stats["prefill_forwards"]
