@@ -60,3 +60,20 @@ def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
         h = model.model.norm(model.model.embed_tokens.weight[mask_id][None])[0]
         model.lm_head.weight.copy_(logits[:, None] * h[None] / (h @ h))
     return Checkpoint(None, model, None, mask_id, [])
+
+
+def load_bench_script(name: str):
+    """``bench/<name>.py`` imported as a module (its neighbour ``bench/benchlib.py`` importable
+    while it loads)."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod
