@@ -5,15 +5,23 @@ temperature, top-k, top-p, confidences, the exponential race), the keyed samplin
 shared by vanilla decoding, the draft and exact verification (``noise``), the remasking strategies
 (``strategies``: sequential, static, dynamic, entropy; the transfer schedule), one denoising
 step and its batched request form (``step``) and vanilla decoding as an engine program
-(``vanilla``).
+(``vanilla``); the strategies' names and ranges and the smallest temperature, torch-free
+(``choices``).
 
 May import: :mod:`simsd.engine`, :mod:`simsd.models`, :mod:`simsd_kernels`, torch. Never
 :mod:`simsd.speculative` or :mod:`simsd.entrypoints`.
 """
-from .config import DecodeConfig, GenerationResult, check_prompt
-from .sampling import SamplingParams
-from .step import Step, denoise_step
-from .vanilla import vanilla_generate, vanilla_generate_batch
+from importlib import import_module
 
-__all__ = ["DecodeConfig", "GenerationResult", "check_prompt", "SamplingParams", "Step", "denoise_step",
-           "vanilla_generate", "vanilla_generate_batch"]
+#: the re-exports and their modules, imported on first use (PEP 562), so that the torch-free
+#: ``choices`` loads without torch (the command line checks its options before torch loads)
+EXPORTS = {"DecodeConfig": "config", "GenerationResult": "config", "check_prompt": "config",
+           "SamplingParams": "sampling", "Step": "step", "denoise_step": "step", "vanilla_generate": "vanilla",
+           "vanilla_generate_batch": "vanilla"}
+__all__ = list(EXPORTS)
+
+
+def __getattr__(name):
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{EXPORTS[name]}"), name)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.host_sync import to_device
+from .choices import parse_strategy, threshold_range
 from .sampling import SamplingParams
-from .strategies import parse_strategy, threshold_range, transfer_schedule
+from .strategies import transfer_schedule
 
 
 @dataclass

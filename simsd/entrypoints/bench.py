@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from .commands import build_llm, modes_of, prepare
+from .commands import build_llm, prepare
 from .errors import UsageError
+from .options import modes_of
 from .outputs import run_decode_seconds
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 
-from ..decoding.sampling import MIN_TEMPERATURE
-from ..decoding.strategies import DEFAULT_THRESHOLD, STRATEGIES, parse_strategy, threshold_range
+from ..decoding.choices import DEFAULT_THRESHOLD, MIN_TEMPERATURE, STRATEGIES, parse_strategy, threshold_range
 from .errors import UsageError
 
 #: manual_seed takes 64-bit values and the draft adds 2**20 + the prompt index: a signed 63-bit seed fits
@@ -109,6 +108,23 @@ def _given(args, attr: str) -> bool:
     return getattr(args, attr, None) is not None
 
 
+def modes_of(args) -> list:
+    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
+    if getattr(args, "command", "generate") != "bench":
+        return [args.mode]
+    if getattr(args, "mode", None) is not None:
+        raise UsageError("simsd bench takes --modes (comma-separated), not --mode")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
+    if bad:
+        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from vanilla, paper, exact)")
+    if not modes:
+        raise UsageError("--modes names no mode (choose from vanilla, paper, exact)")
+    if len(set(modes)) != len(modes):
+        raise UsageError(f"--modes names a mode twice: {args.modes}")
+    return modes
+
+
 def check_options(args, modes, names: dict | None = None) -> None:
     """Check option values and combinations that need no checkpoint (see the module doc).
 
@@ -117,8 +133,6 @@ def check_options(args, modes, names: dict | None = None) -> None:
     n = lambda attr: option_name(attr, names)  # noqa: E731
     for attr in RANGES:
         check_value(attr, getattr(args, attr, None), names)
-    if getattr(args, "tp", 1) > 1:
-        check_tp_devices(getattr(args, "device", None), args.tp, n("tp"))
     strategy = named_strategy(getattr(args, "strategy", None) or "static", "strategy", names)
     speculative = bool({"paper", "exact"} & set(modes))
     check_threshold(strategy, getattr(args, "threshold", None), "threshold", names)
@@ -172,6 +186,8 @@ def check_options(args, modes, names: dict | None = None) -> None:
     if getattr(args, "raw", False) and _given(args, "prompt_ids"):
         raise UsageError(f"{n('raw')} applies to text prompts; {n('prompt_ids')} bypass the tokenizer and its "
                          f"chat template")
+    if getattr(args, "tp", 1) > 1:  # last: it loads torch (unless the device is the CPU)
+        check_tp_devices(getattr(args, "device", None), args.tp, n("tp"))
 
 
 def check_tp_devices(device, tp: int, name: str = "--tp") -> None:
@@ -179,11 +195,12 @@ def check_tp_devices(device, tp: int, name: str = "--tp") -> None:
     :class:`UsageError` when the ranks of this machine (``tp``, or torchrun's ``LOCAL_WORLD_SIZE``)
     outnumber the visible GPUs, before any rank starts or weights load. On the CPU the ranks are
     processes (gloo): any number. ``device``: the ``--device`` option (None: cuda if available)."""
+    if device is not None and str(device).split(":")[0] != "cuda":
+        return  # the CPU (check_device refuses other device types)
     import os
 
     import torch
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda":
+    if device is None and not torch.cuda.is_available():
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
     visible = torch.cuda.device_count()
@@ -215,10 +232,10 @@ def check_engine_options(devices, cuda_graphs: bool, invariant: bool, names: dic
     """Engine options this machine or build cannot honour: ``cuda_graphs`` needs every model's
     device (``devices``: names or ``torch.device``) to be a CUDA device, and is not combined with
     ``invariant`` (the graph runner does not run the per-unit path). Raises :class:`UsageError`."""
-    import torch
     n = lambda attr: option_name(attr, names)  # noqa: E731
     if not cuda_graphs:
         return
+    import torch
     if invariant:
         raise UsageError(f"{n('invariant')} is not available with {n('cuda_graphs')} (the graph runner does not run "
                          f"the per-unit path)")
@@ -243,5 +260,5 @@ def check_block_options(args, block_length: int, max_positions: int, names: dict
                          f"(a block is finished in at most {block_length} steps; valid: 1 to {block_length})")
 
 
-__all__ = ["RANGES", "SEED_MAX", "check_options", "check_block_options", "check_device", "check_engine_options",
-           "check_threshold", "check_value", "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]
+__all__ = ["RANGES", "SEED_MAX", "check_options", "modes_of", "check_block_options", "check_device", "check_engine_options",
+           "check_tp_devices", "check_threshold", "check_value", "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 
 from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
-from ..decoding.strategies import parse_strategy
+from ..decoding.choices import parse_strategy
 from ..decoding.vanilla import batch_stats, row_seeds
 from ..engine.batching import BatchResult, engine_for
 from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
