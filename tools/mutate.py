@@ -427,6 +427,12 @@ MUTANTS = [
          "noise = step_noise([self.key(start)] * C, [block_step for c in range(C)], L, logits.shape[-1],"),
     ], NOISE, EXACT_SAMPLING, note="every step draws the noise of step 0, in the engine and in exact "
                                    "verification alike (exact still equals vanilla)"),
+    # issue 23: the uniform's grid, and promises at their edges ------------------------------------------
+    m("noise", NZ, "_BITS = 23", "_BITS = 24", NOISE,
+      note="issue 23: the uniform from 24 bits in float32 (upper half rounded to even, the top word is 1.0)"),
+    m("noise", NZ, "return _shr(w, 64 - _BITS).to(torch.float32).add_(0.5).mul_(2.0 ** -_BITS)",
+      "return _shr(w, 64 - _BITS).to(torch.float32).add_(1.0).mul_(2.0 ** -_BITS)", NOISE,
+      note="the uniform (k + 1) / 2**23: the all-ones word gives 1.0 (an Exp(1) draw of 0 wins any race)"),
 ]
 
 
