@@ -83,6 +83,10 @@ GRAPH_CHECK = "tests/simsd/engine/test_graph_check.py"
 API = "tests/simsd/entrypoints/test_api.py"
 OPTIONS = "tests/simsd/entrypoints/test_options.py"
 PROMPTS = "tests/simsd/entrypoints/test_prompts.py"
+DETOK = "tests/simsd/entrypoints/test_detokenize.py"
+SCHED = "tests/simsd/engine/test_scheduler.py"
+SERVER = "tests/simsd/entrypoints/test_server.py"
+TP = "tests/simsd/engine/test_tp.py"
 
 
 @dataclass(frozen=True)
@@ -433,6 +437,25 @@ MUTANTS = [
     m("noise", NZ, "return _shr(w, 64 - _BITS).to(torch.float32).add_(0.5).mul_(2.0 ** -_BITS)",
       "return _shr(w, 64 - _BITS).to(torch.float32).add_(1.0).mul_(2.0 ** -_BITS)", NOISE,
       note="the uniform (k + 1) / 2**23: the all-ones word gives 1.0 (an Exp(1) draw of 0 wins any race)"),
+    m("user path", "simsd/entrypoints/detokenize.py", "window = max(0, start - max(len(s) for s in self.stop) + 1)",
+      "window = max(0, start - max(len(s) for s in self.stop) + 2)", DETOK,
+      note="issue 23: a stop string completed by the first character of a token is not found"),
+    m("batch retry", "simsd/engine/scheduler.py", "self.engine.caches[name].seqlens[i] = cached", "pass", SCHED,
+      note="issue 23: after a failed commit forward the innocent rows' cache lengths are not rolled back"),
+    m("api counters", "simsd/entrypoints/server.py", 'extra = {"usage": _usage(outs)} if not left else {}',
+      'extra = {"usage": _usage([payload])} if not left else {}', SERVER,
+      note="issue 23: a stream of several prompts reports the usage of its last choice only"),
+    m("protocol", "simsd/entrypoints/protocol.py",
+      "return super().sampling_params(defaults, self.max_completion_tokens)",
+      "return super().sampling_params(defaults)", SERVER, note="issue 23: chat max_completion_tokens ignored"),
+    m("prompt bounds", "simsd/entrypoints/api.py", "if P + max_tokens > L:", "if P + max_tokens >= L:", API,
+      note="issue 23: a request that exactly fills max_model_len refused"),
+    m("backend self-check", "simsd_kernels/selfcheck.py",
+      "return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item() if a.numel() else 0.0",
+      "return (a.to(torch.float64) - b.to(torch.float64)).max().item() if a.numel() else 0.0", SELFCHECK,
+      note="issue 23: the error signed (a backend = reference - 0.5 passes)"),
+    m("tp check", "simsd/engine/tp.py", '("intermediate_size", c.intermediate_size)):', "):", TP,
+      note="issue 23: --tp 2 on an odd intermediate_size not refused (a channel dropped)"),
 ]
 
 

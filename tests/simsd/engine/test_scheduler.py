@@ -264,21 +264,27 @@ def test_a_failing_program_fails_only_its_request(pair):
                                                                                 True).token_ids
 
 
-@pytest.mark.parametrize("where", ["forward", "step"])
+@pytest.mark.parametrize("where", ["forward", "step", "commit"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampling, where):
     """A batched forward that fails because of one row (in the model, after its cache write; or
     in the rows' denoising step, after the noise draw) is undone (cache lengths; the noise is
     stateless) and re-run row by row: only that row's request fails, the others keep their
-    single-run tokens."""
+    single-run tokens. ``commit``: the failing forward is a commit that writes the K/V of the
+    poisoned row and of an innocent one (requests 0 and 5 share their prompt tail, so their
+    commits share forwards): the innocent row's cache length must be rolled back before its
+    re-run, or its next forwards read a block of stale slots."""
     from simsd.decoding.step import Step
     target, draft = pair
     poison = 123457  # a position no request reaches
     real_forward, real_steps = type(target.model).forward, Step.run_batch
+    writes = []  # rows written by each poisoned forward
 
-    def forward(self, ids, positions, *args, **kwargs):
-        out = real_forward(self, ids, positions, *args, **kwargs)
+    def forward(self, ids, positions, labels, mask_mode, cache=None, num_write=0, *args, **kwargs):
+        out = real_forward(self, ids, positions, labels, mask_mode, cache, num_write, *args, **kwargs)
         if bool((positions == poison).any()):
+            nw = num_write.tolist() if isinstance(num_write, torch.Tensor) else [num_write] * ids.shape[0]
+            writes.append(sum(1 for n in nw if n > 0))
             raise RuntimeError("poisoned row")
         return out
 
@@ -289,9 +295,10 @@ def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampli
         return out
     sched = Scheduler(engine_for("vanilla", target, draft, rows=3), max_waiting=4)
     done = []
-    reqs = [request("vanilla", target, draft, i, sampling, done) for i in range(3)]
+    which = [0, 5, 2] if where == "commit" else [0, 1, 2]
+    reqs = [request("vanilla", target, draft, i, sampling, done) for i in which]
     reqs[1].program = _with_poison(reqs[1].program, poison, where)
-    if where == "forward":
+    if where in ("forward", "commit"):
         monkeypatch.setattr(type(target.model), "forward", forward)
     else:
         monkeypatch.setattr(Step, "run_batch", staticmethod(run_batch))
@@ -300,20 +307,29 @@ def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampli
     sched.run_until_idle(max_rounds=2000)
     monkeypatch.undo()
     assert isinstance(reqs[1].error, RuntimeError) and "poisoned" in str(reqs[1].error)
-    for i in (0, 2):
-        assert reqs[i].error is None
-        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+    if where == "commit":
+        assert writes[0] >= 2  # the batched forward that failed wrote an innocent row's K/V too
+    for k in (0, 2):
+        i = which[k]
+        assert reqs[k].error is None
+        assert finish(reqs[k].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
                                                                                 sampling).token_ids
 
 
 def _with_poison(make, poison, where):
     """The program of ``make`` with its third denoising forward poisoned: ``poison`` as its last
-    position (``forward``) or a mark on its step (``step``)."""
+    position (``forward``) or a mark on its step (``step``); ``commit``: its first commit forward
+    (``poison`` as its last position)."""
     def program(row, tail):
         prog = make(row, tail)
         fwd, seen = next(prog), 0
         while True:
-            if fwd.step is not None:
+            if where == "commit":
+                if fwd.num_write and fwd.step is None and not seen:
+                    seen = 1
+                    fwd.positions = fwd.positions.clone()
+                    fwd.positions[-1] = poison
+            elif fwd.step is not None:
                 seen += 1
                 if seen == 3:
                     if where == "forward":

@@ -6,7 +6,7 @@ import pytest
 
 import simsd
 from simsd import LLM, ParamError, SamplingParams
-from simsd.decoding.config import DecodeConfig
+from simsd.decoding.config import DecodeConfig, check_prompt
 from simsd.decoding.sampling import SamplingParams as StepSampling
 from tests.simsd.entrypoints.serving import single, wait_for
 
@@ -124,6 +124,39 @@ def test_bad_requests_name_the_field(llms, mode, prompt, params, param):
         llm.generate(prompt, params)
     assert err.value.param == param
     assert llm.metrics()["requests"] == before and llm.scheduler.num_waiting == 0
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_a_request_that_exactly_fills_max_model_len_is_served(llms, mode):
+    """``prompt + max_tokens == max_model_len`` is served (every position used), one token more is
+    refused naming ``max_tokens``; a prompt of ``max_model_len - 1`` tokens gets its one token, one
+    of ``max_model_len`` tokens is refused naming ``prompt``. The same at the models' own limit
+    (:func:`check_prompt`, 2048 positions, the default ``max_model_len``)."""
+    base = llms["exact"]
+    L = 64
+    llm = LLM(base.target, base.draft if mode == "exact" else None, mode, batch_size=1, max_model_len=L)
+    try:
+        for P in (40, 61, L - 1):
+            ids = [10 + i for i in range(P)]
+            p = SamplingParams(max_tokens=L - P, ignore_eos=True)
+            (out,) = llm.generate(ids, p)
+            assert len(out.token_ids) == L - P and out.finish_reason == "length"
+            assert out.token_ids == single(llm, ids, p, out.seed).token_ids
+            with pytest.raises(ParamError) as err:
+                llm.generate(ids, SamplingParams(max_tokens=L - P + 1))
+            assert err.value.param == "max_tokens"
+        with pytest.raises(ParamError) as err:
+            llm.generate([10] * L, SamplingParams(max_tokens=1))
+        assert err.value.param == "prompt"
+    finally:
+        assert llm.shutdown(timeout=60)
+    config = base.target.config  # the models' own limit, checked for every model of a request
+    limit = config.max_position_embeddings
+    assert check_prompt([10] * (limit - 8), config, 8, 4) == limit + 4  # whole blocks, plus one block of room
+    assert check_prompt([10] * (limit - 1), config, 1, 4) == limit + 4
+    for P, n in ((limit - 8, 9), (limit, 1)):
+        with pytest.raises(ValueError, match="maximum length"):
+            check_prompt([10] * P, config, n, 4)
 
 
 def test_more_prompts_than_rows_and_queue_wait(llms):

@@ -82,6 +82,35 @@ def test_streaming_with_the_openai_client(llm, client):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_stream_of_several_prompts_reports_the_usage_of_all_choices(llm, client):
+    """Two prompts of different lengths in one streamed completion: each choice's text is its
+    single run, and the usage on the last finish chunk and on the usage-only chunk counts both
+    choices (not the last one to finish)."""
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26]]
+    want = [single_text(llm, p, SamplingParams(max_tokens=6)) for p in prompts]
+    chunks = list(client.completions.create(model=NAME, prompt=prompts, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i, (text, _) in enumerate(want):
+        assert "".join(c.text for ch in chunks for c in ch.choices if c.index == i) == text
+    p = sum(len(q) for q in prompts)
+    c = sum(len(ids) for _, ids in want)
+    usage = [ch.usage for ch in chunks if ch.usage is not None]
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 2 and finals[0].usage is None and len(usage) == 2
+    for u in usage:  # the last finish chunk, then the usage-only chunk
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (p, c, p + c)
+
+
+def test_chat_max_completion_tokens_limits_the_answer(llm, client):
+    """``max_completion_tokens`` (chat's name for ``max_tokens``) bounds the answer like
+    ``max_tokens`` does, below the server's default."""
+    text, ids = single_text(llm, chat_ids(llm), SamplingParams(max_tokens=5))
+    assert len(ids) == 5 and ids[-1] not in llm.target.stop_ids  # the premise: the free answer is longer
+    c = client.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=5)
+    assert c.choices[0].message.content == text and c.usage.completion_tokens == 5
+    assert c.choices[0].finish_reason == "length"
+
+
 def test_seed_is_reported_and_replays(client):
     a = client.completions.create(model=NAME, prompt="def add(a, b):", max_tokens=16, temperature=1.3)
     seed = a.choices[0].model_extra["simsd"]["seed"]
