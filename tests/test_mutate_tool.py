@@ -25,7 +25,7 @@ def mutate():
 KINDS = {"verdict", "schedule", "strategy", "confidence", "sampling", "reveal step", "rejection", "stop ids",
          "mask rule (all mirrors)", "mask rule (one mirror)", "mask padding", "cache commit", "layout", "user path",
          "hang", "counters", "noise", "split plan", "backend self-check", "graph self-check", "batch retry",
-         "api counters", "protocol", "prompt bounds", "tp check"}
+         "api counters", "protocol", "prompt bounds", "tp check", "admission", "memory", "stop-id bounds"}
 
 
 def test_the_mutant_list_is_usable(mutate):

@@ -91,6 +91,7 @@ def test_stop_strings_and_stop_token_ids(llms):
     (lambda: SamplingParams(seed=2**63), "seed"),
     (lambda: SamplingParams(stop=[""]), "stop"),
     (lambda: SamplingParams(stop_token_ids=[-3]), "stop_token_ids"),
+    (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
     (lambda: SamplingParams(strategy="fastest"), "strategy"),
     (lambda: SamplingParams(threshold=0.5), "threshold"),
     (lambda: SamplingParams(strategy="dynamic", threshold=1.5), "threshold"),
@@ -108,10 +109,13 @@ def test_bad_fields_name_themselves(make, param):
     ("exact", "hi", SamplingParams(block_length=8), "block_length"),
     ("exact", "hi", SamplingParams(steps=5), "steps"),
     ("exact", "hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ("exact", "hi", SamplingParams(stop_token_ids=[6144]), "stop_token_ids"),  # the vocabulary size
     ("exact", [5] * 2048, SamplingParams(max_tokens=1), "prompt"),
     ("exact", [5] * 2000, SamplingParams(max_tokens=100), "max_tokens"),
     ("exact", [5, 6, 3, 7], SamplingParams(), "prompt"),  # 3 is the bundled pair's mask id
     ("exact", [5, 10**6], SamplingParams(), "prompt"),
+    ("exact", [5, 6144], SamplingParams(), "prompt"),
+    ("exact", [-1, 5], SamplingParams(), "prompt"),
     ("exact", "", SamplingParams(), "prompt"),
     ("exact", 42, SamplingParams(), "prompt"),
     ("exact", [[]], SamplingParams(), "prompt"),  # a batch of one empty prompt
@@ -154,9 +158,18 @@ def test_a_request_that_exactly_fills_max_model_len_is_served(llms, mode):
     limit = config.max_position_embeddings
     assert check_prompt([10] * (limit - 8), config, 8, 4) == limit + 4  # whole blocks, plus one block of room
     assert check_prompt([10] * (limit - 1), config, 1, 4) == limit + 4
-    for P, n in ((limit - 8, 9), (limit, 1)):
-        with pytest.raises(ValueError, match="maximum length"):
+    for P, n, words in ((limit - 8, 9, "exceeds the model's maximum length"),
+                        (limit, 1, "is longer than the model's maximum length")):
+        with pytest.raises(ValueError, match=words):
             check_prompt([10] * P, config, n, 4)
+
+
+def test_ids_at_the_ends_of_the_vocabulary_are_accepted(llms):
+    """Prompt and stop ids 0 and vocab_size - 1 (6143 in the bundled pair) are valid ids."""
+    llm = llms["vanilla"]
+    p = SamplingParams(max_tokens=3, stop_token_ids=[0, 6143])
+    (out,) = llm.generate([0, 6143, 12], p)
+    assert out.token_ids == single(llm, [0, 6143, 12], p, out.seed).token_ids[:len(out.token_ids)]
 
 
 def test_more_prompts_than_rows_and_queue_wait(llms):
@@ -203,7 +216,8 @@ def test_llm_construction_errors(llms):
         LLM(base.target, mode="vanilla", max_model_len=10**6)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(base.target, mode="vanilla", kv_cache_memory=1000)
-    small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256,
-                kv_cache_memory=3 * 4096 * (512 + 8) + 4095)  # 4 KiB per token, 256 + 4 rounded to 512: 3 rows
-    assert small.batch_size == 3
-    small.shutdown()
+    per_row = 4096 * (512 + 8)  # 4 KiB per token, 256 + 4 rounded to 512, plus the query margin of 2 blocks
+    for memory, rows in ((3 * per_row + 4095, 3), (3 * per_row, 3), (3 * per_row - 1, 2)):
+        small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256, kv_cache_memory=memory)
+        assert small.batch_size == rows and small.kv_cache_bytes == rows * per_row
+        small.shutdown()
