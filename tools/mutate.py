@@ -40,7 +40,10 @@ block step than the last, and every proposal judged in a round is committed, so 
 reused); acceptance uniforms drawn from the ``SAMPLE`` stream are independent of paper mode's
 draft (it samples from ``PAPER_DRAFT``); an API ``max_tokens + 1`` is cut by the request's text
 stream at ``max_tokens`` before it shows; the invariant plan's natural tile equals
-``INVARIANT_BLOCK_M`` for GQA groups >= 4.
+``INVARIANT_BLOCK_M`` for GQA groups >= 4; ``encode_prompt``'s vocabulary bound off by one is
+caught by ``check_prompt_ids`` right after it (the API and the decoders check again); dropping
+the query heads from the tensor-parallel check changes nothing (they are a multiple of the KV
+heads, which are checked).
 """
 from __future__ import annotations
 
@@ -83,6 +86,13 @@ GRAPH_CHECK = "tests/simsd/engine/test_graph_check.py"
 API = "tests/simsd/entrypoints/test_api.py"
 OPTIONS = "tests/simsd/entrypoints/test_options.py"
 PROMPTS = "tests/simsd/entrypoints/test_prompts.py"
+DETOK = "tests/simsd/entrypoints/test_detokenize.py"
+SCHED = "tests/simsd/engine/test_scheduler.py"
+SERVER = "tests/simsd/entrypoints/test_server.py"
+TP = "tests/simsd/engine/test_tp.py"
+MEMORY = "tests/simsd/engine/test_memory.py"
+SERVE_CLI = "tests/simsd/entrypoints/test_serve_cli.py"
+API_ENGINE = "tests/simsd/entrypoints/test_api_engine.py"
 
 
 @dataclass(frozen=True)
@@ -432,6 +442,124 @@ MUTANTS = [
          "noise = step_noise([self.key(start)] * C, [block_step for c in range(C)], L, logits.shape[-1],"),
     ], NOISE, EXACT_SAMPLING, note="every step draws the noise of step 0, in the engine and in exact "
                                    "verification alike (exact still equals vanilla)"),
+    # issue 23: the uniform's grid, and promises at their edges ------------------------------------------
+    m("noise", NZ, "_BITS = 23", "_BITS = 24", NOISE,
+      note="issue 23: the uniform from 24 bits in float32 (upper half rounded to even, the top word is 1.0)"),
+    m("noise", NZ, "return _shr(w, 64 - _BITS).to(torch.float32).add_(0.5).mul_(2.0 ** -_BITS)",
+      "return _shr(w, 64 - _BITS).to(torch.float32).add_(1.0).mul_(2.0 ** -_BITS)", NOISE,
+      note="the uniform (k + 1) / 2**23: the all-ones word gives 1.0 (an Exp(1) draw of 0 wins any race)"),
+    m("user path", "simsd/entrypoints/detokenize.py", "window = max(0, start - max(len(s) for s in self.stop) + 1)",
+      "window = max(0, start - max(len(s) for s in self.stop) + 2)", DETOK,
+      note="issue 23: a stop string completed by the first character of a token is not found"),
+    m("batch retry", "simsd/engine/scheduler.py", "self.engine.caches[name].seqlens[i] = cached", "pass", SCHED,
+      note="issue 23: after a failed commit forward the innocent rows' cache lengths are not rolled back"),
+    m("api counters", "simsd/entrypoints/server.py", 'extra = {"usage": _usage(outs)} if not left else {}',
+      'extra = {"usage": _usage([payload])} if not left else {}', SERVER,
+      note="issue 23: a stream of several prompts reports the usage of its last choice only"),
+    m("protocol", "simsd/entrypoints/protocol.py",
+      "return super().sampling_params(defaults, self.max_completion_tokens)",
+      "return super().sampling_params(defaults)", SERVER, note="issue 23: chat max_completion_tokens ignored"),
+    m("prompt bounds", "simsd/entrypoints/api.py", "if P + max_tokens > L:", "if P + max_tokens >= L:", API,
+      note="issue 23: a request that exactly fills max_model_len refused"),
+    m("backend self-check", "simsd_kernels/selfcheck.py",
+      "return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item() if a.numel() else 0.0",
+      "return (a.to(torch.float64) - b.to(torch.float64)).max().item() if a.numel() else 0.0", SELFCHECK,
+      note="issue 23: the error signed (a backend = reference - 0.5 passes)"),
+    m("tp check", "simsd/engine/tp.py", '("intermediate_size", c.intermediate_size)):', "):", TP,
+      note="issue 23: --tp 2 on an odd intermediate_size not refused (a channel dropped)"),
+    # the same kinds elsewhere (issue 23: boundary values, commit paths, multi-prompt figures, signs) ------
+    m("api counters", "simsd/entrypoints/server.py", 'c = sum(len(o.token_ids) for o in outs)',
+      'c = sum(len(o.token_ids) for o in outs[-1:])', SERVER,
+      note="usage of several prompts: the completion tokens of the last choice only"),
+    m("api counters", "simsd/entrypoints/server.py", '"choices": choices, "usage": _usage(outs)}',
+      '"choices": choices, "usage": _usage(outs[:1])}', SERVER,
+      note="a completion of several prompts (not streamed) reports the usage of its first choice"),
+    m("api counters", "simsd/entrypoints/api.py", 't["prompt_tokens"] += len(handle.prompt_token_ids)',
+      't["prompt_tokens"] += len(handle.stream.token_ids)', API, SERVER,
+      note="metrics: prompt tokens counted as the generated ones"),
+    m("api counters", "simsd/entrypoints/api.py", 't["proposed"] += r.stats.proposed',
+      't["proposed"] += r.stats.accepted', API, SERVER, note="metrics: proposed counts the accepted tokens"),
+    m("api counters", "simsd/entrypoints/api.py", 't["draft_forwards"] += row.forwards.get("draft", 0)',
+      't["draft_forwards"] += row.forwards.get("target", 0)', API, SERVER,
+      note="metrics: draft forwards counted as the target's"),
+    m("api counters", "simsd/entrypoints/metrics.py",
+      'value=m["target_forwards"] / m["generation_tokens"] if m["generation_tokens"] else nan)',
+      'value=m["target_forwards"] / (m["generation_tokens"] + m["prompt_tokens"]) if m["generation_tokens"] else nan)',
+      SERVER, note="/metrics: target forwards per token over prompt and generated tokens"),
+    m("api counters", "simsd/entrypoints/metrics.py", "self.tpot.observe((seconds - ttft) / (n - 1))",
+      "self.tpot.observe((seconds - ttft) / n)", SERVER, note="/metrics: time per output token over n, not n - 1"),
+    m("batch retry", "simsd/engine/scheduler.py", "row.cached[name], row.forwards[name] = cached, forwards",
+      "row.cached[name] = cached", SCHED,
+      note="after a failed batched forward the innocent rows' forward counters keep the failed forward"),
+    m("admission", "simsd/engine/scheduler.py", "if req.capacity > self.engine.capacity:",
+      "if req.capacity >= self.engine.capacity:", SCHED, API,
+      note="a request that needs exactly a row's capacity refused"),
+    m("admission", "simsd/engine/scheduler.py",
+      "if len(self._waiting) < self.max_waiting + len(self._free):  # free rows take requests at once",
+      "if len(self._waiting) <= self.max_waiting + len(self._free):  # free rows take requests at once",
+      SCHED, API, note="one request more than max_waiting queued"),
+    m("admission", "simsd/engine/scheduler.py", "return len(self._waiting) < self.max_waiting + len(self._free)",
+      "return len(self._waiting) <= self.max_waiting + len(self._free)", SCHED, API,
+      note="has_room says yes when the queue is full (a blocking submit refused)"),
+    m("protocol", "simsd/entrypoints/protocol.py", '"top_p", "top_k", "seed",', '"top_p", "seed",', SERVER, API_ENGINE,
+      note="a request's top_k ignored"),
+    m("protocol", "simsd/entrypoints/protocol.py", '"stop", "stop_token_ids", "ignore_eos",', '"stop", "ignore_eos",',
+      SERVER, API_ENGINE, note="a request's stop_token_ids ignored"),
+    m("protocol", "simsd/entrypoints/protocol.py", '"stop_token_ids", "ignore_eos", "steps",',
+      '"stop_token_ids", "steps",', SERVER, API_ENGINE, note="a request's ignore_eos ignored"),
+    m("protocol", "simsd/entrypoints/protocol.py", '"strategy", "threshold", "gamma", "draft_strategy",',
+      '"strategy", "threshold", "draft_strategy",', SERVER, API_ENGINE, note="a request's gamma ignored"),
+    m("protocol", "simsd/entrypoints/protocol.py", "if self.n != 1:", "if self.n > 1:", SERVER,
+      note="n = 0 accepted (one choice returned)"),
+    m("memory", "simsd/engine/memory.py", "if free is not None and est.needed(device) > free:",
+      "if free is not None and est.needed(device) >= free:", MEMORY,
+      note="a run that needs exactly the free memory refused"),
+    m("memory", "simsd/entrypoints/api.py",
+      "per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)",
+      "per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * capacity", API,
+      note="kv_cache_memory: a row's bytes without the query margin (more rows than fit)"),
+    m("backend self-check", "simsd_kernels/selfcheck.py",
+      'poisoned[3] = to(k_cache.masked_fill(unread[..., None, None], float("nan")))', "poisoned[3] = clean[3]",
+      SELFCHECK, note="unread K cache slots not poisoned (a backend reading K past cache_seqlens passes)"),
+    m("backend self-check", "simsd_kernels/selfcheck.py", "tol = 2 * torch_err + ERR_FLOOR[q.dtype]",
+      "tol = 2 * torch_err + 100 * ERR_FLOOR[q.dtype]", SELFCHECK,
+      note="the error floor 100x too loose (bfloat16: 1.6, an output off by 0.5 passes)"),
+    m("tp check", "simsd/engine/tp.py", '("num_key_value_heads", c.num_key_value_heads),', "", TP,
+      note="--tp 2 on an odd number of KV heads not refused (a head dropped)"),
+    m("prompt bounds", "simsd/decoding/config.py", "bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]",
+      "bad = [t for t in prompt_ids if not 0 <= int(t) <= config.vocab_size]", API, PROMPTS, CLI, VANILLA,
+      note="a prompt id equal to the vocabulary size accepted by the decoders (an IndexError later)"),
+    m("prompt bounds", "simsd/decoding/config.py", "if len(prompt_ids) >= limit:", "if len(prompt_ids) > limit:",
+      API, REF, note="a prompt of the model's full length refused as 'prompt + max_new_tokens' (wrong field)"),
+    m("prompt bounds", "simsd/decoding/config.py", "if len(prompt_ids) + max_new_tokens > limit:",
+      "if len(prompt_ids) + max_new_tokens >= limit:", API, REF,
+      note="prompt + max_new_tokens == the model's length refused"),
+    m("prompt bounds", "simsd/decoding/config.py", "if total > limit:", "if total >= limit:", API, REF,
+      note="whole blocks that end exactly at the model's length refused"),
+    m("prompt bounds", "simsd/entrypoints/api.py", "if P >= L:", "if P > L:", API,
+      note="a prompt of max_model_len tokens refused as max_tokens (wrong field)"),
+    m("prompt bounds", "simsd/entrypoints/serve.py",
+      "if args.max_model_len is not None and args.max_new_tokens >= args.max_model_len:",
+      "if args.max_model_len is not None and args.max_new_tokens > args.max_model_len:", SERVE_CLI,
+      note="serve starts with --max-new-tokens equal to --max-model-len (every request without max_tokens refused)"),
+    m("stop-id bounds", "simsd/entrypoints/params.py", "bad = [t for t in params.stop_token_ids if t >= settings.vocab_size]",
+      "bad = [t for t in params.stop_token_ids if t > settings.vocab_size]", API,
+      note="a stop id equal to the vocabulary size accepted"),
+    m("stop-id bounds", "simsd/entrypoints/params.py", '_int("stop_token_ids", t, 0)', '_int("stop_token_ids", t, -1)',
+      API, note="a stop id of -1 accepted"),
+    m("prompt bounds", "simsd/entrypoints/params.py", "if params.gamma is not None and params.gamma > B:",
+      "if params.gamma is not None and params.gamma >= B:", API, API_ENGINE,
+      note="gamma equal to the block length refused"),
+    m("prompt bounds", "simsd/entrypoints/params.py",
+      "if params.gamma is not None and settings.max_gamma is not None and params.gamma > settings.max_gamma:",
+      "if params.gamma is not None and settings.max_gamma is not None and params.gamma >= settings.max_gamma:",
+      API_ENGINE, note="gamma equal to the LLM's max_gamma refused"),
+    m("batch retry", "simsd/engine/scheduler.py", "row.cached[name], row.forwards[name] = cached, forwards",
+      "row.forwards[name] = forwards", SCHED,
+      note="after a failed step of a folded commit the innocent rows' cached lengths stay advanced"),
+    m("graph self-check", GR, "diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0",
+      "diff = (a.double() - b.double()).max().item() if a.numel() else 0.0", GRAPH_CHECK,
+      note="the replay's difference signed (a replay that writes K/V too small passes)"),
 ]
 
 

@@ -108,8 +108,10 @@ def test_seeded_sampling_reproducible(ckpt):
 
 def test_bad_prompts(ckpt):
     cfg = DecodeConfig(max_new_tokens=4)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        vanilla_generate(ckpt.model, [1, 500], cfg, ckpt.mask_token_id, [])
+    V = ckpt.config.vocab_size
+    for bad in (500, V, -1):  # far out, the first id past the vocabulary, below it
+        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, "):
+            vanilla_generate(ckpt.model, [1, bad], cfg, ckpt.mask_token_id, [])
     with pytest.raises(ValueError, match="empty"):
         vanilla_generate(ckpt.model, [], cfg, ckpt.mask_token_id, [])
     with pytest.raises(ValueError, match="maximum length"):

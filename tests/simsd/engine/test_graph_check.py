@@ -7,6 +7,7 @@ Eager and graph engines round the cache capacity alike, so the kernels pick the 
 count (the same summation order) in both.
 """
 import dataclasses
+import functools
 import warnings
 
 import pytest
@@ -60,15 +61,15 @@ def stale_capture(fn, cache, device, pool):
     return (lambda: None), out, pool
 
 
-def corrupting_capture(fn, cache, device, pool):
-    """A broken capture whose logits are right but whose K/V writes are off by one in layer 0."""
+def corrupting_capture(fn, cache, device, pool, shift=1.0):
+    """A broken capture whose logits are right but whose K/V writes are off by ``shift`` in layer 0."""
     replay, out, pool = eager_capture(fn, cache, device, pool)
 
     def bad_replay():
         before = cache.seqlens.clone()
         replay()
         past = torch.arange(cache.max_len)[None, :] >= before[:, None]
-        cache.k[0][past] += 1.0
+        cache.k[0][past] += shift
     return bad_replay, out, pool
 
 
@@ -105,8 +106,9 @@ def test_first_replay_of_every_shape_is_checked(pair, graph_engines, mode):
 
 
 @pytest.mark.parametrize("capture,mode", [(stale_capture, "vanilla"), (corrupting_capture, "exact"),
+                                          (functools.partial(corrupting_capture, shift=-1.0), "vanilla"),
                                           (nan_capture, "paper")],
-                         ids=["stale-logits-vanilla", "corrupt-kv-exact", "nan-logits-paper"])
+                         ids=["stale-logits-vanilla", "corrupt-kv-exact", "kv-minus-one-vanilla", "nan-logits-paper"])
 def test_a_wrong_replay_disables_graphs_with_one_warning(pair, graph_engines, capture, mode):
     graph_engines(capture)
     target, draft = pair
