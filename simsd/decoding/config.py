@@ -124,12 +124,11 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mas
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's maximum length {limit}")
-    B = block_length
-    total = -(-(len(prompt_ids) + max_new_tokens) // B) * B
+    total = -(-(len(prompt_ids) + max_new_tokens) // block_length) * block_length
     if total > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) rounded up to whole "
-                         f"blocks of {B} is {total} positions, past the model's maximum length {limit}")
-    return total + B
+                         f"blocks of {block_length} is {total} positions, past the model's maximum length {limit}")
+    return total + block_length
 
 
 class Timer:

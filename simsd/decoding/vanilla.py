@@ -24,14 +24,14 @@ def vanilla_program(row: Row, tail: list, cfg: DecodeConfig, mask_id: int, stop_
     ``on_block(new_ids) -> bool``: called with the generated ids of each finished block (the
     tokens are final from then on; streaming reads them here); returning True ends the
     generation after that block (e.g. a stop string was found)."""
-    B = cfg.block_length
+    block_length = cfg.block_length
     stops = set(stop_ids)
     generated: list = []
     blocks = 0
     while True:
-        block = new_block(tail, B, mask_id, row.devices["target"])
+        block = new_block(tail, block_length, mask_id, row.devices["target"])
         key = NoiseKey(seed, row.start("target"))
-        block_host = list(tail) + [mask_id] * (B - len(tail))
+        block_host = list(tail) + [mask_id] * (block_length - len(tail))
         first_gen = len(tail)
         tail = []
         step = 0
@@ -82,9 +82,9 @@ def vanilla_generate_batch(model, prompts: list, cfg: DecodeConfig, mask_id: int
         ValueError: bad prompt ids (outside the vocabulary, the mask id), or a prompt too long
             for the model.
     """
-    B = cfg.block_length
-    capacity = max(check_prompt(p, model.config, cfg.max_new_tokens, B, mask_id) for p in prompts)
-    engine = engine_for({"target": model}, B, len(prompts), capacity, 2 * B, cuda_graphs)
+    block_length = cfg.block_length
+    capacity = max(check_prompt(p, model.config, cfg.max_new_tokens, block_length, mask_id) for p in prompts)
+    engine = engine_for({"target": model}, block_length, len(prompts), capacity, 2 * block_length, cuda_graphs)
     tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
     seeds = row_seeds(cfg, len(prompts), first_index, seeds)
     programs = [vanilla_program(engine.rows[i], tails[i], cfg, mask_id, stop_ids, seeds[i])

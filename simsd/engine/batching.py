@@ -170,13 +170,13 @@ class Row:
                    step=step)
 
 
-def _aligned_prefill(model, cache, prompt_ids: list, B: int) -> tuple[list, int]:
-    aligned = (len(prompt_ids) // B) * B
+def _aligned_prefill(model, cache, prompt_ids: list, block_length: int) -> tuple[list, int]:
+    aligned = (len(prompt_ids) // block_length) * block_length
     if aligned:
         dev = model.device
         ids = to_device([prompt_ids[:aligned]], dev)
         pos = torch.arange(aligned, device=dev)[None]
-        model(ids, pos, labels_for(aligned, dev, grp=pos // B), "block_causal", cache, num_write=aligned,
+        model(ids, pos, labels_for(aligned, dev, grp=pos // block_length), "block_causal", cache, num_write=aligned,
               logits_slice=None)
     return list(prompt_ids[aligned:]), aligned
 
@@ -186,7 +186,7 @@ class BatchEngine:
 
     Args:
         models: name -> :class:`SDARForCausalLM` (e.g. ``{"target": t, "draft": d}``).
-        block_length: B.
+        block_length: the block length (tokens per block).
         batch_size: rows.
         capacity: tokens a row may commit (see :func:`simsd.decoding.config.check_prompt`).
         margin: the longest query a forward may carry (the per-row write margin).
@@ -213,7 +213,7 @@ class BatchEngine:
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
                  cuda_graphs: bool = False, static_shapes: bool | None = None, capture=None):
         self.models = models
-        self.B = block_length
+        self.block_length = block_length
         self.capacity = capacity
         self.static = cuda_graphs if static_shapes is None else static_shapes
         check_engine_memory(models, batch_size, capacity, margin)
@@ -237,7 +237,7 @@ class BatchEngine:
 
     def _new_row(self, index: int) -> Row:
         devices = {n: m.device for n, m in self.models.items()}
-        return Row(index, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models},
+        return Row(index, devices, self.block_length, {n: 0 for n in self.models}, {n: 0 for n in self.models},
                    caches=self.caches)
 
     def release(self, index: int) -> Row:
@@ -260,16 +260,17 @@ class BatchEngine:
         row = self.rows[index]
         tail = prompt_ids
         for name, model in self.models.items():
-            tail, aligned = _aligned_prefill(model, self.caches[name].rows(index, index + 1), prompt_ids, self.B)
+            cache = self.caches[name].rows(index, index + 1)
+            tail, aligned = _aligned_prefill(model, cache, prompt_ids, self.block_length)
             row.cached[name] = aligned
-        row.prefill_forwards = 1 if len(prompt_ids) >= self.B else 0
+        row.prefill_forwards = 1 if len(prompt_ids) >= self.block_length else 0
         return tail
 
     def max_requests(self) -> int:
         """An upper bound on the forward requests of a row program that makes progress: every
         request of a round either commits a token or belongs to a round that does (at most
-        ``2 B + 8`` requests per committed token, optimistic drafts included), over the capacity."""
-        return (self.capacity + self.B) * (2 * self.B + 8) + 64
+        ``2 block_length + 8`` requests per committed token, optimistic drafts included), over the capacity."""
+        return (self.capacity + self.block_length) * (2 * self.block_length + 8) + 64
 
     def run(self, programs: list) -> list:
         """Run one program per row (``programs[i]`` for row ``i``) until all return; returns
@@ -335,7 +336,7 @@ class BatchEngine:
         Lq = max(r.ids.shape[0] for r in reqs.values())
         if self.static:
             a, b = 0, len(self.rows)
-            Lq = -(-Lq // self.B) * self.B
+            Lq = -(-Lq // self.block_length) * self.block_length
         if mode == "bidirectional" and any(r.ids.shape[0] != Lq for r in reqs.values()):
             mode = "exact"
         ids = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
@@ -364,7 +365,7 @@ class BatchEngine:
             logits = self.graphs[name](ids, pos, labels, mode, num_write, want)
         else:
             logits = model(ids, pos, labels, mode, self.caches[name].rows(a, b), num_write,
-                           slice(None) if want else None, unit=self.B)
+                           slice(None) if want else None, unit=self.block_length)
         self.forwards[name] += 1
         outs = {}
         for i, r in reqs.items():

@@ -82,12 +82,12 @@ class LLM:
             fit (``ValueError`` if not even one fits). None: ``batch_size`` rows.
         max_waiting: requests that may wait for a row; beyond it :meth:`submit` raises
             :class:`~simsd.engine.scheduler.QueueFull` (``generate`` and ``stream`` wait instead).
-        block_length: B (default: the target's ``block_size``, 4 if unset).
+        block_length: the block length (default: the target's ``block_size``, 4 if unset).
         fold_commit, on_reject, rope_copy, optimistic: as ``simsd generate``'s
             ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``.
-        max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to B,
-            None: B), and the ``gamma`` of requests that give none; the caches' margin holds
-            the longest forward it allows, ``(max_gamma + 2) x B`` tokens per row.
+        max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to the block
+            length, None: the block length), and the ``gamma`` of requests that give none; the caches' margin holds
+            the longest forward it allows, ``(max_gamma + 2) x block_length`` tokens per row.
         attention_backend: ``auto | cuda | triton | torch`` (None: ``auto`` for the checkpoints
             this LLM loads; loaded ones keep theirs).
         cuda_graphs: replay the forwards as CUDA graphs (CUDA devices only).
@@ -160,19 +160,22 @@ class LLM:
             check_pair(infos["target"], infos["draft"])  # before any weight is loaded
         configs = [i.config for i in infos.values()]  # sizes checked before any weight is loaded
         tc = configs[0]
-        B = block_length if block_length is not None else (tc.block_size or 4)
+        if block_length is None:
+            block_length = tc.block_size or 4
         limit = min(c.max_position_embeddings for c in configs)
-        if isinstance(B, bool) or not isinstance(B, int) or not 1 <= B < limit:
-            raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got {B!r}")
+        if isinstance(block_length, bool) or not isinstance(block_length, int) or not 1 <= block_length < limit:
+            raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got "
+                                             f"{block_length!r}")
         if max_model_len is None:
             max_model_len = limit
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not B < max_model_len <= limit:
-            raise ParamError("max_model_len", f"max_model_len must be an integer in ({B}, {limit}] (the models' "
-                                              f"positions), got {max_model_len!r}")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+                or not block_length < max_model_len <= limit:
+            raise ParamError("max_model_len", f"max_model_len must be an integer in ({block_length}, {limit}] (the "
+                                              f"models' positions), got {max_model_len!r}")
         self.max_model_len = max_model_len
         if max_gamma is not None and (isinstance(max_gamma, bool) or not isinstance(max_gamma, int)
-                                      or not 1 <= max_gamma <= B):
-            raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {B}] (the block length), "
+                                      or not 1 <= max_gamma <= block_length):
+            raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {block_length}] (the block length), "
                                           f"got {max_gamma!r}")
         apply_threads([i.config for i in infos.values()], threads)
         if tp > 1:
@@ -186,9 +189,11 @@ class LLM:
         if mode != "vanilla":
             self.draft = self._load(infos["draft"], dtype, draft_device or device, attention_backend)
         self.models = [m for m in (self.target, self.draft) if m is not None]
-        self.settings = Settings(mode, B, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic, max_gamma)
+        self.settings = Settings(mode, block_length, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic,
+                                 max_gamma)
         if mode != "vanilla":  # the combinations the row programs refuse (fold_commit with optimistic drafting)
-            SpeculativeDecoder(self.target, self.draft, DecodeConfig(block_length=B, fold_commit=fold_commit),
+            SpeculativeDecoder(self.target, self.draft,
+                               DecodeConfig(block_length=block_length, fold_commit=fold_commit),
                                SpecConfig(mode, on_reject=on_reject, rope_copy=rope_copy, optimistic=optimistic),
                                check=False)
         self._make_engine(batch_size, kv_cache_memory, cuda_graphs)
@@ -217,9 +222,10 @@ class LLM:
         return ckpt
 
     def _make_engine(self, batch_size: int, kv_cache_memory, cuda_graphs: bool) -> None:
-        B, L = self.block_length, self.max_model_len
-        capacity = round_capacity(-(-L // B) * B + B)
-        margin = 2 * B if self.mode == "vanilla" else ((self.settings.max_gamma or B) + 2) * B  # the longest query
+        block_length, L = self.block_length, self.max_model_len
+        capacity = round_capacity(-(-L // block_length) * block_length + block_length)
+        gamma = self.settings.max_gamma or block_length
+        margin = (2 if self.mode == "vanilla" else gamma + 2) * block_length  # the longest query
         per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)
         rows = batch_size
         if kv_cache_memory is not None:
@@ -233,7 +239,7 @@ class LLM:
         if self.draft is not None:
             engine_models["draft"] = self.draft.model
         try:
-            self.engine = BatchEngine(engine_models, B, rows, capacity, margin, cuda_graphs=cuda_graphs)
+            self.engine = BatchEngine(engine_models, block_length, rows, capacity, margin, cuda_graphs=cuda_graphs)
         except RuntimeError as exc:  # torch.OutOfMemoryError among them
             if "out of memory" not in str(exc).lower():
                 raise

@@ -211,7 +211,8 @@ def print_table(rows, cfg, args) -> None:
             ("paper KL", lambda r: f"{r['mean_kl']:.4f}" if "mean_kl" in r else "-")]
     table = [[h for h, _ in cols]] + [[f(r) for _, f in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    print(f"# B={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} gamma={args.gamma or cfg.block_length} "
+    print(f"# block_length={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} "
+          f"gamma={args.gamma or cfg.block_length} "
           f"prompts={rows[0]['prompts']} batch_size={rows[0]['batch_size']} repeats={args.repeats} "
           f"threads={torch.get_num_threads()} (tok/s and speedup: median over repeats)")
     for row in table:

@@ -46,7 +46,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, else chosen from "
                         "the model size)")
-    g.add_argument("--block-length", type=int, default=None, help="B (default: the checkpoint's block_size)")
+    g.add_argument("--block-length", type=int, default=None,
+                   help="the block length (default: the checkpoint's block_size)")
     g.add_argument("--fold-commit", action="store_true", help="fold each block's commit into the next forward")
     g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
                    help="after a rejection: draft again, or let the target finish the block (default: redraft)")
@@ -65,11 +66,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: B)")
+    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: the block length)")
     d.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
     d.add_argument("--threshold", type=float, default=None,
                    help="confidence threshold (dynamic) or entropy bound (entropy)")
-    d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
+    d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: the block length)")
     d.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
     d.add_argument("--draft-threshold", type=float, default=None,
                    help="the draft's threshold, in its strategy's range (default: --threshold when the draft runs "
@@ -128,8 +129,8 @@ def build_llm(args):
     from ..assets import DEFAULT_TARGET
     from ..models.config import ModelConfig
     target_config = ModelConfig.from_dir(args.target or DEFAULT_TARGET)
-    B = args.block_length or target_config.block_size or 4
-    check_block_options(args, B, target_config.max_position_embeddings)  # before the models load
+    block_length = args.block_length or target_config.block_size or 4
+    check_block_options(args, block_length, target_config.max_position_embeddings)  # before the models load
     optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
     try:
         llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
@@ -142,7 +143,7 @@ def build_llm(args):
     except ParamError as exc:
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None
     try:
-        resolve(params, llm.settings)  # the defaults against the model (e.g. --gamma above B)
+        resolve(params, llm.settings)  # the defaults against the model (e.g. --gamma above the block length)
     except ParamError as exc:
         llm.shutdown()
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None

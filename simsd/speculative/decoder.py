@@ -155,12 +155,13 @@ class SpeculativeDecoder:
         ``cfg.seed + first_index + i`` (as :func:`vanilla_generate_batch`: exact mode gives the
         same tokens as vanilla decoding with the same seed)."""
         cfg = self.cfg
-        B = cfg.block_length
-        capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B, self.mask_id) for p in prompts)
+        block_length = cfg.block_length
+        capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, block_length, self.mask_id)
+                       for p in prompts)
         for p in prompts:
-            check_prompt(p, self.d.config, cfg.max_new_tokens, B, self.mask_id)
-        engine = engine_for({"target": self.t.model, "draft": self.d.model}, B, len(prompts), capacity,
-                            (self.gamma + 2) * B, cuda_graphs)
+            check_prompt(p, self.d.config, cfg.max_new_tokens, block_length, self.mask_id)
+        engine = engine_for({"target": self.t.model, "draft": self.d.model}, block_length, len(prompts),
+                            capacity, (self.gamma + 2) * block_length, cuda_graphs)
         tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
         seeds = row_seeds(cfg, len(prompts), first_index, seeds)
         rows = [self.new_row(engine.rows[i], seeds[i]) for i in range(len(prompts))]

@@ -293,16 +293,16 @@ class SpecRow:
         ``on_block(new_ids) -> bool``: see :func:`simsd.decoding.vanilla.vanilla_program`.
         """
         cfg, spec, dec = self.cfg, self.dec.spec, self.dec
-        B = cfg.block_length
+        block_length = cfg.block_length
         stops = set(self.stop_ids)
         generated: list = []
         blocks = 0
         device = self.row.devices["target"]
         carried = None  # a Speculation for the next round
         while True:
-            block_host = list(tail) + [self.mask_id] * (B - len(tail))
-            self.origin = [None] * B  # per position: True = from the draft, False = the target's
-            block = new_block(tail, B, self.mask_id, device)
+            block_host = list(tail) + [self.mask_id] * (block_length - len(tail))
+            self.origin = [None] * block_length  # per position: True = from the draft, False = the target's
+            block = new_block(tail, block_length, self.mask_id, device)
             start = self.row.start("target")  # absolute position of the block (noise keys)
             first_gen, tail, block_step = len(tail), [], 0
 
