@@ -156,6 +156,7 @@ def gpu_time_ms(fn, iters: int = 5):
 
 def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
     import torch
+    from simsd.engine.forward import model_forward
     from simsd.engine.graphs import GraphRunner, eager_capture
     if DEV == "cuda":
         from triton.testing import do_bench
@@ -178,16 +179,15 @@ def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
         ids = torch.randint(0, model.config.vocab_size - 1, (1, Lq), device=DEV)
         pos = (L + torch.arange(Lq, device=DEV) % B)[None]
         nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
-        runner = GraphRunner(model, cache, capture=None if DEV == "cuda" else eager_capture)
-        sl = slice(None) if want else None
+        runner = GraphRunner(model, cache, B, capture=None if DEV == "cuda" else eager_capture)
 
-        def eager():
-            model(ids, pos, labels, mode, cache, nw, sl)
+        def eager():  # the engine's forward, as the graph captures it
+            model_forward(model, cache, ids, pos, labels, mode, nw_t, want, B)
             if nw:
                 cache.seqlens.fill_(L)
 
         def graph():
-            runner(ids, pos, labels, mode, nw_t if nw else 0, want)
+            runner(ids, pos, labels, mode, nw_t, want)
             if nw:
                 cache.seqlens.fill_(L)
         for kind, fn in (("eager", eager), ("graphs", graph)):
@@ -217,20 +217,32 @@ def modelled_rows(lat: list, B: int, a: float, env: dict, pair: str) -> list:
 
 
 def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> list:
-    """Tokens/s of the six engine variants on ``prompts`` (lists of ids), one warm-up prompt each."""
+    """Tokens/s of the six engine variants on ``prompts`` (lists of ids), one warm-up prompt each.
+    Each variant keeps one engine for its prompts (captured graphs are replayed, not recaptured)."""
     from simsd import DecodeConfig
-    from simsd.speculative import SpecConfig, speculative_generate_batch
-    from simsd.decoding.vanilla import vanilla_generate_batch
-    cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens)
+    from simsd.decoding.config import check_prompt
+    from simsd.decoding.program import generate_batch
+    from simsd.decoding.vanilla import VanillaRow
+    from simsd.engine.batching import BatchEngine, round_capacity
+    from simsd.speculative import SpecConfig
+    from simsd.speculative.decoder import SpeculativeDecoder
+    block_length = args.block_length
+    cfg = DecodeConfig(block_length=block_length, strategy="static", max_new_tokens=args.max_new_tokens)
+    caps = [check_prompt(p, target.config, cfg.max_new_tokens, block_length) for p in prompts]
     rows, outputs = [], {}
     for mode in ("vanilla", "paper", "exact"):
         for graphs in (False, True):
+            models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+            engine = BatchEngine(models, block_length, 1, round_capacity(max(caps)),
+                                 (2 if mode == "vanilla" else block_length + 2) * block_length,
+                                 cuda_graphs=graphs)
+            dec = None if mode == "vanilla" else SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode))
+
             def run(p, i):
-                if mode == "vanilla":
-                    return vanilla_generate_batch(target.model, [p], cfg, target.mask_token_id, target.stop_ids,
-                                                  i, cuda_graphs=graphs).results[0]
-                return speculative_generate_batch(target, draft, [p], cfg, SpecConfig(mode=mode), i,
-                                                  cuda_graphs=graphs).results[0]
+                seed = cfg.seed + i
+                new = (lambda row, _: VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, seed)) \
+                    if dec is None else (lambda row, _: dec.new_row(row, seed))
+                return generate_batch(engine, [p], [caps[i]], new).results[0]
             run(prompts[0], 0)
             res = [run(p, i) for i, p in enumerate(prompts)]
             tok = sum(r.stats["new_tokens"] for r in res)
@@ -342,8 +354,6 @@ def main(argv=None) -> int:
     emit(modelled_rows(rows, B, args.acceptance, env, pair))
     prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
     emit(measured_rows(t, d, prompts, args, env, pair))
-    import simsd.engine.batching
-    simsd.engine.batching._POOL.clear()  # pooled graph engines hold the models
     del t, d
     if DEV == "cuda":
         torch.cuda.empty_cache()

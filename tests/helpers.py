@@ -45,3 +45,14 @@ def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
         h = model.model.norm(model.model.embed_tokens.weight[mask_id][None])[0]
         model.lm_head.weight.copy_(logits[:, None] * h[None] / (h @ h))
     return Checkpoint(None, model, None, mask_id, [])
+
+
+def layout_tensors(ids, positions, labels, taus=None) -> tuple:
+    """A verification layout (:func:`simsd.speculative.verification.exact_layout` or
+    ``paper_layout``: device ids, host positions and labels, device tau labels) as the inputs of
+    a direct model call: ``ids, positions (1, L)`` and ``labels (1, L, 3)`` int32."""
+    import torch
+    lab = torch.tensor([labels], dtype=torch.int32, device=ids.device)
+    if taus is not None:
+        lab[0, :, 1] += taus
+    return ids[None], torch.tensor([list(positions)], device=ids.device), lab

@@ -18,9 +18,10 @@ own row, its own prefill and its own seed (stateless keyed noise), so its tokens
 else is in flight (in float32/float64; see "Batch invariance" in the README).
 
 Faults stay with their request: an exception raised by a row program fails that request
-only; a batched forward that raises is undone (row lengths and forward counts; the sampling
-noise is stateless, so nothing else) and re-run row
-by row, so that only the rows whose own forward fails are failed.
+only, as does a program that issues more forward requests than one that progresses can
+(:meth:`BatchEngine.max_requests`: it would never end); a batched forward that raises is
+undone (row lengths and forward counts; the sampling noise is stateless, so nothing else) and
+re-run row by row, so that only the rows whose own forward fails are failed.
 
 Time: :meth:`Scheduler.decode_clock` is a clock that stands still while prompts are prefilled
 (each admission is bracketed by device synchronisations, so a prefill's device time falls
@@ -29,10 +30,13 @@ of that clock from its admission to its end: the rounds it took part in (shared 
 requests in flight), no prefill, its own or another's. Over a run, the clock's span from the
 first admission to the last end is the run's decode time (README, "Statistics").
 
-The scheduler knows rows and programs, not decoding: a request brings a ``program(row, tail)``
-factory (e.g. :func:`simsd.decoding.vanilla.vanilla_program`). It runs on the thread that
-calls :meth:`Scheduler.step`, or on its own thread (:meth:`Scheduler.start`); :meth:`submit`
-and :meth:`cancel` may be called from any thread. Callbacks run on the scheduling thread (a
+The scheduler is the one driver of row programs: the batch decoders run their prompts through
+it on the calling thread (:func:`run_requests`), :class:`simsd.LLM` on its own thread or the
+caller's, and the server, ``simsd generate`` and ``simsd bench`` through :class:`simsd.LLM`.
+It knows rows and programs, not decoding: a request brings a ``program(row, tail)`` factory
+(e.g. a :class:`simsd.decoding.program.RowProgram`'s). It runs on the thread that calls
+:meth:`Scheduler.step`, or on its own thread (:meth:`Scheduler.start`); :meth:`submit` and
+:meth:`cancel` may be called from any thread. Callbacks run on the scheduling thread (a
 waiting request's cancellation: on the cancelling thread).
 """
 from __future__ import annotations
@@ -81,7 +85,8 @@ class Request:
     Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (prefill done,
     decoding starts), ``finished``; ``decode_interval``: ``(start, end)`` on the scheduler's
     :meth:`~Scheduler.decode_clock` (None if never admitted), ``decode_seconds`` its length;
-    ``row``: the engine row while running.
+    ``row``: the engine row while running; ``forward_requests``: the forward requests its
+    program issued.
     """
     prompt_ids: list
     program: Callable
@@ -96,6 +101,7 @@ class Request:
     admitted: float | None = None
     finished: float | None = None
     decode_interval: tuple | None = None
+    forward_requests: int = 0
 
     @property
     def done(self) -> bool:
@@ -278,8 +284,9 @@ class Scheduler:
             outs, failed = self._forward(name, mode, {i: self._pending[i][1] for i in rows})
             for i in rows:
                 prog = self._pending.pop(i)[0]
-                if i in failed:
-                    self._retire(i, error=failed[i], prog=prog)
+                error = failed[i] if i in failed else self._over_limit(i)
+                if error is not None:
+                    self._retire(i, error=error, prog=prog)
                 else:
                     self._advance(i, prog, outs[i])
             self.rounds += 1
@@ -329,6 +336,17 @@ class Scheduler:
             self.prefill_seconds += req.admitted - start
             req.decode_interval = (self.decode_clock(),) * 2
             self._advance(index, prog, None)
+
+    def _over_limit(self, i: int) -> RuntimeError | None:
+        """Count a served request of row ``i``; the error of a program past
+        :meth:`BatchEngine.max_requests` (it makes no progress), else None."""
+        req = self._running[i]
+        req.forward_requests += 1
+        limit = self.engine.max_requests()
+        if req.forward_requests <= limit:
+            return None
+        return RuntimeError(f"row {i}: {req.forward_requests} forward requests without finishing (a program that "
+                            f"progresses needs at most {limit} for {self.engine.capacity} tokens)")
 
     def _advance(self, i: int, prog, value) -> None:
         try:
@@ -398,3 +416,27 @@ class Scheduler:
             entry = self._pending.get(i)
             self._retire(i, error=exc, prog=None if entry is None else entry[0])
 
+
+
+def decode_span(requests) -> float:
+    """The decode time of a run of requests of one scheduler (anything with a
+    ``decode_interval``): the span of the decode clock from the first admission to the last
+    end; prefills excluded (README, "Statistics")."""
+    spans = [r.decode_interval for r in requests if r.decode_interval is not None]
+    return max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+
+
+def run_requests(engine: BatchEngine, requests: list) -> None:
+    """Run ``requests`` to their end on this thread, through a fresh :class:`Scheduler` over
+    ``engine`` (all queued before the first round, admitted in order while rows are free).
+
+    Raises:
+        the first failed request's exception (after every request has ended).
+    """
+    sched = Scheduler(engine, max_waiting=len(requests))
+    for req in requests:
+        sched.submit(req)
+    sched.run_until_idle()
+    for req in requests:
+        if req.error is not None:
+            raise req.error

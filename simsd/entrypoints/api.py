@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
-from ..decoding.vanilla import vanilla_program, vanilla_stats
+from ..decoding.vanilla import VanillaRow
 from ..engine.batching import BatchEngine, round_capacity
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, load_checkpoint, read_checkpoint
@@ -104,8 +104,9 @@ class LLM:
             False: on the thread that waits (see the module doc).
         default_params: the :class:`SamplingParams` of requests that give none.
 
-    Attribute ``diagnostics``: None, or a dict into which paper-mode requests add the agreement
-    of their verification with exact mode's (``simsd bench``; extra untimed target forwards).
+    Attribute ``verifier_class``: None, or the verifier of paper/exact requests instead of the
+    mode's (:mod:`simsd.speculative.verifiers`; ``simsd bench`` installs one that compares
+    paper verification with exact mode's, with extra untimed target forwards).
 
     Raises:
         ValueError: a bad mode, device, block length, size or option combination (the message
@@ -202,7 +203,7 @@ class LLM:
         #: stop ids of prompts that went through the chat template (its role markers)
         self.template_stop_ids = template_stop_ids(self.tokenizer, self.target.mask_token_id)
         self.default_params = default_params if default_params is not None else SamplingParams()
-        self.diagnostics = None
+        self.verifier_class = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._drive_lock = threading.Lock()
@@ -336,20 +337,20 @@ class LLM:
         stream = TextStream(self.tokenizer, stop_ids, params.stop, params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, rid, prompt, ids, seed, stream, listener)
-        mask_id = self.target.mask_token_id
         if spec is None:
-            def program(row, tail):
-                handle._row = row
-                return vanilla_program(row, tail, cfg, mask_id, stop_ids, seed, handle._on_block)
-            handle._stats = vanilla_stats
+            def new_program(row):
+                return VanillaRow(row, cfg, self.target.mask_token_id, stop_ids, seed)
         else:
             dec = SpeculativeDecoder(self.target, self.draft, cfg, spec, check=False)
-            dec.diagnostics = self.diagnostics
+            if self.verifier_class is not None:
+                dec.verifier_class = self.verifier_class
 
-            def program(row, tail):
-                handle._row = dec.new_row(row, seed, stop_ids)
-                return handle._row.program(tail, handle._on_block)
-            handle._stats = dec.row_stats
+            def new_program(row):
+                return dec.new_row(row, seed, stop_ids)
+
+        def program(row, tail):
+            handle._program = new_program(row)
+            return handle._program.program(tail, handle._on_block)
         handle._request = Request(ids, program, capacity, on_finish=handle._on_finish, request_id=rid)
         return handle
 
@@ -386,14 +387,14 @@ class LLM:
             t["requests"][outcome] += 1
             t["prompt_tokens"] += len(handle.prompt_token_ids)
             t["generation_tokens"] += len(handle.stream.token_ids)
-            r = handle._row
-            if r is not None:
-                row = getattr(r, "row", r)
-                t["target_forwards"] += row.forwards.get("target", 0)
-                t["draft_forwards"] += row.forwards.get("draft", 0)
-                if hasattr(r, "stats"):
-                    t["proposed"] += r.stats.proposed
-                    t["accepted"] += r.stats.accepted
+            prog = handle._program
+            if prog is not None:
+                t["target_forwards"] += prog.row.forwards.get("target", 0)
+                t["draft_forwards"] += prog.row.forwards.get("draft", 0)
+                counters = getattr(prog, "stats", None)  # SimSD rows count proposals
+                if counters is not None:
+                    t["proposed"] += counters.proposed
+                    t["accepted"] += counters.accepted
 
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the

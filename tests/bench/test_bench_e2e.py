@@ -24,12 +24,10 @@ def test_no_cuda_message(capsys, tmp_path):
 
 
 def test_cpu_smoke_rows(capsys, tmp_path, monkeypatch):
-    import simsd.engine.batching
     import simsd.engine.graphs
     # restored after the test
     monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.cuda_capture)
     monkeypatch.setattr(simsd.engine.graphs, "check_graphable", simsd.engine.graphs.check_graphable)
-    monkeypatch.setattr(simsd.engine.batching, "_POOL", {})
     monkeypatch.setenv("SIMSD_ATTENTION_BACKEND", "torch")
     out = tmp_path / "e.jsonl"
     assert load().main(["--cpu-smoke", "--out", str(out)]) == 0

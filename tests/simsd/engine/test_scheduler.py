@@ -9,7 +9,7 @@ import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.decoding.config import check_prompt, finish
-from simsd.decoding.vanilla import vanilla_generate_batch, vanilla_program
+from simsd.decoding.vanilla import VanillaRow, vanilla_generate_batch
 from simsd.engine.batching import BatchEngine
 from simsd.engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed
 from simsd.speculative import SpecConfig, SpeculativeDecoder
@@ -69,8 +69,9 @@ def request(mode, target, draft, i, sampling, done):
     cfg = config(i, sampling)
     if mode == "vanilla":
         def program(row, tail):
-            req.rows.append(row)
-            return vanilla_program(row, tail, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+            prog = VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+            req.rows.append(prog)
+            return prog.program(tail)
     else:
         dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode), check=False)
 
@@ -87,9 +88,9 @@ def request(mode, target, draft, i, sampling, done):
 def counters(req) -> dict:
     """The row counters of a finished scheduled request, named as in the decoders' stats."""
     (r,) = req.rows
-    row = r if hasattr(r, "forwards") else r.row
+    row = r.row
     out = {"target_forwards": row.forwards["target"], "prefill_forwards": row.prefill_forwards}
-    if row is not r:
+    if "draft" in row.forwards:
         out.update(draft_forwards=row.forwards["draft"], accepted=r.stats.accepted, proposed=r.stats.proposed,
                    rounds=r.stats.rounds)
     return out
@@ -128,7 +129,7 @@ def test_outputs_do_not_depend_on_what_else_is_in_flight(pair, mode, sampling):
         run_staggered(sched, reqs, arrivals)
         assert len(done) == len(reqs) and all(r.error is None and not r.cancelled for r in reqs)
         for i, req in enumerate(reqs):
-            generated, _ = req.result
+            generated = req.result
             assert finish(generated, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, (name, i)
             got = counters(req)
             assert got == {k: singles[i].stats[k] for k in got}, (name, i)
@@ -236,11 +237,11 @@ def test_cancel_waiting_and_running_requests_frees_rows(pair):
     assert sched.num_running == 0 and sched.finished == {"ok": 1, "error": 0, "cancelled": 2}
     # the survivor is unaffected, and the freed rows serve later requests correctly
     want = single("exact", target, draft, 3, False).token_ids
-    assert finish(reqs[1].result[0], target.stop_ids, MAX_NEW[3]) == want
+    assert finish(reqs[1].result, target.stop_ids, MAX_NEW[3]) == want
     later = request("exact", target, draft, 0, False, done)
     sched.submit(later)
     sched.run_until_idle(max_rounds=2000)
-    assert finish(later.result[0], target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
+    assert finish(later.result, target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
 
 
 def test_a_failing_program_fails_only_its_request(pair):
@@ -260,7 +261,7 @@ def test_a_failing_program_fails_only_its_request(pair):
     sched.run_until_idle(max_rounds=2000)
     assert isinstance(reqs[1].error, RuntimeError) and sched.finished["error"] == 1
     for i in (0, 2):
-        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+        assert finish(reqs[i].result, target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
                                                                                 True).token_ids
 
 
@@ -302,7 +303,7 @@ def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampli
     assert isinstance(reqs[1].error, RuntimeError) and "poisoned" in str(reqs[1].error)
     for i in (0, 2):
         assert reqs[i].error is None
-        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+        assert finish(reqs[i].result, target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
                                                                                 sampling).token_ids
 
 
@@ -317,7 +318,7 @@ def _with_poison(make, poison, where):
                 seen += 1
                 if seen == 3:
                     if where == "forward":
-                        fwd.positions = fwd.positions.clone()
+                        fwd.positions = list(fwd.positions)
                         fwd.positions[-1] = poison
                     else:
                         fwd.step.poisoned = True
@@ -347,7 +348,7 @@ def test_background_thread_drains_on_stop(pair):
     with pytest.raises(SchedulerClosed):
         sched.submit(request("exact", target, draft, 0, False, done))
     for i, r in enumerate(reqs):
-        assert finish(r.result[0], target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
+        assert finish(r.result, target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
 
 
 def test_stop_without_drain_cancels(pair):
@@ -379,6 +380,6 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
     reqs = [request(mode, target, draft, i, False, done) for i in range(len(PROMPTS))]
     run_staggered(sched, reqs, ARRIVALS["staggered"])
     for i, req in enumerate(reqs):
-        assert finish(req.result[0], target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
+        assert finish(req.result, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
     runner = engine.graphs["target"]
     assert runner.graphs <= 2 * 6 and runner.replays > runner.graphs
