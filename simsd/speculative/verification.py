@@ -175,7 +175,9 @@ def exact_step_verdict(mine: torch.Tensor, chain: torch.Tensor, tau: torch.Tenso
         one). (The proposals of the steps taken are counted on the host from ``tau``.)
     """
     n = chain.shape[0] - 1
-    n_ok = ((mine if mine.shape[0] == n else mine[:n]) == chain[1:]).all(-1).cumprod(0).sum()  # steps accepted
-    candidates = mine if bonus else torch.cat([mine, chain[n:]])
+    same = (mine[:n] == chain[1:]).all(-1)  # draft step c is the target's own step on chain[c]
+    n_ok = same.cumprod(0).sum()  # draft steps accepted
+    candidates = mine if bonus else torch.cat([mine, chain[n:]])  # the state committed after n_ok steps
     new = candidates.index_select(0, n_ok.view(1))[0]
-    return new, (n_ok + 1).clamp(max=n + int(bonus)), (tau <= n_ok).sum()
+    taken = (n_ok + 1).clamp(max=n + int(bonus))
+    return new, taken, (tau <= n_ok).sum()
