@@ -281,7 +281,12 @@ class Scheduler:
         if self._pending:
             start = time.perf_counter()
             name, mode, rows = self.engine.pick(self._pending)
-            outs, failed = self._forward(name, mode, {i: self._pending[i][1] for i in rows})
+            reqs = {i: self._pending[i][1] for i in rows}
+            undo = self._snapshot(name, reqs)
+            try:
+                outs, failed = self.engine.forward(name, mode, reqs), {}
+            except Exception as exc:
+                outs, failed = self._row_by_row(name, reqs, undo, exc)
             for i in rows:
                 prog = self._pending.pop(i)[0]
                 error = failed[i] if i in failed else self._over_limit(i)
@@ -386,36 +391,37 @@ class Scheduler:
             except Exception:
                 log.exception("simsd scheduler: on_finish of request %s raised", req.request_id)
 
-    def _forward(self, name: str, mode: str, reqs: dict) -> tuple:
-        """``(outs, failed)``: the batched forward, or after a failure the rows one by one with
-        ``failed[row]`` the exception of each row whose own forward fails."""
-        snap = {i: (self.engine.rows[i].cached[name], self.engine.rows[i].forwards[name])
-                for i, r in reqs.items()}
-        batched = self.engine.forwards[name]
-        try:
-            return self.engine.forward(name, mode, reqs), {}
-        except Exception as exc:
-            if len(reqs) == 1:
-                return {}, {i: exc for i in reqs}
-            log.warning("simsd scheduler: a forward of %d rows failed (%r); running them one by one", len(reqs), exc)
+    def _snapshot(self, name: str, reqs: dict) -> tuple:
+        """What a failed batched forward of ``reqs`` must undo: the rows' cache lengths and
+        forward counts of model ``name`` and the engine's batched-forward count."""
+        rows = self.engine.rows
+        return self.engine.forwards[name], {i: (rows[i].cached[name], rows[i].forwards[name]) for i in reqs}
+
+    def _row_by_row(self, name: str, reqs: dict, undo: tuple, exc: Exception) -> tuple:
+        """After a batched forward failed with ``exc``: ``(outs, failed)`` of the rows run one by
+        one from the state before it, ``failed[row]`` the exception of each row whose own
+        forward fails."""
+        if len(reqs) == 1:
+            return {}, {i: exc for i in reqs}
+        log.warning("simsd scheduler: a forward of %d rows failed (%r); running them one by one", len(reqs), exc)
+        batched, rows = undo
         self.engine.forwards[name] = batched
         outs, failed = {}, {}
         for i, r in reqs.items():
             row = self.engine.rows[i]
-            cached, forwards = snap[i]
+            cached, forwards = rows[i]
             row.cached[name], row.forwards[name] = cached, forwards
             self.engine.caches[name].seqlens[i] = cached
             try:
                 outs.update(self.engine.forward(name, r.mask_mode, {i: r}))
-            except Exception as exc:
-                failed[i] = exc
+            except Exception as err:
+                failed[i] = err
         return outs, failed
 
     def _fail_running(self, exc: BaseException) -> None:
         for i in list(self._running):
             entry = self._pending.get(i)
             self._retire(i, error=exc, prog=None if entry is None else entry[0])
-
 
 
 def decode_span(requests) -> float:
