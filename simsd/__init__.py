@@ -17,15 +17,25 @@ also fits ``DecodeConfig(sampling=...)``.
 ``testing`` holds helpers for tests and examples (random SDAR checkpoints); ``assets`` the
 bundled tiny pair and held-out prompts.
 """
-from .decoding import DecodeConfig, GenerationResult, vanilla_generate, vanilla_generate_batch
-from .entrypoints.api import LLM, RequestCancelled, RequestError, RequestHandle, RequestOutput
-from .entrypoints.errors import ParamError
-from .entrypoints.params import SamplingParams
-from .models import Checkpoint, CheckpointError, ModelConfig, SDARForCausalLM, load_checkpoint, load_model
-from .speculative import SpecConfig, speculative_generate, speculative_generate_batch
+from importlib import import_module
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestHandle", "RequestError", "RequestCancelled",
-           "ParamError", "CheckpointError", "ModelConfig", "DecodeConfig", "GenerationResult", "Checkpoint",
-           "load_checkpoint", "load_model", "SDARForCausalLM", "vanilla_generate",
-           "vanilla_generate_batch", "SpecConfig", "speculative_generate", "speculative_generate_batch"]
+#: the public names and their modules, imported on first use (PEP 562): ``simsd --help`` and a
+#: mistyped option answer before torch loads
+EXPORTS = {
+    **dict.fromkeys(["LLM", "RequestOutput", "RequestHandle", "RequestError", "RequestCancelled"], "entrypoints.api"),
+    "SamplingParams": "entrypoints.params", "ParamError": "entrypoints.errors", "SimsdWarning": "entrypoints.errors",
+    **dict.fromkeys(["CheckpointError", "ModelConfig", "Checkpoint", "load_checkpoint", "load_model",
+                     "SDARForCausalLM"], "models"),
+    **dict.fromkeys(["DecodeConfig", "GenerationResult", "vanilla_generate", "vanilla_generate_batch"], "decoding"),
+    **dict.fromkeys(["SpecConfig", "speculative_generate", "speculative_generate_batch"], "speculative"),
+}
+__all__ = list(EXPORTS)
+
+
+def __getattr__(name):
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{EXPORTS[name]}"), name)
+
+
 __version__ = "0.1.0"

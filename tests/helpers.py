@@ -19,6 +19,21 @@ def random_checkpoint(name: str = "base", **kwargs) -> Path:
     return path
 
 
+def plain_qwen3_twin(sdar: Path, path: Path) -> Path:
+    """A copy of the SDAR checkpoint ``sdar`` whose config.json reads as a plain autoregressive
+    Qwen3's (model_type qwen3, Qwen3ForCausalLM, no block_size, no mask_token_id): the same
+    weights under another declaration."""
+    import json
+    import shutil
+    shutil.copytree(sdar, path)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("block_size", "mask_token_id"):
+        cfg.pop(key, None)
+    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
     """A float64 checkpoint whose logits at a MASK position are exactly ``mask_logits`` (V,)
     whatever the context: attention and MLP write nothing back (o_proj and down_proj are zero),
@@ -56,3 +71,20 @@ def layout_tensors(ids, positions, labels, taus=None) -> tuple:
     if taus is not None:
         lab[0, :, 1] += taus
     return ids[None], torch.tensor([list(positions)], device=ids.device), lab
+
+
+def load_bench_script(name: str):
+    """``bench/<name>.py`` imported as a module (its neighbour ``bench/benchlib.py`` importable
+    while it loads)."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod

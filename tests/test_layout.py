@@ -136,3 +136,20 @@ def test_the_checker_sees_upward_and_circular_imports(tmp_path):
     graph = {m: imported_modules(m, pkg / (m.rpartition(".")[2] + ".py"), known) for m in ("simsd.models.a",
                                                                                          "simsd.models.b")}
     assert find_cycles(graph) == ["simsd.models.a -> simsd.models.b -> simsd.models.a"]
+
+
+@pytest.mark.parametrize("package", ["simsd", "simsd.decoding"])
+def test_lazy_reexports_resolve(package):
+    """The re-exports load on first use (PEP 562, so option checks run before torch loads): each
+    name of ``__all__`` is its module's object, ``from ... import *`` takes them all, and a
+    missing name is an ``AttributeError``."""
+    import importlib
+    pkg = importlib.import_module(package)
+    assert pkg.__all__ == list(pkg.EXPORTS)
+    for name, module in pkg.EXPORTS.items():
+        assert getattr(pkg, name) is getattr(importlib.import_module(f"{package}.{module}"), name), name
+    space = {}
+    exec(f"from {package} import *", space)
+    assert set(pkg.__all__) <= set(space)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        pkg.nope  # noqa: B018

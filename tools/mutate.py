@@ -103,7 +103,7 @@ MR, TR, CR = "simsd_kernels/mask_rule.py", "triton_ops/common.py", "csrc/mask_ru
 SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
-SAMP, STRATS = "simsd/decoding/sampling.py", "simsd/decoding/strategies.py"
+SAMP, STRATS, CHOICES = "simsd/decoding/sampling.py", "simsd/decoding/strategies.py", "simsd/decoding/choices.py"
 NZ, SP, GR = "simsd/decoding/noise.py", "simsd_kernels/split_plan.py", "simsd/engine/graphs.py"
 
 MUTANTS = [
@@ -267,7 +267,7 @@ MUTANTS = [
     m("schedule", SR, "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) < self.dec.gamma:",
       "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) <= self.dec.gamma:", PAPER_REF,
       note="the paper's fallback one position early"),
-    m("strategy", STRATS, 'DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}',
+    m("strategy", CHOICES, 'DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}',
       'DEFAULT_THRESHOLD = {"dynamic": 0.8, "entropy": 0.35}', REF, note="another default threshold"),
     m("sampling", SAMP, "kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]",
       "kth = torch.topk(scores, params.top_k, dim=-1).values[..., :1]", SAMPLING, note="top-k keeps the top 1"),

@@ -6,16 +6,23 @@ sampling noise shared by vanilla decoding, the draft and exact verification (``n
 remasking strategies (``strategies``: sequential, static, dynamic, entropy; the transfer
 schedule), one denoising step and its batched request form (``step``), a request's block
 decoding as an engine program with its statistics and the batch decoders' driver
-(``program``) and vanilla decoding (``vanilla``).
+(``program``) and vanilla decoding (``vanilla``); the strategies' names and ranges and the
+smallest temperature, torch-free (``choices``).
 
 May import: :mod:`simsd.engine`, :mod:`simsd.models`, :mod:`simsd_kernels`, torch. Never
 :mod:`simsd.speculative` or :mod:`simsd.entrypoints`.
 """
-from .config import BatchResult, DecodeConfig, GenerationResult, check_prompt
-from .program import RowProgram
-from .sampling import SamplingParams
-from .step import Step, denoise_step
-from .vanilla import VanillaRow, vanilla_generate, vanilla_generate_batch
+from importlib import import_module
 
-__all__ = ["BatchResult", "DecodeConfig", "GenerationResult", "check_prompt", "RowProgram", "SamplingParams", "Step",
-           "denoise_step", "VanillaRow", "vanilla_generate", "vanilla_generate_batch"]
+#: the re-exports and their modules, imported on first use (PEP 562), so that the torch-free
+#: ``choices`` loads without torch (the command line checks its options before torch loads)
+EXPORTS = {"BatchResult": "config", "DecodeConfig": "config", "GenerationResult": "config", "check_prompt": "config",
+           "RowProgram": "program", "SamplingParams": "sampling", "Step": "step", "denoise_step": "step",
+           "VanillaRow": "vanilla", "vanilla_generate": "vanilla", "vanilla_generate_batch": "vanilla"}
+__all__ = list(EXPORTS)
+
+
+def __getattr__(name):
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{EXPORTS[name]}"), name)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .choices import parse_strategy, threshold_range
 from .sampling import SamplingParams
-from .strategies import parse_strategy, threshold_range, transfer_schedule
+from .strategies import transfer_schedule
 
 
 @dataclass

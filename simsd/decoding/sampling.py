@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: temperatures below this (the smallest normal float32) act as greedy
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+from .choices import MIN_TEMPERATURE  # temperatures below it (the smallest normal float32) act as greedy
+
 _MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 

@@ -9,28 +9,7 @@ from __future__ import annotations
 
 import torch
 
-STRATEGIES = ("sequential", "static", "dynamic", "entropy")
-#: aliases used by SDAR's code
-ALIASES = {"low_confidence_static": "static", "low_confidence_dynamic": "dynamic",
-           "entropy_bounded": "entropy"}
-DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}
-
-
-def threshold_range(strategy: str) -> tuple:
-    """``(low, high, text)`` of a strategy's threshold: a confidence in ``[0, 1]`` (``dynamic``),
-    an entropy bound in nats ``>= 0`` (``entropy``); ``(None, None, ...)`` for strategies without one."""
-    if strategy == "dynamic":
-        return 0.0, 1.0, "a confidence in [0, 1]"
-    if strategy == "entropy":
-        return 0.0, None, "an entropy bound in nats >= 0"
-    return None, None, "not used"
-
-
-def parse_strategy(name: str) -> str:
-    name = ALIASES.get(name, name)
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r} (choose from {', '.join(STRATEGIES)})")
-    return name
+from .choices import DEFAULT_THRESHOLD, STRATEGIES
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:

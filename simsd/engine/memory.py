@@ -90,12 +90,17 @@ class Estimate:
 
     def describe(self, device) -> str:
         p = self.parts[str(device)]
-        return (f"about {gib(self.needed(device))} on {device} (weights {gib(p['weights'])}, KV caches "
-                f"{gib(p['kv_caches'])}, workspace {gib(p['workspace'])}, with a {round((MARGIN - 1) * 100)}% margin)")
+        return (f"about {fmt_bytes(self.needed(device))} on {device} (weights {fmt_bytes(p['weights'])}, KV caches "
+                f"{fmt_bytes(p['kv_caches'])}, workspace {fmt_bytes(p['workspace'])}, with a {round((MARGIN - 1) * 100)}% margin)")
 
 
-def gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n < 100 * GIB else f"{n / GIB:.0f} GiB"
+def fmt_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches (bytes, KiB, MiB, GiB), with two
+    decimals below 100 of it: a small amount never reads as ``0.00 GiB``."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if n < 100 * size else f"{n / size:.0f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def estimate(models: dict, batch_size: int, capacity: int, margin: int, with_weights: bool = True) -> Estimate:
@@ -178,4 +183,4 @@ def check_engine_memory(models: dict, batch_size: int, capacity: int, margin: in
     best = largest_fitting(lambda n: shortfall(parts(n)) is None, 1, batch_size - 1)
     hint = f"; the largest batch size that fits is {best}" if best else ""
     raise ValueError(f"the KV caches and forward workspace of {batch_size} row(s) x {capacity + margin} tokens need "
-                     f"{est.describe(device)} but {gib(free)} are free{hint}")
+                     f"{est.describe(device)} but {fmt_bytes(free)} are free{hint}")

@@ -195,13 +195,16 @@ class Scheduler:
         with self._cv:
             while True:
                 if self._closed:
-                    raise SchedulerClosed("the scheduler is shutting down")
+                    raise SchedulerClosed("the scheduler was stopped and takes no new requests")
                 if len(self._waiting) < self.max_waiting + len(self._free):  # free rows take requests at once
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
-                    raise QueueFull(f"{len(self._waiting)} requests are waiting for one of {self.max_rows} rows "
-                                    f"(max_waiting={self.max_waiting})")
+                    # the first len(self._free) of the queue take the free rows at the next round: the
+                    # rest wait (max_waiting of them when the queue is full)
+                    n, rows = len(self._waiting) - len(self._free), self.max_rows
+                    raise QueueFull(f"{n} request{'s' * (n != 1)} already waiting for a row (max_waiting="
+                                    f"{self.max_waiting}; {rows} row{'s' * (rows != 1)}, all taken)")
                 self._cv.wait(left)
             req.arrived = time.perf_counter()
             self._waiting.append(req)

@@ -9,7 +9,7 @@ OpenAI-compatible HTTP server (``server``, ``protocol``, ``metrics``; ``simsd se
 launch, one-line errors; ``options``: option checks shared with the API; ``commands``: the
 ``generate`` command and the pieces ``bench`` shares with it; ``bench``; ``resources``: the
 memory a run needs), prompt sources (``prompts``: bundled held-out prompts, CHAMP,
-HumanEval, JSONL files and stdin) and the error types (``errors``).
+HumanEval, JSONL files and stdin) and the error and warning types (``errors``).
 
 May import every other room of simsd. Nothing of simsd imports this room (``simsd/__init__.py``
 re-exports the API).

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,12 +34,13 @@ import torch
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
 from ..decoding.vanilla import VanillaRow
 from ..engine.batching import BatchEngine, round_capacity
-from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
-from ..models.loading import Checkpoint, CheckpointInfo, load_checkpoint, read_checkpoint
+from ..engine.memory import fmt_bytes, parameter_count
+from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
+from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
 from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
 from .encoding import encode_prompt, is_ids, is_messages, template_stop_ids
-from .errors import ParamError
+from .errors import ParamError, SimsdWarning
 from .options import check_device, check_engine_options
 from .outputs import (RequestCancelled, RequestError, RequestHandle, RequestOutput,  # noqa: F401  (re-exported)
                       run_decode_seconds)
@@ -56,9 +58,38 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * model.num_local_kv_heads * c.head_dim * model.dtype.itemsize
 
 
-def _read(spec):
-    """A checkpoint spec as it is (loaded, or read) or read from its directory (no weights)."""
-    return spec if isinstance(spec, (Checkpoint, CheckpointInfo)) else read_checkpoint(Path(spec))
+def _read(spec, block_length=None, mask_token_id=None):
+    """A checkpoint spec as it is (loaded, or read) or read from its directory (no weights), with
+    the caller's explicit ``block_length`` and ``mask_token_id`` (:func:`read_checkpoint`)."""
+    if not isinstance(spec, (Checkpoint, CheckpointInfo)):
+        return read_checkpoint(Path(spec), block_length=block_length, mask_token_id=mask_token_id)
+    if mask_token_id is not None and mask_token_id != spec.mask_token_id:
+        raise ParamError("mask_token_id", f"mask_token_id {mask_token_id!r} differs from the mask token id "
+                                          f"{spec.mask_token_id} of {spec.path}")
+    check_block_diffusion(spec.path, spec.config, True, block_length)
+    return spec
+
+
+def run_warnings(target, draft, block_length: int | None) -> list:
+    """What a run is allowed to do but should say, one line each: a ``block_length`` (the caller's)
+    other than the target's ``block_size``, a draft trained for another block length than the
+    target, a draft with more parameters than the target (checkpoints or infos)."""
+    notes, tb = [], target.config.block_size
+    if block_length is not None and tb is not None and block_length != tb:
+        notes.append(f"block length {block_length} differs from the target's block_size {tb} (SDAR checkpoints "
+                     f"are trained for one block length)")
+    if draft is None:
+        return notes
+    db = draft.config.block_size
+    if db is not None and tb is not None and db != tb:
+        notes.append(f"the draft's block_size {db} differs from the target's {tb}; the draft denoises blocks of "
+                     f"the run's block length (SDAR checkpoints are trained for one block length)")
+    dn, tn = parameter_count(draft.config), parameter_count(target.config)
+    if dn > tn:
+        notes.append(f"the draft {draft.path.name} ({dn / 1e6:.1f}M parameters) is larger than the target "
+                     f"{target.path.name} ({tn / 1e6:.1f}M); a draft saves time only when it is cheaper than the "
+                     f"target")
+    return notes
 
 
 class LLM:
@@ -82,7 +113,11 @@ class LLM:
             fit (``ValueError`` if not even one fits). None: ``batch_size`` rows.
         max_waiting: requests that may wait for a row; beyond it :meth:`submit` raises
             :class:`~simsd.engine.scheduler.QueueFull` (``generate`` and ``stream`` wait instead).
-        block_length: the block length (default: the target's ``block_size``, 4 if unset).
+        block_length: the block length (default: the target's ``block_size``; 4 for model_type
+            ``sdar`` without one). Required for a checkpoint that does not say it is block-diffusion (model_type
+            ``qwen3`` without ``block_size``), which is otherwise refused (README "Checkpoints").
+        mask_token_id: the mask token's id, for checkpoints that name none in ``mask_token_id`` or
+            the tokenizer's ``mask_token`` (refused otherwise); must agree with one they name.
         fold_commit, on_reject, rope_copy, optimistic: as ``simsd generate``'s
             ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``.
         max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to the block
@@ -108,15 +143,21 @@ class LLM:
     mode's (:mod:`simsd.speculative.verifiers`; ``simsd bench`` installs one that compares
     paper verification with exact mode's, with extra untimed target forwards).
 
+    Warns (:class:`~simsd.entrypoints.errors.SimsdWarning`, once): a block length other than the
+    target's ``block_size``, a draft trained for another block length, a draft larger than the
+    target (:func:`run_warnings`).
+
     Raises:
         ValueError: a bad mode, device, block length, size or option combination (the message
-            names it); :class:`~simsd.models.config.CheckpointError` for a bad checkpoint; a
-            draft whose tokenizer differs from the target's.
+            names it); :class:`~simsd.models.config.CheckpointError` for a bad checkpoint or one
+            that is not block-diffusion without the explicit options; a draft whose tokenizer
+            differs from the target's.
     """
 
     def __init__(self, target=None, draft=None, mode: str = "exact", *, device=None, draft_device=None,
                  dtype=None, batch_size: int = 8, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_waiting: int = 64, block_length: int | None = None,
+                 mask_token_id: int | None = None,
                  fold_commit: bool = False, on_reject: str = "redraft", rope_copy: bool = True,
                  optimistic: bool | None = None, max_gamma: int | None = None,
                  attention_backend: str | None = None, cuda_graphs: bool = False,
@@ -155,14 +196,15 @@ class LLM:
             draft_device = check_device("draft_device", draft_device)
         check_engine_options([device, draft_device or device], cuda_graphs, bool(invariant), NAMES)
         dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        infos = {"target": _read(target or DEFAULT_TARGET)}
+        infos = {"target": _read(target or DEFAULT_TARGET, block_length, mask_token_id)}
         if mode != "vanilla":
-            infos["draft"] = _read(draft or DEFAULT_DRAFT)
+            infos["draft"] = _read(draft or DEFAULT_DRAFT, block_length, mask_token_id)
             check_pair(infos["target"], infos["draft"])  # before any weight is loaded
         configs = [i.config for i in infos.values()]  # sizes checked before any weight is loaded
         tc = configs[0]
+        given_block_length = block_length
         if block_length is None:
-            block_length = tc.block_size or 4
+            block_length = tc.block_size
         limit = min(c.max_position_embeddings for c in configs)
         if isinstance(block_length, bool) or not isinstance(block_length, int) or not 1 <= block_length < limit:
             raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got "
@@ -178,6 +220,8 @@ class LLM:
                                       or not 1 <= max_gamma <= block_length):
             raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {block_length}] (the block length), "
                                           f"got {max_gamma!r}")
+        for note in run_warnings(infos["target"], infos.get("draft"), given_block_length):
+            warnings.warn(note, SimsdWarning, stacklevel=2)
         apply_threads([i.config for i in infos.values()], threads)
         if tp > 1:
             check_tp(infos["target"].config, tp)
@@ -232,8 +276,8 @@ class LLM:
         if kv_cache_memory is not None:
             rows = min(batch_size, int(kv_cache_memory // per_row))
             if rows < 1:
-                raise ParamError("kv_cache_memory", f"kv_cache_memory {kv_cache_memory / 2**30:.2f} GiB holds no row "
-                                                    f"of {L} tokens ({per_row / 2**30:.2f} GiB per row); lower "
+                raise ParamError("kv_cache_memory", f"kv_cache_memory {fmt_bytes(kv_cache_memory)} holds no row "
+                                                    f"of {L} tokens ({fmt_bytes(per_row)} per row); lower "
                                                     f"max_model_len")
         self.kv_cache_bytes = rows * per_row
         engine_models = {"target": self.target.model}
@@ -245,7 +289,7 @@ class LLM:
             if "out of memory" not in str(exc).lower():
                 raise
             raise ValueError(f"the KV caches of {rows} rows x {L} positions "
-                             f"({self.kv_cache_bytes / 2**30:.1f} GiB) do not fit: lower batch_size or "
+                             f"({fmt_bytes(self.kv_cache_bytes)}) do not fit: lower batch_size or "
                              f"max_model_len, or set kv_cache_memory") from None
 
     # -- properties ------------------------------------------------------------------------
@@ -315,7 +359,8 @@ class LLM:
         Raises:
             ParamError: a bad prompt or parameter (``param`` names it).
             QueueFull: ``max_waiting`` requests wait already (and ``block`` is False).
-            SchedulerClosed: :meth:`shutdown` was called.
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``; also from
+                :meth:`generate`, :meth:`generate_iter` and :meth:`stream`).
         """
         handle = self._request(prompt, params, listener, request_id)
         self._start()
@@ -323,7 +368,10 @@ class LLM:
         return handle
 
     def _request(self, prompt, params, listener, request_id) -> RequestHandle:
-        """A checked request, not queued yet."""
+        """A checked request, not queued yet (``SchedulerClosed`` after :meth:`shutdown`)."""
+        if self.scheduler.closed:
+            raise SchedulerClosed("this LLM was shut down (LLM.shutdown(), or the end of its with block) and takes "
+                                  "no new requests: create a new LLM")
         ids, templated = self._encode(prompt)
         params = self.default_params if params is None else params
         cfg, spec, seed = resolve(params, self.settings)
@@ -409,6 +457,7 @@ class LLM:
                 requests queued before it are cancelled, and none has run without a scheduling
                 thread).
             RequestError: a request failed (the others are cancelled).
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
         return list(self.generate_iter(prompts, params, use_tqdm))
 
@@ -459,6 +508,7 @@ class LLM:
         Raises:
             ParamError: as :meth:`submit`; also when the checkpoint has no tokenizer.
             RequestError: the request failed.
+            SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
         if self.tokenizer is None:
             raise ParamError("prompt", "streaming text needs a tokenizer (this checkpoint has none)")

@@ -37,8 +37,9 @@ from ..decoding.step import without_mask_token_
 from ..engine.batching import Fwd
 from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
-from .commands import build_llm, modes_of, prepare
+from .commands import build_llm, prepare
 from .errors import UsageError
+from .options import modes_of
 from .outputs import run_decode_seconds
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
-from ..models.config import CheckpointError
-from .errors import UsageError
+from .errors import SimsdWarning, UsageError
 from .help_format import DefaultsHelpFormatter
 
 
@@ -30,6 +30,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target SDAR checkpoint directory (HF format); default: the bundled tiny target")
     p.add_argument("--draft", type=Path, default=None,
                    help="draft SDAR checkpoint directory (paper/exact modes); default: the bundled tiny draft")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="the mask token's id, for checkpoints that name none (default: mask_token_id in config.json "
+                        "or the tokenizer's mask_token)")
     p.add_argument("--device", "--target-device", dest="device", default=None,
                    help="device of the target model: cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
@@ -55,7 +58,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="most tokens generated per prompt (up to and including the stop token)")
     p.add_argument("--block-length", type=int, default=None,
-                   help="the block length (default: the checkpoint's block_size, 4 if unset)")
+                   help="the block length (default: the checkpoint's block_size; 4 for model_type sdar without "
+                        "one; required for a qwen3 checkpoint without one)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per block, 1 to the block length "
                    "(default: the block length)")
     p.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
@@ -215,14 +219,42 @@ def launch_tp(args, argv) -> int | None:
     return 0
 
 
+def one_line_warnings(show):
+    """A ``warnings.showwarning`` that prints simsd's own warnings (:class:`SimsdWarning`) as one
+    ``simsd: warning: ...`` line on stderr, each text once (bench builds an LLM per mode), and
+    hands the others to ``show``."""
+    said = set()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, SimsdWarning):
+            if str(message) not in said:
+                said.add(str(message))
+                print(f"simsd: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return showwarning
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "check":  # its options load torch: parsed only now (see add_check_parser)
+        from .check import parse_check_args
+        args = parse_check_args(OneLineParser, extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    with warnings.catch_warnings():  # simsd's warnings in one line each
+        warnings.showwarning = one_line_warnings(warnings.showwarning)
+        return run_command(args, argv)
+
+
+def run_command(args, argv=None) -> int:
+    """Run a parsed command; a refusal is one ``simsd: error: ...`` line and exit status 2."""
     try:
         if args.command == "check":
             from .check import run_check
             return run_check(args)
-        from .commands import modes_of
-        from .options import check_options
+        from .options import check_options, modes_of
         check_options(args, modes_of(args))  # before any rank is spawned or file read
         if getattr(args, "tp", 1) > 1:
             code = launch_tp(args, argv)
@@ -233,15 +265,18 @@ def main(argv=None) -> int:
                 from .commands import run_generate
                 return run_generate(args)
             if args.command == "serve":
-                from .serve import run_serve
-                return run_serve(args)
+                from .serve import leave, run_serve
+                code = run_serve(args)
+                if argv is None:  # the process's own command line: leave without the lingering teardown
+                    leave(code)
+                return code
             from .bench import bench_modes
             return bench_modes(args)
         finally:
             if getattr(args, "tp", 1) > 1:
                 from ..engine.tp import shutdown
                 shutdown()
-    except (UsageError, CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (UsageError, ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)
         return 2

@@ -68,7 +68,7 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
     if args.prompt_ids is not None:
         prompts = [Prompt(ids=parse_ids(args.prompt_ids), id="prompt-ids")]
     elif args.prompt is not None:
-        if not args.prompt.strip():
+        if not args.prompt:  # whitespace is text, taken as it is (as the API and the server take it)
             raise UsageError("--prompt is empty")
         prompts = [Prompt(text=args.prompt, id="prompt")]
     elif args.prompts_file is not None:
@@ -135,17 +135,13 @@ def request_params(args) -> SamplingParams:
 def decode_config(args, target_config, params: SamplingParams) -> DecodeConfig:
     """The target's :class:`DecodeConfig` of the run, as :func:`resolve` makes it for every request
     (the block options checked first with their flag names)."""
-    block_length = args.block_length if args.block_length is not None else (target_config.block_size or 4)
+    block_length = args.block_length if args.block_length is not None else target_config.block_size
     check_block_options(args, block_length, target_config.max_position_embeddings)
     try:
-        cfg = resolve(vanilla_params(params), Settings("vanilla", block_length, target_config.vocab_size,
-                                                   args.fold_commit))[0]
+        return resolve(vanilla_params(params), Settings("vanilla", block_length, target_config.vocab_size,
+                                                        args.fold_commit))[0]
     except ParamError as exc:
         raise UsageError(f"{option_name(exc.param)}: {exc}") from None
-    if args.block_length is not None and args.block_length != target_config.block_size:
-        print(f"simsd: warning: --block-length {args.block_length} differs from the checkpoint's block_size "
-              f"{target_config.block_size} (SDAR checkpoints are trained for one block length)", file=sys.stderr)
-    return cfg
 
 
 def vanilla_params(params: SamplingParams) -> SamplingParams:
@@ -196,23 +192,6 @@ class Run:
         return [dataclasses.replace(base, seed=(base.seed + i) % MAX_SEED) for i in range(len(self.prompts))]
 
 
-def modes_of(args) -> list:
-    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
-    if getattr(args, "command", "generate") != "bench":
-        return [args.mode]
-    if getattr(args, "mode", None) is not None:
-        raise UsageError("simsd bench takes --modes (comma-separated), not --mode")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
-    if bad:
-        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from vanilla, paper, exact)")
-    if not modes:
-        raise UsageError("--modes names no mode (choose from vanilla, paper, exact)")
-    if len(set(modes)) != len(modes):
-        raise UsageError(f"--modes names a mode twice: {args.modes}")
-    return modes
-
-
 def prepare(args, modes: list) -> Run:
     """Check a command's options, devices, checkpoints (without weights), prompts and memory;
     see the module doc. Raises :class:`UsageError` / :class:`CheckpointError`."""
@@ -227,8 +206,9 @@ def prepare(args, modes: list) -> Run:
     speculative = any(m != "vanilla" for m in modes)
     draft_device = (args.draft_device or device) if speculative else None
     dense = {d: dense_attention(args.attention_backend, d) for d in {device, draft_device} if d is not None}
-    target = read_checkpoint(args.target or DEFAULT_TARGET)
-    draft = read_checkpoint(args.draft or DEFAULT_DRAFT) if speculative else None
+    declared = {"block_length": args.block_length, "mask_token_id": args.mask_token_id}
+    target = read_checkpoint(args.target or DEFAULT_TARGET, **declared)
+    draft = read_checkpoint(args.draft or DEFAULT_DRAFT, **declared) if speculative else None
     if draft is not None:
         from ..speculative.decoder import check_pair
         try:
@@ -240,11 +220,6 @@ def prepare(args, modes: list) -> Run:
         print(f"simsd: warning: --threads {threads} exceeds this machine's {os.cpu_count()} CPU cores "
               f"(oversubscribed threads wait for each other)", file=sys.stderr)
     apply_threads([c.config for c in (target, draft) if c is not None], threads)
-    if draft is not None and draft.config.block_size and target.config.block_size \
-            and draft.config.block_size != target.config.block_size:
-        print(f"simsd: warning: the draft's block_size {draft.config.block_size} differs from the target's "
-              f"{target.config.block_size}; the draft denoises blocks of the run's block length "
-              f"(SDAR checkpoints are trained for one block length)", file=sys.stderr)
     params = request_params(args)
     cfg = decode_config(args, target.config, params)
     if args.limit is None and getattr(args, "command", "generate") == "bench" and args.prompts_file is None \
@@ -297,7 +272,8 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None):
     llm = LLM(loaded.get("target", run.target), loaded.get("draft", run.draft) if spec else None, mode,
               device=run.device, draft_device=run.draft_device if spec else None, dtype=run.dtype,
               batch_size=min(args.batch_size, len(run.prompts)), max_model_len=min(limit, max(need, block_length + 1)),
-              max_waiting=len(run.prompts), block_length=block_length, fold_commit=args.fold_commit,
+              max_waiting=len(run.prompts), block_length=block_length, mask_token_id=args.mask_token_id,
+              fold_commit=args.fold_commit,
               on_reject=(args.on_reject or "redraft") if spec else "redraft",
               rope_copy=not (args.no_rope_copy and mode == "paper"),
               optimistic={None: None, "auto": None, "on": True, "off": False}[args.optimistic] if spec else None,

@@ -1,5 +1,5 @@
-"""The error types of the entry points: command-line usage errors, missing optional packages and
-bad request parameters."""
+"""The error and warning types of the entry points: command-line usage errors, missing optional
+packages, bad request parameters, and warnings about a run."""
 
 
 class UsageError(ValueError):
@@ -19,3 +19,9 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class SimsdWarning(UserWarning):
+    """Something simsd runs as asked but the user should know (a draft larger than its target, a
+    block length other than the checkpoint's); the command line prints it as one
+    ``simsd: warning: ...`` line."""

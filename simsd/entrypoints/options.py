@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 
-from ..decoding.sampling import MIN_TEMPERATURE
-from ..decoding.strategies import DEFAULT_THRESHOLD, STRATEGIES, parse_strategy, threshold_range
+from ..decoding.choices import DEFAULT_THRESHOLD, MIN_TEMPERATURE, STRATEGIES, parse_strategy, threshold_range
 from .errors import UsageError
 
 #: manual_seed takes 64-bit values and the draft adds 2**20 + the prompt index: a signed 63-bit seed fits
@@ -109,6 +108,23 @@ def _given(args, attr: str) -> bool:
     return getattr(args, attr, None) is not None
 
 
+def modes_of(args) -> list:
+    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
+    if getattr(args, "command", "generate") != "bench":
+        return [args.mode]
+    if getattr(args, "mode", None) is not None:
+        raise UsageError("simsd bench takes --modes (comma-separated), not --mode")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
+    if bad:
+        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from vanilla, paper, exact)")
+    if not modes:
+        raise UsageError("--modes names no mode (choose from vanilla, paper, exact)")
+    if len(set(modes)) != len(modes):
+        raise UsageError(f"--modes names a mode twice: {args.modes}")
+    return modes
+
+
 def check_options(args, modes, names: dict | None = None) -> None:
     """Check option values and combinations that need no checkpoint (see the module doc).
 
@@ -194,10 +210,10 @@ def check_engine_options(devices, cuda_graphs: bool, invariant: bool, names: dic
     """Engine options this machine or build cannot honour: ``cuda_graphs`` needs every model's
     device (``devices``: names or ``torch.device``) to be a CUDA device, and is not combined with
     ``invariant`` (the graph runner does not run the per-unit path). Raises :class:`UsageError`."""
-    import torch
     n = lambda attr: option_name(attr, names)  # noqa: E731
     if not cuda_graphs:
         return
+    import torch
     if invariant:
         raise UsageError(f"{n('invariant')} is not available with {n('cuda_graphs')} (the graph runner does not run "
                          f"the per-unit path)")
@@ -222,5 +238,5 @@ def check_block_options(args, block_length: int, max_positions: int, names: dict
                          f"(a block is finished in at most {block_length} steps; valid: 1 to {block_length})")
 
 
-__all__ = ["RANGES", "SEED_MAX", "check_options", "check_block_options", "check_device", "check_engine_options",
+__all__ = ["RANGES", "SEED_MAX", "check_options", "modes_of", "check_block_options", "check_device", "check_engine_options",
            "check_threshold", "check_value", "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]

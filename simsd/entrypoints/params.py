@@ -18,13 +18,18 @@ from dataclasses import dataclass
 
 from ..decoding.config import DecodeConfig
 from ..decoding.sampling import SamplingParams as StepSampling
-from ..decoding.strategies import parse_strategy
+from ..decoding.choices import parse_strategy
 from ..speculative.decoder import SpecConfig
 from .errors import ParamError, UsageError
 from .options import check_threshold, draft_settings
 
 #: seeds are integers in [0, MAX_SEED) (the draft's generator adds 2**20 to it)
 MAX_SEED = 2 ** 63
+#: settings of :class:`~simsd.entrypoints.api.LLM`, fixed when its engine is built: passed to
+#: SamplingParams (a vLLM habit for some), they are refused by name, not with a bare TypeError
+LLM_SETTINGS = ("mode", "device", "draft_device", "dtype", "batch_size", "max_model_len", "kv_cache_memory",
+                "max_waiting", "block_length", "fold_commit", "on_reject", "rope_copy", "optimistic", "max_gamma",
+                "attention_backend", "cuda_graphs", "invariant", "tp", "threads", "scheduler_thread", "mask_token_id")
 
 
 def _int(name, value, low=None, allow_none=False):
@@ -55,29 +60,44 @@ class SamplingParams(StepSampling):
     output like the checkpoint's own), ``ignore_eos`` (do not stop on the checkpoint's stop
     ids; for benchmarks).
 
-    Decoding (docs/design.md §3-4): ``block_length`` (None: the LLM's; another value is refused,
-    the block length is fixed per LLM), ``steps`` (denoising steps per block, default the block length),
+    ``n``: completions per request; simsd returns one (``n=1``, None = 1; other values are
+    refused).
+
+    Decoding (docs/design.md §3-4): ``steps`` (denoising steps per block, default the block length),
     ``strategy`` (``sequential | static | dynamic | entropy``), ``threshold`` (``dynamic``:
     confidence in [0, 1], default 0.9; ``entropy``: bound >= 0 nats, default 0.35), ``gamma``
     (draft steps verified per round, paper/exact only, default the block length), ``draft_strategy`` (default:
     ``strategy``), ``draft_threshold`` (in the draft strategy's range; default: ``threshold``
     when the draft runs the target's strategy, else the draft strategy's default).
 
+    The block length and the other engine settings (``LLM_SETTINGS``) belong to the
+    :class:`~simsd.entrypoints.api.LLM`: ``SamplingParams(block_length=8)`` is refused with a
+    ``ParamError`` that says so.
+
     Raises:
-        ParamError: a field of the wrong type or out of range (``param`` names it).
+        ParamError: a field of the wrong type or out of range, ``n`` other than 1, an LLM setting
+            (``param`` names it).
     """
     max_tokens: int = 128
     seed: int | None = None
     stop: tuple = ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
-    block_length: int | None = None
     steps: int | None = None
     strategy: str = "static"
     threshold: float | None = None
     gamma: int | None = None
     draft_strategy: str | None = None
     draft_threshold: float | None = None
+    n: int | None = 1
+
+    def __new__(cls, *args, **kwargs):
+        # runs before the dataclass's __init__, which would refuse these with a bare TypeError
+        for name in kwargs:
+            if name in LLM_SETTINGS:
+                raise ParamError(name, f"{name} is an LLM(...) setting, fixed when the engine is built, not a "
+                                       f"request's: pass it to simsd.LLM(..., {name}=...)")
+        return super().__new__(cls)
 
     def __post_init__(self):
         _number("temperature", self.temperature)
@@ -101,7 +121,11 @@ class SamplingParams(StepSampling):
         object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        _int("block_length", self.block_length, 1, allow_none=True)
+        _int("n", self.n, 1, allow_none=True)
+        if self.n not in (None, 1):
+            raise ParamError("n", f"n={self.n}: simsd returns one completion per request (n=1); submit the prompt "
+                                  f"{self.n} times with different seeds for more")
+        object.__setattr__(self, "n", 1)
         _int("steps", self.steps, 1, allow_none=True)
         _int("gamma", self.gamma, 1, allow_none=True)
         for name in ("strategy", "draft_strategy"):
@@ -149,7 +173,7 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     mode and the model, then the configurations the row programs take.
 
     Raises:
-        ParamError: a block length other than the LLM's, ``steps`` above it, ``gamma`` above it
+        ParamError: ``steps`` above the LLM's block length, ``gamma`` above it
             or above the LLM's ``max_gamma``, ``gamma`` / ``draft_strategy`` /
             ``draft_threshold`` in vanilla mode, a stop id outside the vocabulary. A request
             without ``gamma`` verifies ``max_gamma`` (else the block length) draft steps per round.
@@ -157,9 +181,6 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
     block_length = settings.block_length
-    if params.block_length is not None and params.block_length != block_length:
-        raise ParamError("block_length", f"block_length {params.block_length} differs from this LLM's {block_length} "
-                                         f"(the block length is set when the LLM is created)")
     if params.steps is not None and params.steps > block_length:
         raise ParamError("steps", f"steps must be in [1, block_length={block_length}], got {params.steps}")
     vanilla = settings.mode == "vanilla"

@@ -159,13 +159,13 @@ def read_jsonl(path) -> list:
         pid = obj.get("id")
         if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))
                                 or (isinstance(pid, str) and not pid.strip())):
-            raise PromptFileError(f"{where}: 'id' must be a non-empty string or an integer, got {json.dumps(pid)}")
+            raise PromptFileError(f"{where}: 'id' must be a non-blank string or an integer, got {json.dumps(pid)}")
         pid = str(pid) if pid is not None else f"{Path(name).name}:{n}"
         if pid in seen:
             raise PromptFileError(f"{where}: id {pid!r} already used on line {seen[pid]}")
         seen[pid] = n
         if has_text:
-            if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            if not isinstance(obj["prompt"], str) or not obj["prompt"]:  # whitespace is text, as in --prompt
                 raise PromptFileError(f"{where}: 'prompt' must be a non-empty string")
             prompts.append(Prompt(text=obj["prompt"], id=pid, source=obj.get("source")))
         else:

@@ -54,9 +54,8 @@ class _Common(_Body):
     draft_threshold: float | None = None
 
     def check_unsupported(self) -> None:
-        """``ParamError`` for OpenAI features away from their neutral value."""
-        if self.n != 1:
-            raise ParamError("n", f"n must be 1 (one choice per request), got {self.n}")
+        """``ParamError`` for OpenAI features away from their neutral value (``n``: checked by
+        :class:`SamplingParams`)."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ParamError(name, f"{name} is not supported by simsd (got {getattr(self, name)})")
@@ -79,7 +78,7 @@ class _Common(_Body):
         mt = self.max_tokens if max_tokens is None else max_tokens
         if mt is not None:
             given["max_tokens"] = mt
-        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "steps",
+        for name in ("n", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "steps",
                      "strategy", "threshold", "gamma", "draft_strategy", "draft_threshold"):
             value = getattr(self, name)
             if value is not None:

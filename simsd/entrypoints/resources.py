@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.memory import Estimate, estimate, gib, largest_fitting, shortfall, weight_bytes
+from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shortfall, weight_bytes
 from .errors import UsageError
 
 
@@ -79,4 +79,4 @@ def check_run_memory(shape: RunShape, names: dict | None = None) -> Estimate:
                 hints.append(f"{names[attr]} {best}")
     hint = ("; it fits with " + " or ".join(hints) + (" (each alone)" if len(hints) > 1 else "")) if hints else \
         "; no smaller block length, gamma, batch size or max_new_tokens fits (a smaller model or dtype may)"
-    raise UsageError(f"this run needs {est.describe(device)} but {gib(free)} are free{hint}")
+    raise UsageError(f"this run needs {est.describe(device)} but {fmt_bytes(free)} are free{hint}")

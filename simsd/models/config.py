@@ -4,6 +4,12 @@
 compute exactly as transformers' Qwen3 would is refused), then parsed by transformers'
 ``Qwen3Config`` for its defaults (SDAR uses Qwen3's field names); simsd adds the SDAR fields
 ``block_size`` and ``mask_token_id``. The checkpoint's own remote code is never executed.
+
+``block_size`` says that a checkpoint is a block-diffusion model and for which block length it
+was trained: model_type ``sdar`` without it means SDAR's default, 4; a ``qwen3`` config without
+it (a plain autoregressive Qwen3, as far as the file says) has none, and
+:func:`simsd.models.loading.check_block_diffusion` refuses it unless the caller gives a block
+length explicitly.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from .errors import CheckpointError
 from .validation import check_config
 
 SUPPORTED_MODEL_TYPES = ("sdar", "qwen3")
+#: the block length of a model_type ``sdar`` checkpoint whose config.json gives none (SDAR's default)
+SDAR_BLOCK_SIZE = 4
 __all__ = ["CheckpointError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "read_json"]
 
 
@@ -34,6 +42,15 @@ def read_json(path: Path, what: str = "file"):
         raise CheckpointError(f"{path}: invalid JSON in the {what} ({exc.msg} at line {exc.lineno})") from exc
 
 
+def _block_size(raw: dict, model_type: str) -> int | None:
+    """``block_size`` (or ``block_length``) of a config dict; absent: 4 for model_type sdar, None
+    for qwen3 (the module doc)."""
+    block = raw.get("block_size", raw.get("block_length"))
+    if block is not None:
+        return int(block)
+    return SDAR_BLOCK_SIZE if model_type == "sdar" else None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -47,7 +64,8 @@ class ModelConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
-    block_size: int = 4
+    #: the block length the checkpoint was trained for; None: a qwen3 config that gives none
+    block_size: int | None = SDAR_BLOCK_SIZE
     mask_token_id: int | None = None
     model_type: str = "sdar"
 
@@ -61,6 +79,9 @@ class ModelConfig:
                 (:func:`simsd.models.validation.check_config`); one line naming the file.
         """
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"{path} is a file, not a checkpoint directory (give the directory that holds "
+                                  f"config.json and the weights)")
         if not path.is_dir():
             raise CheckpointError(f"checkpoint directory not found: {path}")
         cfg_file = path / "config.json"
@@ -110,7 +131,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(hf.max_position_embeddings),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            block_size=int(raw.get("block_size", raw.get("block_length")) or 4),
+            block_size=_block_size(raw, model_type),
             mask_token_id=raw.get("mask_token_id"),
             model_type=model_type,
         )

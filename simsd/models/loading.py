@@ -260,14 +260,40 @@ def stop_ids_of(path: Path, config_raw: dict, tokenizer) -> tuple[list, Path | N
     return [], None
 
 
-def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
+def check_block_diffusion(path, config: ModelConfig, has_mask: bool, block_length=None) -> None:
+    """Refuse a checkpoint that does not say it is a block-diffusion (SDAR) model: a config with no
+    ``block_size`` (model_type ``qwen3`` without it: a plain autoregressive Qwen3, as far as the
+    files say) unless the caller gives ``block_length`` explicitly; no mask token (``has_mask``:
+    one from the config, the tokenizer or the caller). The explicit options are the caller's
+    statement that the model was trained for block diffusion with that block length and mask.
+
+    Raises:
+        CheckpointError: one line naming ``path/config.json``, what is missing and the options.
+    """
+    lacks = [("block_size", "--block-length N", "block_length=N")] \
+        if config.block_size is None and block_length is None else []
+    if not has_mask:
+        lacks.append(("mask token (mask_token_id, or the tokenizer's mask_token)", "--mask-token-id ID",
+                      "mask_token_id=ID"))
+    if lacks:
+        missing, flags, params = zip(*lacks)
+        raise CheckpointError(f"{Path(path) / 'config.json'}: no {' and no '.join(missing)}: simsd decodes "
+                              f"block-diffusion (SDAR) models; to decode this {config.model_type} checkpoint as one, "
+                              f"pass {' and '.join(flags)} (simsd.LLM: {', '.join(params)})")
+
+
+def read_checkpoint(path, with_tokenizer: bool = True, *, block_length=None,
+                    mask_token_id: int | None = None) -> CheckpointInfo:
     """Read and check everything of an SDAR directory without loading the weights: config,
     generation config, tokenizer, the weight index and the tensors' names, shapes and dtypes
     (:func:`scan_weights`, from the file headers), the mask id and the stop ids.
 
     The mask id comes from ``mask_token_id`` in ``config.json`` or the tokenizer's ``mask_token``;
-    when both are given they must agree, and it must not be a stop id. Stop ids and the
-    tokenizer's ids must lie inside the model's vocabulary.
+    when both are given they must agree, and it must not be a stop id. ``mask_token_id`` (the
+    caller's) must agree with them, or stands alone for a checkpoint that names none.
+    ``block_length``: the block length the caller will decode with, when given explicitly
+    (:func:`check_block_diffusion`). Stop ids and the tokenizer's ids must lie inside the model's
+    vocabulary.
 
     Raises:
         CheckpointError: one line naming the file and the field or value at fault.
@@ -287,19 +313,25 @@ def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
     if mask_id is not None and tok_mask is not None and tok_mask != mask_id:
         raise CheckpointError(f"{cfg_file}: mask_token_id = {mask_id} but the tokenizer's mask token "
                               f"{tokenizer.mask_token!r} is id {tok_mask}")
+    source = cfg_file if mask_id is not None else f"{path} (the tokenizer's mask token)"
     if mask_id is None:
         mask_id = tok_mask
-    if mask_id is None:
-        raise CheckpointError(
-            f"{path}: no mask token: set mask_token_id in config.json or mask_token in the tokenizer"
-        )
+    if mask_token_id is not None:
+        if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < V:
+            raise CheckpointError(f"{cfg_file}: the mask token id given, {mask_token_id!r}, is not a token id of "
+                                  f"the vocabulary [0, {V})")
+        if mask_id is not None and mask_id != mask_token_id:
+            raise CheckpointError(f"{source}: mask_token_id = {mask_id}, but the mask token id given is "
+                                  f"{mask_token_id}")
+        if mask_id is None:
+            mask_id, source = mask_token_id, f"{path} (the mask token id given)"
+    check_block_diffusion(path, config, mask_id is not None, block_length)
     stops, stop_file = stop_ids_of(path, raw, tokenizer)
     where = stop_file or f"{path} (the tokenizer's eos token)"
     bad = [s for s in stops if not 0 <= s < V]
     if bad:
         raise CheckpointError(f"{where}: eos_token_id {bad[0]} is outside the vocabulary [0, {V})")
     if mask_id in stops:
-        source = cfg_file if config.mask_token_id is not None else f"{path} (the tokenizer's mask token)"
         raise CheckpointError(f"{source}: mask_token_id = {mask_id} is also a stop id (eos_token_id in {where}); "
                               f"the mask token cannot end generation")
     scan_weights(path, config)
@@ -307,13 +339,15 @@ def read_checkpoint(path, with_tokenizer: bool = True) -> CheckpointInfo:
 
 
 def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True,
-                    info: CheckpointInfo | None = None) -> Checkpoint:
+                    info: CheckpointInfo | None = None, *, block_length=None,
+                    mask_token_id: int | None = None) -> Checkpoint:
     """Load model, tokenizer, mask id and stop ids from an SDAR directory (``info``: the
-    :func:`read_checkpoint` result, when the caller read it already).
+    :func:`read_checkpoint` result, when the caller read it already; ``block_length`` and
+    ``mask_token_id``: the caller's explicit options, see :func:`read_checkpoint`).
 
     Raises:
         CheckpointError: see :func:`read_checkpoint` and :func:`load_model`.
     """
-    info = info or read_checkpoint(path, with_tokenizer)
+    info = info or read_checkpoint(path, with_tokenizer, block_length=block_length, mask_token_id=mask_token_id)
     model = load_model(info.path, dtype, device, config=info.config)
     return Checkpoint(info.path, model, info.tokenizer, info.mask_token_id, info.stop_ids)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..decoding.choices import parse_strategy
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
-from ..decoding.strategies import parse_strategy
 from ..engine.batching import BatchEngine, round_capacity
 from .spec_row import SpecRow
 from .verifiers import VERIFIERS

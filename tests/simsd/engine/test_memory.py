@@ -47,6 +47,14 @@ def test_workspace_grows_with_the_dense_reference():
     assert dense - fused >= 2 * 4 * 24 * 1000 * 4  # at least the float scores
 
 
+@pytest.mark.parametrize("n,text", [(0, "0 bytes"), (1023, "1023 bytes"), (1024, "1.00 KiB"), (1536, "1.50 KiB"),
+                                    (3 << 20, "3.00 MiB"), ((150 << 20) + 1, "150 MiB"), (8 << 30, "8.00 GiB"),
+                                    (int(2.5 * (1 << 30)), "2.50 GiB"), (200 << 30, "200 GiB")])
+def test_byte_amounts_read_in_a_unit_that_shows_them(n, text):
+    """A small limit never reads as 0.00 GiB (issue 21): the largest unit the amount reaches."""
+    assert memory.fmt_bytes(n) == text
+
+
 def test_engine_refuses_what_does_not_fit(monkeypatch):
     c = load_checkpoint(random_checkpoint("mem", tokenizer=False, vocab_size=64), with_tokenizer=False)
     monkeypatch.setattr(memory, "RESERVE_BYTES", 0)  # the caches alone decide (they grow linearly with rows)
@@ -54,7 +62,7 @@ def test_engine_refuses_what_does_not_fit(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: int(need_one * 2.5))
     with pytest.raises(ValueError, match="the largest batch size that fits is 2") as exc:
         BatchEngine({"target": c.model}, 4, 8, capacity=64, margin=8)
-    assert "\n" not in str(exc.value) and "GiB" in str(exc.value)
+    assert "\n" not in str(exc.value) and " MiB are free" in str(exc.value) and " 0.00 " not in str(exc.value)
     BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)  # fits
     with pytest.raises(ValueError, match="are free"):  # the API path refuses too, before allocating
         vanilla_generate(c.model, [[5, 6]][0], DecodeConfig(max_new_tokens=2000), c.mask_token_id, [])

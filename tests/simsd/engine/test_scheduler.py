@@ -193,14 +193,33 @@ def test_decode_clock_excludes_every_prefill(pair, monkeypatch):
     assert span == pytest.approx(wall - (first - start) - sum(b - a for a, b in prefills if a > first), abs=0.03)
 
 
+def test_a_full_queue_counts_the_requests_that_wait(pair):
+    """max_waiting=1: the refusal says 1 request waits, whether the rows are running (a request
+    waits behind them) or free but not yet taken (two queued, one of them for the free row)."""
+    target, draft = pair
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=1)
+    reqs = [request("vanilla", target, draft, i, False, []) for i in range(4)]
+    sched.submit(reqs[0])
+    sched.submit(reqs[1])
+    refusal = r"^1 request already waiting for a row \(max_waiting=1; 1 row, all taken\)$"
+    with pytest.raises(QueueFull, match=refusal):
+        sched.submit(reqs[2])
+    sched.step()  # reqs[0] takes the row, reqs[1] waits behind it
+    assert sched.num_running == 1 and sched.num_waiting == 1
+    with pytest.raises(QueueFull, match=refusal):
+        sched.submit(reqs[2])
+    sched.run_until_idle(max_rounds=2000)
+    assert all(r.error is None for r in reqs[:2])
+
+
 def test_queue_bound_refuses_or_blocks(pair):
     target, draft = pair
     sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=2)
     reqs = [request("vanilla", target, draft, i, False, []) for i in range(5)]
     for r in reqs[:3]:  # one for the free row, two waiting
         sched.submit(r)
-    with pytest.raises(QueueFull, match="max_waiting=2"):
-        sched.submit(reqs[3])
+    with pytest.raises(QueueFull, match=r"^2 requests already waiting for a row \(max_waiting=2; 1 row, all taken\)$"):
+        sched.submit(reqs[3])  # the one for the free row does not wait (it was counted: 3)
     with pytest.raises(QueueFull):
         sched.submit(reqs[3], block=True, timeout=0.05)
     # a blocking submit goes in once the first request ends and the next one takes its row

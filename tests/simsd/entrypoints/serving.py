@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
+from pathlib import Path
 
 from simsd.decoding.config import DecodeConfig
 from simsd.decoding.sampling import SamplingParams as StepSampling
@@ -30,6 +32,13 @@ def single_text(llm, ids, params, seed=0) -> tuple:
     ids_out = single(llm, ids, params, seed).token_ids
     stop = bool(ids_out) and ids_out[-1] in llm.target.stop_ids
     return llm.tokenizer.decode(ids_out[:-1] if stop else ids_out), ids_out
+
+
+def readme_blocks(heading: str, lang: str) -> list:
+    """The ``lang`` code blocks of the README's section ``## heading``: its examples, as written."""
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)
 
 
 def wait_for(cond, seconds: float = 60.0) -> bool:

@@ -8,7 +8,7 @@ import simsd
 from simsd import LLM, ParamError, SamplingParams
 from simsd.decoding.config import DecodeConfig
 from simsd.decoding.sampling import SamplingParams as StepSampling
-from tests.simsd.entrypoints.serving import single, wait_for
+from tests.simsd.entrypoints.serving import readme_blocks, single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
            [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}], [11, 12, 13, 14, 15, 16, 17]]
@@ -95,6 +95,10 @@ def test_stop_strings_and_stop_token_ids(llms):
     (lambda: SamplingParams(threshold=0.5), "threshold"),
     (lambda: SamplingParams(strategy="dynamic", threshold=1.5), "threshold"),
     (lambda: SamplingParams(max_tokens=True), "max_tokens"),
+    (lambda: SamplingParams(n=2), "n"),
+    (lambda: SamplingParams(n=0), "n"),
+    (lambda: SamplingParams(block_length=8), "block_length"),
+    (lambda: SamplingParams(max_tokens=8, fold_commit=True), "fold_commit"),
 ])
 def test_bad_fields_name_themselves(make, param):
     with pytest.raises(ParamError) as err:
@@ -105,7 +109,6 @@ def test_bad_fields_name_themselves(make, param):
 @pytest.mark.parametrize("mode,prompt,params,param", [
     ("vanilla", "hi", SamplingParams(gamma=2), "gamma"),
     ("exact", "hi", SamplingParams(gamma=5), "gamma"),
-    ("exact", "hi", SamplingParams(block_length=8), "block_length"),
     ("exact", "hi", SamplingParams(steps=5), "steps"),
     ("exact", "hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
     ("exact", [5] * 2048, SamplingParams(max_tokens=1), "prompt"),
@@ -153,6 +156,57 @@ def test_closing_a_stream_cancels_its_request(llms):
     assert llm.generate(PROMPTS[0], p)[0].token_ids == single(llm, llm.prompt_ids(PROMPTS[0]), p, 0).token_ids
 
 
+def test_vllm_habits_get_errors_that_say_what_to_do():
+    """vLLM's ``n`` is accepted at 1 (and None) and refused otherwise; an LLM(...) setting passed
+    to SamplingParams is refused when it is built, with where it belongs; every LLM keyword
+    but the models and the defaults is such a setting."""
+    import inspect
+
+    from simsd.entrypoints.params import LLM_SETTINGS
+    assert SamplingParams(n=1) == SamplingParams(n=None) == SamplingParams() and SamplingParams(n=None).n == 1
+    with pytest.raises(ParamError, match=r"n=2: simsd returns one completion per request \(n=1\)"):
+        SamplingParams(n=2)
+    for name in ("block_length", "on_reject", "device"):
+        with pytest.raises(ParamError, match=rf"^{name} is an LLM\(\.\.\.\) setting.*simsd\.LLM\(\.\.\., {name}=\.\.\.\)"):
+            SamplingParams(**{name: 8})
+    keywords = set(inspect.signature(LLM).parameters) - {"target", "draft", "default_params"}
+    assert set(LLM_SETTINGS) == keywords
+    with pytest.raises(TypeError, match="best_of"):  # not an LLM setting either: Python's own error
+        SamplingParams(best_of=2)
+
+
+def test_requests_after_shutdown_say_the_llm_was_shut_down(llms):
+    """After ``shutdown()``, generate, generate_iter, stream and submit raise a RuntimeError
+    that says this LLM was shut down (the scheduler's own words were about shutting down)."""
+    llm = LLM(llms["exact"].target, mode="vanilla", batch_size=1)
+    assert llm.generate("hi", SamplingParams(max_tokens=4))[0].token_ids
+    assert llm.shutdown(timeout=60)
+    for call in (lambda: llm.generate("hi"), lambda: next(llm.generate_iter(["hi"])),
+                 lambda: next(llm.stream("hi")), lambda: llm.submit("hi")):
+        with pytest.raises(RuntimeError, match="^this LLM was shut down"):
+            call()
+    with LLM(llms["exact"].target, mode="vanilla", batch_size=1) as ctx:
+        pass
+    with pytest.raises(RuntimeError, match="^this LLM was shut down"):
+        ctx.generate("hi")
+
+
+def test_the_readme_api_example_shows_text(llms, capsys):
+    """The README's Python API example, run as written with the bundled pair (greedy outputs and
+    a seeded stream): every output and the stream have text (issue 21: its chat prompt "Reverse a
+    list." answered "", its stop token first; the README says so, checked here too)."""
+    (code,) = readme_blocks("Python API", "python")
+    space = {}
+    exec(code, space)
+    outs = space["outs"]
+    assert len(outs) == 3 and all(o.text.strip() for o in outs), [o.text for o in outs]
+    printed = capsys.readouterr().out
+    first = f"{outs[1].text} {outs[1].finish_reason} {outs[1].stats['acceptance_rate']}\n"
+    assert printed.startswith(first) and printed[len(first):].strip(), printed
+    (silent,) = llms["exact"].generate([{"role": "user", "content": "Reverse a list."}], SamplingParams(max_tokens=64))
+    assert (silent.text, silent.finish_reason, len(silent.token_ids)) == ("", "stop", 1)
+
+
 def test_exported_names_and_step_sampling_compatibility():
     p = simsd.SamplingParams(temperature=0.5, top_k=3)
     assert isinstance(p, StepSampling) and not p.greedy  # fits DecodeConfig(sampling=...) as before
@@ -168,8 +222,8 @@ def test_llm_construction_errors(llms):
         LLM(base.target, base.draft, mode="vanilla")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(base.target, mode="vanilla", max_model_len=10**6)
-    with pytest.raises(ValueError, match="kv_cache_memory"):
-        LLM(base.target, mode="vanilla", kv_cache_memory=1000)
+    with pytest.raises(ValueError, match=r"^kv_cache_memory 1000 bytes holds no row of 2048 tokens \(\d+\.\d\d MiB "):
+        LLM(base.target, mode="vanilla", kv_cache_memory=1000)  # a small limit in a unit that shows it
     small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256,
                 kv_cache_memory=3 * 4096 * (512 + 8) + 4095)  # 4 KiB per token, 256 + 4 rounded to 512: 3 rows
     assert small.batch_size == 3

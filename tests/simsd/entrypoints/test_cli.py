@@ -57,6 +57,20 @@ def test_generate_json(ckdir, capsys):
     assert s["tokens_per_second"] == pytest.approx(10 / s["decode_seconds"])
 
 
+def test_a_whitespace_prompt_is_text(ckdir, capsys, tmp_path):
+    """A prompt of spaces is text for a language model, as the API and the server take it: the
+    command line decodes it (``--prompt`` and a prompt file) into the API's tokens; only an empty
+    prompt is refused, in those words (see test_ignored_or_empty_inputs_are_errors)."""
+    from simsd import load_checkpoint
+    want, _ = api_run(ckdir, chat_ids(load_checkpoint(ckdir), "  "), 6)
+    f = tmp_path / "blank.jsonl"
+    f.write_text('{"prompt": "  "}\n')
+    for source in (["--prompt", "  "], ["--prompts-file", str(f)]):
+        code, out, err = run(capsys, "generate", "--target", str(ckdir), *source, "--max-new-tokens", "6", "--json")
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == want.token_ids and want.token_ids
+
+
 def test_generate_text_summary(ckdir, capsys):
     code, out, _ = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6,7,8,9",
                        "--max-new-tokens", "6")
@@ -147,6 +161,11 @@ def test_bad_inputs(ckdir, capsys, tmp_path):
     assert "not found" in err_of("--target", str(tmp_path / "nope"), "--prompt-ids", "1")
     assert "not found" in err_of("--draft", str(tmp_path / "nope"), "--mode", "exact", "--prompt-ids", "1")
     assert "not found" in err_of("--target", str(ckdir), "--prompts-file", str(tmp_path / "none.jsonl"))
+    weights = ckdir / "model.safetensors"  # a file given for a checkpoint directory is named as a file
+    assert f"simsd: error: {weights} is a file, not a checkpoint directory" in err_of("--target", str(weights),
+                                                                                       "--prompt-ids", "1")
+    assert f"{ckdir / 'config.json'} is a file, not a checkpoint directory" in err_of(
+        "--draft", str(ckdir / "config.json"), "--mode", "exact", "--prompt-ids", "1")
     assert "outside the vocabulary" in err_of("--target", str(ckdir), "--prompt-ids", "1,999999")
     assert "comma-separated" in err_of("--target", str(ckdir), "--prompt-ids", "1,x")
     assert "unknown strategy" in err_of("--target", str(ckdir), "--prompt-ids", "1", "--strategy", "fancy")
@@ -324,7 +343,7 @@ def test_prompt_file_with_bom_and_from_stdin(ckdir, capsys, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--prompt", " ", "--mode", "exact"], "--prompt is empty"),
+    (["--prompt", "", "--mode", "exact"], "--prompt is empty"),
     (["--prompt", "x", "--limit", "2", "--mode", "exact"], "--limit applies to"),
     (["--prompt-ids", "5,6", "--threshold", "0.5"], "--threshold applies to the dynamic and entropy"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--no-rope-copy"], "ablation of paper mode"),
@@ -382,7 +401,7 @@ def test_vanilla_refuses_speculative_options(ckdir, capsys):
 
 @pytest.mark.parametrize("text,needle", [
     ('{"prompt_ids": [5]}\n{"prompt_ids": [5, 99999]}\n', "prompt <stdin>:2: token id 99999 is outside"),
-    ('\ufeff{"prompt_ids": [5]}\n{"prompt": "  "}\n', "<stdin>:2: 'prompt' must be a non-empty string"),
+    ('\ufeff{"prompt_ids": [5]}\n{"prompt": ""}\n', "<stdin>:2: 'prompt' must be a non-empty string"),
 ])
 def test_stdin_prompt_problems(ckdir, capsys, monkeypatch, text, needle):
     import io

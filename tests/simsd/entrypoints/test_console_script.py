@@ -96,3 +96,33 @@ def test_bundled_defaults_are_the_shipped_pair(which):
     path = {"draft": DEFAULT_DRAFT, "target": DEFAULT_TARGET}[which]
     assert Path(path).resolve() == PACKAGE_ASSETS / f"tiny-sdar-{which}"
     assert (Path(path) / "model.safetensors").is_file()
+
+
+#: one mistyped option per command, and the line it must print
+OPTION_ERRORS = [
+    (["generate", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["generate", "--strategy", "foo"], "--strategy: unknown strategy 'foo'"),
+    (["serve", "--port", "-1"], "--port must be in [0, 65535], got -1"),
+    (["bench", "--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("argv,line", OPTION_ERRORS, ids=[a[0] + " " + a[1] for a, _ in OPTION_ERRORS])
+def test_an_option_error_answers_before_torch_loads(argv, line):
+    """A mistyped option costs well under 2 s of CPU (issue 21: it cost torch's and
+    transformers' imports, ~2.5 s here and ~25 s on a busy machine): the console script's CPU
+    time (user + sys, so load does not count) is bounded with wide slack, and the same error
+    through ``main`` leaves torch, transformers, fastapi and the kernels unimported."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = run_simsd(*argv, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert res.returncode == 2 and res.stderr.startswith("simsd: error: ") and line in res.stderr, res.stderr
+    assert cpu < 2.0, f"{' '.join(argv)}: {cpu:.2f} s of CPU for a one-line error"
+    heavy = ("torch", "transformers", "fastapi", "uvicorn", "simsd_kernels", "triton")
+    probe = ("import json, sys\nfrom simsd.entrypoints.cli import main\ncode = main(sys.argv[1:])\n"
+             f"print(json.dumps([code, [m for m in {heavy!r} if m in sys.modules]]))")
+    res = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert json.loads(res.stdout) == [2, []], res.stdout + res.stderr[-2000:]

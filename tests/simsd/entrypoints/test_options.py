@@ -151,7 +151,7 @@ def test_each_model_has_its_own_settings(ck, strategy, threshold, d_strategy, d_
     assert draft_settings(strategy, threshold, d_strategy, d_threshold) == want
     from simsd import DecodeConfig, load_checkpoint
     from simsd.speculative.decoder import SpecConfig, SpeculativeDecoder
-    from simsd.decoding.strategies import DEFAULT_THRESHOLD
+    from simsd.decoding.choices import DEFAULT_THRESHOLD
     c = load_checkpoint(ck)
     dec = SpeculativeDecoder(c, c, DecodeConfig(strategy=strategy, threshold=threshold),
                              SpecConfig(draft_strategy=d_strategy, draft_threshold=d_threshold))

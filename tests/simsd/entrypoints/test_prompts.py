@@ -32,10 +32,11 @@ def test_jsonl_text_and_ids(tmp_path):
     ('{"prompt_ids": [1, -2]}', "non-negative ints"),
     ('{"prompt_ids": [1, 2.5]}', "non-negative ints"),
     ('{"prompt_ids": [true]}', "non-negative ints"),
-    ('{"prompt": "x", "id": [1]}', "'id' must be a non-empty string or an integer, got [1]"),
-    ('{"prompt": "x", "id": ""}', "'id' must be a non-empty string or an integer"),
-    ('{"prompt": "x", "id": true}', "'id' must be a non-empty string or an integer, got true"),
-    ('{"prompt": "x", "id": 1.5}', "'id' must be a non-empty string or an integer, got 1.5"),
+    ('{"prompt": "x", "id": [1]}', "'id' must be a non-blank string or an integer, got [1]"),
+    ('{"prompt": "x", "id": ""}', "'id' must be a non-blank string or an integer"),
+    ('{"prompt": "x", "id": "  "}', "'id' must be a non-blank string or an integer, got \"  \""),
+    ('{"prompt": "x", "id": true}', "'id' must be a non-blank string or an integer, got true"),
+    ('{"prompt": "x", "id": 1.5}', "'id' must be a non-blank string or an integer, got 1.5"),
     ("plain text", "one JSON object per line"),
 ])
 def test_jsonl_bad_line_names_file_and_line(tmp_path, line, needle):

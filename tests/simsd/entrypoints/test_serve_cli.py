@@ -90,6 +90,30 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
         httpx.get(url + "/health", timeout=5)
 
 
+def test_serve_exits_promptly_after_sigterm(server_process):
+    """Once a drained server has finished, the process ends without the interpreter's teardown of
+    torch and the server's modules (issue 21: 10-30 s of lingering on a busy machine after
+    "Finished server process"): the CPU time from SIGTERM to exit, read from /proc before and
+    from the reaped child's usage after, stays under 0.5 s (about 0.05 s measured; the teardown
+    alone took 1.2 s of CPU). CPU time, so load does not count; the wall-time bound is loose."""
+    import resource
+    httpx = pytest.importorskip("httpx")
+    proc, url = server_process
+    wait_healthy(httpx, proc, url)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny-sdar-target", "prompt": "hi", "max_tokens": 8},
+                   timeout=TIMEOUT)
+    assert r.status_code == 200
+    fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+    served = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime so far
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(TIMEOUT) == 0, proc.stderr.read()
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - start
+    total = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert total - served < 0.5 and wall < 60, f"{total - served:.2f} s of CPU, {wall:.1f} s from SIGTERM to exit"
+    assert "Traceback" not in proc.stderr.read()
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--mode", "vanilla", "--gamma", "2"], "--gamma: used by the paper and exact modes only"),
     (["--mode", "vanilla", "--draft", "x"], "--draft: used by the paper and exact modes only"),
@@ -108,6 +132,7 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
     (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
     (["--kv-cache-memory", "inf"], "--kv-cache-memory must be a finite number > 0 (GiB), got inf"),
     (["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number > 0 (GiB), got nan"),
+    (["--kv-cache-memory", "0.001"], "--kv-cache-memory: kv_cache_memory 1.02 MiB holds no row of 2048 tokens ("),
     (["--port", "-1"], "--port must be in [0, 65535], got -1"),
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no position for a prompt in the 2048"),
     (["--max-model-len", "5"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 5"),

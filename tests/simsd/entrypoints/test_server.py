@@ -3,6 +3,7 @@ CPU): the official ``openai`` client for completions, chat and streaming; plain 
 error cases; cancellation on disconnect; fault isolation; 16 concurrent requests equal to their
 single runs."""
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ pytest.importorskip("fastapi")
 from simsd import LLM, SamplingParams  # noqa: E402
 from simsd.entrypoints.server import build_app  # noqa: E402
 from simsd.speculative.spec_row import SpecRow  # noqa: E402
-from tests.simsd.entrypoints.serving import running_server, single_text, wait_for  # noqa: E402
+from tests.simsd.entrypoints.serving import readme_blocks, running_server, single_text, wait_for  # noqa: E402
 
 NAME = "tiny-sdar-target"
 TIMEOUT = 120
@@ -38,6 +39,18 @@ def url(llm):
 @pytest.fixture
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def test_the_readme_server_examples_show_text(url, capsys):
+    """The README's first requests to ``simsd serve`` (the curl body, the openai client's stream),
+    run as written against the bundled pair: both answer text (issue 21: a first curl that
+    returned "" read as a broken server)."""
+    (curl,), (client_code,) = readme_blocks("Serve", "bash"), readme_blocks("Serve", "python")
+    path = re.search(r"localhost:8000(/v1/\S+) ", curl).group(1)
+    r = httpx.post(url + path, json=json.loads(re.search(r"-d '(.*)'", curl).group(1)), timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].strip(), r.text
+    exec(client_code.replace("http://127.0.0.1:8000", url), {})
+    assert capsys.readouterr().out.strip()
 
 
 def chat_ids(llm, messages=CHAT):
@@ -113,7 +126,7 @@ BAD = [
     ({"model": NAME, "prompt": [11] * 2000, "max_tokens": 100}, "max_tokens", "exceeds"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n must be 1"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n=2: simsd returns one completion per request (n=1)"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
@@ -249,7 +262,9 @@ def test_full_queue_is_503_with_retry_after(llm):
             assert wait_for(lambda: small.scheduler.num_waiting == 1, TIMEOUT)
             r = h.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
-            assert r.json()["error"]["type"] == "server_busy" and "max_waiting=1" in r.json()["error"]["message"]
+            assert r.json()["error"]["type"] == "server_busy"
+            assert r.json()["error"]["message"] == ("the server is busy: 1 request already waiting for a row "
+                                                    "(max_waiting=1; 1 row, all taken)")
             a.__exit__(None, None, None)
             b.__exit__(None, None, None)
             assert wait_for(lambda: small.scheduler.num_running == 0 and small.scheduler.num_waiting == 0, TIMEOUT)

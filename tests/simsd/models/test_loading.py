@@ -25,9 +25,9 @@ def sharded(tmp_path):
     return make_random_checkpoint(tmp_path / "sharded", tokenizer=False, shards=3)
 
 
-def refused(path, *needles, with_tokenizer=True):
+def refused(path, *needles, with_tokenizer=True, **declared):
     with pytest.raises(CheckpointError) as exc:
-        load_checkpoint(path, with_tokenizer=with_tokenizer)
+        load_checkpoint(path, with_tokenizer=with_tokenizer, **declared)
     msg = str(exc.value)
     assert "\n" not in msg, msg
     for n in needles:
@@ -164,3 +164,60 @@ def test_good_checkpoints_still_load(ck, sharded):
     info = read_checkpoint(ck)
     assert info.stop_ids and info.mask_token_id not in info.stop_ids
     assert load_checkpoint(sharded, with_tokenizer=False).model is not None
+
+
+@pytest.fixture()
+def saved_qwen3(tmp_path):
+    """A plain autoregressive Qwen3 as transformers' ``save_pretrained`` writes it: model_type qwen3,
+    no block_size, no mask token; stop id 254 of 256."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=512, eos_token_id=254)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "qwen3")
+    return tmp_path / "qwen3"
+
+
+def test_a_plain_qwen3_is_refused_naming_the_file_and_what_is_missing(saved_qwen3):
+    cfg = saved_qwen3 / "config.json"
+    msg = refused(saved_qwen3, f"{cfg}: no block_size and no mask token", "simsd decodes block-diffusion (SDAR) "
+                  "models", "this qwen3 checkpoint", "--block-length N and --mask-token-id ID",
+                  "block_length=N, mask_token_id=ID")
+    assert msg.startswith(str(cfg))
+    # each option answers for its own field only
+    msg = refused(saved_qwen3, f"{cfg}: no mask token (mask_token_id, or the tokenizer's mask_token): ",
+                  "pass --mask-token-id ID (simsd.LLM: mask_token_id=ID)", block_length=4)
+    assert "block_size" not in msg
+    msg = refused(saved_qwen3, f"{cfg}: no block_size: ", "pass --block-length N (simsd.LLM: block_length=N)",
+                  mask_token_id=255)
+    assert "mask token" not in msg
+    edit_json(cfg, lambda d: {**d, "mask_token_id": 255})
+    refused(saved_qwen3, f"{cfg}: no block_size: ")
+
+
+def test_explicit_block_length_and_mask_id_take_a_plain_qwen3(saved_qwen3):
+    ck = load_checkpoint(saved_qwen3, block_length=4, mask_token_id=255)
+    assert (ck.mask_token_id, ck.stop_ids, ck.config.block_size, ck.config.model_type) == (255, [254], None, "qwen3")
+
+
+def test_what_declares_block_diffusion(tmp_path):
+    """model_type sdar without block_size: SDAR's 4; qwen3 with block_size: block-diffusion."""
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False, block_size=8)
+    edit_json(path / "config.json", lambda d: {k: v for k, v in d.items() if k != "block_size"})
+    assert read_checkpoint(path).config.block_size == 4
+    edit_json(path / "config.json", lambda d: {**d, "model_type": "qwen3", "block_size": 8})
+    assert read_checkpoint(path).config.block_size == 8
+
+
+def test_an_explicit_mask_id_is_checked(tmp_path):
+    path = make_random_checkpoint(tmp_path / "ck", tokenizer=False)  # mask 255, stop 254
+    cfg = path / "config.json"
+    assert read_checkpoint(path, mask_token_id=255).mask_token_id == 255
+    refused(path, f"{cfg}: mask_token_id = 255, but the mask token id given is 7", mask_token_id=7)
+    edit_json(cfg, lambda d: {**d, "mask_token_id": None})
+    for bad in (256, -1, True, "3"):
+        refused(path, f"{cfg}: the mask token id given, {bad!r}, is not a token id of the vocabulary [0, 256)",
+                mask_token_id=bad)
+    refused(path, f"{path} (the mask token id given): mask_token_id = 254 is also a stop id", mask_token_id=254)
+    assert read_checkpoint(path, mask_token_id=7).mask_token_id == 7
