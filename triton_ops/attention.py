@@ -16,6 +16,8 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
   mode a runtime argument); a tile no query row of the program may see is skipped (exact: a fully
   masked tile leaves the softmax state unchanged).
 * Softmax in base 2 with fp32 statistics; a row that sees nothing writes zeros.
+* Tile products go through :func:`common.dot`: ``tl.dot`` when compiled, a fixed-order sum under
+  the interpreter (so a row's bits there do not depend on its place in the tile or on the CPU).
 * A row with a single active split writes its output; otherwise each split writes a normalised
   partial output and its log2-sum-exp to an fp32 workspace and :func:`merge_splits_kernel`
   combines the row's active splits in index order.
@@ -23,7 +25,7 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
 import triton
 import triton.language as tl
 
-from .common import allowed, rope_inv_freq, to_dot, upcast
+from .common import allowed, dot, rope_inv_freq, round_to, to_dot, upcast
 
 # runtime scalars that must not be specialised (a value of 1 or a multiple of 16 would otherwise
 # compile another variant): one variant per (dtype, head_dim, GQA group, BLOCK_M)
@@ -58,7 +60,7 @@ def _online_softmax_step(acc, m_i, l_i, qk, v, ELT: tl.constexpr, UPCAST: tl.con
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(to_dot(p, ELT, UPCAST), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + dot(to_dot(p, ELT, UPCAST), v, UPCAST, DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -75,7 +77,7 @@ def _cache_tile(acc, m_i, l_i, q, kc_base, vc_base, skct, svct, start, hi, qk_sc
     else:
         kt = upcast(tl.load(kt_ptr), UPCAST)
         v = upcast(tl.load(v_ptr), UPCAST)
-    qk = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+    qk = dot(q, kt, UPCAST, DOT_PREC) * qk_scale
     if MASKED:
         qk = tl.where(ok[None, :], qk, float("-inf"))
     return _online_softmax_step(acc, m_i, l_i, qk, v, ELT, UPCAST, DOT_PREC)
@@ -146,7 +148,7 @@ def temporal_attn_fwd_kernel(
                 kt = upcast(tl.load(kt_ptr, mask=ok[None, :], other=0.0), UPCAST)
                 v_ptr = V + b * svb + n[:, None] * svt + hkv * svh + offs_d[None, :]
                 v = upcast(tl.load(v_ptr, mask=ok[:, None], other=0.0), UPCAST)
-                qk = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+                qk = dot(q, kt, UPCAST, DOT_PREC) * qk_scale
                 qk = tl.where(vis, qk, float("-inf"))
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, ELT, UPCAST, DOT_PREC)
 
@@ -154,7 +156,7 @@ def temporal_attn_fwd_kernel(
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if active == 1:
             o_ptr = OUT + b * sob + tok[:, None] * sot + head[:, None] * soh + offs_d[None, :]
-            tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptr, round_to(o, OUT.dtype.element_ty), mask=row_ok[:, None])
         else:
             row_id = ((b * Lq + tok) * Hq + head).to(tl.int64) + split * total_rows
             lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
@@ -188,7 +190,7 @@ def merge_splits_kernel(O_PART, LSE_PART, OUT, SEQLENS, Lq, Hq, Lmax, total_rows
             o = o + w * tl.load(O_PART + (s * total_rows + row) * HEAD_DIM + offs_d)
             denom = denom + w
         o = o / tl.where(denom > 0.0, denom, 1.0)
-        tl.store(OUT + b * sob + tok * sot + h * soh + offs_d, o.to(OUT.dtype.element_ty))
+        tl.store(OUT + b * sob + tok * sot + h * soh + offs_d, round_to(o, OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -213,8 +215,8 @@ def rope_qk_kernel(Q, K, POS, QR, KR, sqb, sqt, sqh, skb, skt, skh, spb, spt, Lq
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
         dst = QR + ((b * Lq + t) * Hq + h[:, None]) * HEAD_DIM + offs[None, :]
-        tl.store(dst, (x1 * cos - x2 * sin).to(QR.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(QR.dtype.element_ty), mask=ok)
+        tl.store(dst, round_to(x1 * cos - x2 * sin, QR.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, round_to(x2 * cos + x1 * sin, QR.dtype.element_ty), mask=ok)
     for h0 in range(0, Hkv, BLOCK_H):
         h = h0 + offs_h
         ok = (h < Hkv)[:, None]
@@ -222,5 +224,5 @@ def rope_qk_kernel(Q, K, POS, QR, KR, sqb, sqt, sqh, skb, skt, skh, spb, spt, Lq
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
         dst = KR + ((b * Lq + t) * Hkv + h[:, None]) * HEAD_DIM + offs[None, :]
-        tl.store(dst, (x1 * cos - x2 * sin).to(KR.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(KR.dtype.element_ty), mask=ok)
+        tl.store(dst, round_to(x1 * cos - x2 * sin, KR.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, round_to(x2 * cos + x1 * sin, KR.dtype.element_ty), mask=ok)

@@ -186,6 +186,28 @@ def check_options(args, modes, names: dict | None = None) -> None:
     if getattr(args, "raw", False) and _given(args, "prompt_ids"):
         raise UsageError(f"{n('raw')} applies to text prompts; {n('prompt_ids')} bypass the tokenizer and its "
                          f"chat template")
+    if getattr(args, "tp", 1) > 1:  # last: it loads torch (unless the device is the CPU)
+        check_tp_devices(getattr(args, "device", None), args.tp, n("tp"))
+
+
+def check_tp_devices(device, tp: int, name: str = "--tp") -> None:
+    """Tensor parallelism on CUDA runs one rank per GPU (``cuda:<local rank>``, simsd.engine.tp):
+    :class:`UsageError` when the ranks of this machine (``tp``, or torchrun's ``LOCAL_WORLD_SIZE``)
+    outnumber the visible GPUs, before any rank starts or weights load. On the CPU the ranks are
+    processes (gloo): any number. ``device``: the ``--device`` option (None: cuda if available)."""
+    if device is not None and str(device).split(":")[0] != "cuda":
+        return  # the CPU (check_device refuses other device types)
+    import os
+
+    import torch
+    if device is None and not torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    visible = torch.cuda.device_count()
+    if local > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"{name} {tp}: {local} ranks on this machine need {local} GPUs (one rank per GPU), "
+                         f"{visible} visible" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
 
 
 def check_device(name: str, value):
@@ -239,4 +261,4 @@ def check_block_options(args, block_length: int, max_positions: int, names: dict
 
 
 __all__ = ["RANGES", "SEED_MAX", "check_options", "modes_of", "check_block_options", "check_device", "check_engine_options",
-           "check_threshold", "check_value", "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]
+           "check_tp_devices", "check_threshold", "check_value", "draft_settings", "option_name", "DEFAULT_THRESHOLD", "STRATEGIES"]
