@@ -13,7 +13,7 @@ from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.decoding import noise
 from simsd.decoding.noise import ACCEPT, PAPER_DRAFT, SAMPLE, NoiseKey, mix64
 from simsd.decoding.sampling import draw, filtered_probs
-from simsd.decoding.step import Step, step_noise, without_mask_token
+from simsd.decoding.step import Step, step_noise, without_mask_token_
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.models.model import labels_for
 from tests.helpers import random_checkpoint
@@ -160,8 +160,9 @@ def block_logits(model, prompt, block):
 def step_dists(logits, params, mask_id):
     """Per position: the sampling distribution (float64 over the support the filter keeps) and
     the confidence of each token (float64, unfiltered, temperature-scaled), MASK excluded."""
-    support = filtered_probs(without_mask_token(logits, mask_id), params) > 0
-    logits = without_mask_token(logits, mask_id).double()  # the model's float32 logits, in float64 from here
+    logits = without_mask_token_(logits.clone(), mask_id)
+    support = filtered_probs(logits, params) > 0
+    logits = logits.double()  # the model's float32 logits, in float64 from here
     scaled = torch.softmax(logits / params.temperature, -1)
     sampling = torch.where(support, scaled, 0.0)
     return sampling / sampling.sum(-1, keepdim=True), scaled
@@ -203,7 +204,7 @@ def test_static_first_step_follows_the_exact_distribution(target, params):
     cfg = DecodeConfig(block_length=4, strategy="static", sampling=params)
     blk = torch.tensor(block)
     steps = [Step(blk, 0, cfg, mask, NoiseKey(seed, 4)) for seed in range(N)]
-    out = Step.run_batch(steps, [logits] * N)
+    out = Step.run_batch(steps, logits.repeat(N, 1, 1))
     counts = torch.zeros(4, VOCAB, dtype=torch.float64)
     for new, revealed, _ in out:
         p = int(revealed.nonzero())
@@ -268,14 +269,15 @@ def test_two_static_steps_follow_the_exact_joint(target):
     cfg = DecodeConfig(block_length=4, strategy="static", sampling=params)
     blk = torch.tensor(block)
     keys = [NoiseKey(seed, 4) for seed in range(N)]
-    out = Step.run_batch([Step(blk, 0, cfg, mask, k) for k in keys], [block_logits(target.model, prompt, block)] * N)
+    out = Step.run_batch([Step(blk, 0, cfg, mask, k) for k in keys],
+                         block_logits(target.model, prompt, block).repeat(N, 1, 1))
     steps, logits = [], []
     for k, (new, revealed, _) in zip(keys, out):
         p = int(revealed.nonzero())
         steps.append(Step(new, 1, cfg, mask, k))
         logits.append(cond[(p, int(new[p]))])
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for new, _, _ in Step.run_batch(steps, logits):
+    for new, _, _ in Step.run_batch(steps, torch.stack(logits)):
         assert mask not in new.tolist()
         counts[int(new[2]), int(new[3])] += 1
     assert float(counts[joint == 0].sum()) == 0

@@ -6,7 +6,6 @@ from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generat
 from simsd.decoding.noise import NoiseKey
 from simsd.decoding.step import denoise_step, step_noise
 from simsd.models.model import labels_for
-from simsd.decoding.vanilla import new_block
 from tests.helpers import random_checkpoint
 
 
@@ -26,7 +25,7 @@ def uncached_generate(model, prompt, cfg, mask_id, stop_ids):
     seq = seq[:aligned]
     generated = []
     while True:
-        block = new_block(tail, B, mask_id, "cpu")
+        block = torch.tensor(list(tail) + [mask_id] * (B - len(tail)))
         first, tail, step = B - int((block == mask_id).sum()), [], 0
         while bool((block == mask_id).any()):
             ids = torch.tensor(seq + block.tolist())[None]

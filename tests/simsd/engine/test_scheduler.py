@@ -9,7 +9,7 @@ import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.decoding.config import check_prompt, finish
-from simsd.decoding.vanilla import vanilla_generate_batch, vanilla_program
+from simsd.decoding.vanilla import VanillaRow, vanilla_generate_batch
 from simsd.engine.batching import BatchEngine
 from simsd.engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed
 from simsd.speculative import SpecConfig, SpeculativeDecoder
@@ -70,8 +70,9 @@ def request(mode, target, draft, i, sampling, done, fold=False):
     cfg = config(i, sampling, fold)
     if mode == "vanilla":
         def program(row, tail):
-            req.rows.append(row)
-            return vanilla_program(row, tail, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+            prog = VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+            req.rows.append(prog)
+            return prog.program(tail)
     else:
         dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode), check=False)
 
@@ -88,9 +89,9 @@ def request(mode, target, draft, i, sampling, done, fold=False):
 def counters(req) -> dict:
     """The row counters of a finished scheduled request, named as in the decoders' stats."""
     (r,) = req.rows
-    row = r if hasattr(r, "forwards") else r.row
+    row = r.row
     out = {"target_forwards": row.forwards["target"], "prefill_forwards": row.prefill_forwards}
-    if row is not r:
+    if "draft" in row.forwards:
         out.update(draft_forwards=row.forwards["draft"], accepted=r.stats.accepted, proposed=r.stats.proposed,
                    rounds=r.stats.rounds)
     return out
@@ -129,7 +130,7 @@ def test_outputs_do_not_depend_on_what_else_is_in_flight(pair, mode, sampling):
         run_staggered(sched, reqs, arrivals)
         assert len(done) == len(reqs) and all(r.error is None and not r.cancelled for r in reqs)
         for i, req in enumerate(reqs):
-            generated, _ = req.result
+            generated = req.result
             assert finish(generated, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, (name, i)
             got = counters(req)
             assert got == {k: singles[i].stats[k] for k in got}, (name, i)
@@ -245,20 +246,20 @@ def test_a_request_may_use_a_whole_row(pair):
     engine = engine_for("vanilla", target, draft, rows=1)
     sched = Scheduler(engine, max_waiting=1)
     cap = engine.capacity
-    B = 4
-    prompt = [5 + i % 80 for i in range(cap - 2 * B)]  # a whole block of generation, plus one of room
-    cfg = DecodeConfig(block_length=B, strategy="static", max_new_tokens=B)
-    need = check_prompt(prompt, target.config, B, B)
+    block_length = 4
+    prompt = [5 + i % 80 for i in range(cap - 2 * block_length)]  # a whole block of generation, plus one of room
+    cfg = DecodeConfig(block_length=block_length, strategy="static", max_new_tokens=block_length)
+    need = check_prompt(prompt, target.config, block_length, block_length)
     assert need == cap
     with pytest.raises(ValueError, match=f"needs {cap + 1} cache tokens, a row holds {cap}"):
         sched.submit(Request(prompt, lambda row, tail: None, capacity=cap + 1))
 
     def program(row, tail):
-        return vanilla_program(row, tail, cfg, target.mask_token_id, [], 3)
+        return VanillaRow(row, cfg, target.mask_token_id, [], 3).program(tail)
     req = sched.submit(Request(prompt, program, capacity=need))
     sched.run_until_idle(max_rounds=100)
     want = vanilla_generate_batch(target.model, [prompt], cfg, target.mask_token_id, [], seeds=[3])
-    assert req.error is None and req.result[0] == want.results[0].token_ids
+    assert req.error is None and req.result == want.results[0].token_ids
 
 
 def test_cancel_waiting_and_running_requests_frees_rows(pair):
@@ -281,11 +282,11 @@ def test_cancel_waiting_and_running_requests_frees_rows(pair):
     assert sched.num_running == 0 and sched.finished == {"ok": 1, "error": 0, "cancelled": 2}
     # the survivor is unaffected, and the freed rows serve later requests correctly
     want = single("exact", target, draft, 3, False).token_ids
-    assert finish(reqs[1].result[0], target.stop_ids, MAX_NEW[3]) == want
+    assert finish(reqs[1].result, target.stop_ids, MAX_NEW[3]) == want
     later = request("exact", target, draft, 0, False, done)
     sched.submit(later)
     sched.run_until_idle(max_rounds=2000)
-    assert finish(later.result[0], target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
+    assert finish(later.result, target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
 
 
 def test_a_failing_program_fails_only_its_request(pair):
@@ -305,7 +306,7 @@ def test_a_failing_program_fails_only_its_request(pair):
     sched.run_until_idle(max_rounds=2000)
     assert isinstance(reqs[1].error, RuntimeError) and sched.finished["error"] == 1
     for i in (0, 2):
-        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+        assert finish(reqs[i].result, target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
                                                                                 True).token_ids
 
 
@@ -362,7 +363,7 @@ def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampli
         i = which[k]
         want = single("vanilla", target, draft, i, sampling, fold)
         assert reqs[k].error is None
-        assert finish(reqs[k].result[0], target.stop_ids, MAX_NEW[i]) == want.token_ids
+        assert finish(reqs[k].result, target.stop_ids, MAX_NEW[i]) == want.token_ids
         got = counters(reqs[k])  # the failed forward is not counted as one the row took part in
         assert got == {key: want.stats[key] for key in got}
 
@@ -380,7 +381,7 @@ def _with_poison(make, poison, where):
                 if fwd.num_write and (fwd.step is None) == (where == "commit") and not seen:
                     seen = 1
                     if where == "commit":
-                        fwd.positions = fwd.positions.clone()
+                        fwd.positions = list(fwd.positions)
                         fwd.positions[-1] = poison
                     else:
                         fwd.step.poisoned = True
@@ -388,7 +389,7 @@ def _with_poison(make, poison, where):
                 seen += 1
                 if seen == 3:
                     if where == "forward":
-                        fwd.positions = fwd.positions.clone()
+                        fwd.positions = list(fwd.positions)
                         fwd.positions[-1] = poison
                     else:
                         fwd.step.poisoned = True
@@ -418,7 +419,7 @@ def test_background_thread_drains_on_stop(pair):
     with pytest.raises(SchedulerClosed):
         sched.submit(request("exact", target, draft, 0, False, done))
     for i, r in enumerate(reqs):
-        assert finish(r.result[0], target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
+        assert finish(r.result, target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
 
 
 def test_stop_without_drain_cancels(pair):
@@ -450,6 +451,6 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
     reqs = [request(mode, target, draft, i, False, done) for i in range(len(PROMPTS))]
     run_staggered(sched, reqs, ARRIVALS["staggered"])
     for i, req in enumerate(reqs):
-        assert finish(req.result[0], target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
+        assert finish(req.result, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
     runner = engine.graphs["target"]
     assert runner.graphs <= 2 * 6 and runner.replays > runner.graphs
