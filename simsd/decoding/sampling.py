@@ -10,36 +10,11 @@ huge ones are capped at the largest float32 (the distribution is then uniform).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from .choices import MIN_TEMPERATURE  # temperatures below it (the smallest normal float32) act as greedy
+from .choices import MIN_TEMPERATURE, SamplingParams  # noqa: F401  (declared torch-free there; re-exported)
 
 _MAX_TEMPERATURE = torch.finfo(torch.float32).max
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """``temperature`` >= 0 (finite; 0 = greedy), ``top_k`` >= 0 (0 = off, 1 = greedy),
-    ``top_p`` in (0, 1] (1 = off). Raises ``ValueError`` naming the parameter and its range."""
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def scaled_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:

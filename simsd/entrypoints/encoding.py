@@ -66,9 +66,9 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[lis
         ParamError: no tokenizer (or chat template) for text, bad messages, a text that spells
             the mask token, ids outside the vocabulary (``param``: ``prompt`` or ``messages``).
     """
-    if isinstance(prompt, (list, tuple)) and not prompt:
-        raise ParamError("prompt", "a prompt must not be empty (got an empty list: give token ids, a text or "
-                                   "chat messages)")
+    if isinstance(prompt, (str, list, tuple)) and not prompt:
+        raise ParamError("prompt", f"a prompt must not be empty (got an empty {type(prompt).__name__}: give token "
+                                   f"ids, a text or chat messages)")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParamError("prompt", "this checkpoint has no tokenizer: give token ids")

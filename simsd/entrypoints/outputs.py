@@ -23,6 +23,16 @@ class RequestCancelled(RuntimeError):
     """The request was cancelled before it finished."""
 
 
+def request_failure(request_id: str, error: BaseException | None) -> RuntimeError:
+    """The exception of a request that failed (:class:`RequestError`, ``error`` its
+    ``__cause__``) or, for ``error`` None, was cancelled (:class:`RequestCancelled`)."""
+    if error is None:
+        return RequestCancelled(f"request {request_id} was cancelled")
+    exc = RequestError(f"request {request_id} failed: {error!r}")
+    exc.__cause__ = error
+    return exc
+
+
 @dataclass
 class RequestOutput:
     """The result of one request.
@@ -113,10 +123,8 @@ class RequestHandle:
         self.llm._drive(lambda: self.done)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
-        if self.error is not None:
-            raise RequestError(f"request {self.request_id} failed: {self.error!r}") from self.error
-        if self.cancelled:
-            raise RequestCancelled(f"request {self.request_id} was cancelled")
+        if self.error is not None or self.cancelled:
+            raise request_failure(self.request_id, self.error)
         return self.output
 
     def events(self, timeout: float | None = None):

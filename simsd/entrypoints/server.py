@@ -32,10 +32,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import LLM, RequestCancelled, RequestError
 from ..engine.scheduler import QueueFull, SchedulerClosed
+from .api import LLM
 from .errors import ParamError
 from .metrics import Metrics
+from .outputs import RequestError, request_failure
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -259,12 +260,9 @@ async def _collect(state: ServerState, call: _Call, request: Request):
                 outs[i] = payload
                 left -= 1
                 state.observe(payload, time.perf_counter() - call.started)
-            elif kind == "error":
+            elif kind in ("error", "cancelled"):
                 call.cancel()
-                raise RequestError(f"request {call.handles[i].request_id} failed: {payload!r}") from payload
-            elif kind == "cancelled":
-                call.cancel()
-                raise RequestCancelled(f"request {call.handles[i].request_id} was cancelled")
+                raise request_failure(call.handles[i].request_id, payload)
     finally:
         gone.cancel()
     return outs
@@ -306,8 +304,7 @@ async def _sse(state: ServerState, call: _Call, rid: str, created: int, chat: bo
                 extra = {"usage": _usage(outs)} if not left else {}
                 yield chunk([piece(i, "", payload.finish_reason, _extension(payload))], **extra)
             else:
-                message = (f"request {call.handles[i].request_id} failed: {payload!r}" if kind == "error"
-                           else f"request {call.handles[i].request_id} was cancelled")
+                message = str(request_failure(call.handles[i].request_id, payload))
                 yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
                 call.cancel()
                 break

@@ -7,7 +7,8 @@ import pytest
 import simsd.entrypoints.api as api
 import simsd.entrypoints.commands as commands
 from simsd.entrypoints.cli import build_parser, main
-from simsd.entrypoints.options import SEED_MAX, draft_settings
+from simsd.decoding.choices import draft_settings
+from simsd.entrypoints.settings import SEED_MAX
 from tests.helpers import random_checkpoint
 
 
@@ -18,11 +19,10 @@ def ck():
 
 @pytest.fixture()
 def no_loading(monkeypatch):
-    """Fail the test if any checkpoint file is read (for errors that must come first): by the
-    command line's checks or by the API it runs on."""
+    """Fail the test if any checkpoint file is read (for errors that must come first): the
+    command line reads checkpoints through the API's checks (api.check_engine)."""
     def boom(*a, **k):
         raise AssertionError("a checkpoint was read before the options were checked")
-    monkeypatch.setattr(commands, "read_checkpoint", boom)
     monkeypatch.setattr(api, "read_checkpoint", boom)
     monkeypatch.setattr(api, "load_checkpoint", boom)
 
