@@ -10,6 +10,7 @@ one-line ``simsd: error: ...`` that names the option as typed.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 from dataclasses import fields
@@ -41,7 +42,7 @@ OPTIONS = {
     "host": Setting(str, "address to listen on"),
     "port": Setting(int, "TCP port (0: any free port)", low=0, high=65535, text="in [0, 65535]"),
     "served_model_name": Setting(str, "the model name clients use (default: the target directory's name)",
-                                 parse=lambda v, n: v if v.strip() else _empty(n)),
+                                 parse=lambda value, name: nonblank(value, name)),
     "log_level": Setting(str, "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug")),
 }
 SETTINGS = {**settings_of(EngineArgs), **settings_of(SamplingParams), **OPTIONS}
@@ -60,7 +61,8 @@ UNITS = {"kv_cache_memory": ("GiB", 2 ** 30)}
 
 _MODEL = ("target", "draft", "mask_token_id", "device", "draft_device", "dtype", "attention_backend", "invariant",
           "cuda_graphs", "threads", "block_length")
-_PROMPTS = ("prompt", "prompts_file", "prompt_ids", "prompt_set", "raw", "limit")
+_SOURCES = ("prompt", "prompts_file", "prompt_ids", "prompt_set")  # one of them
+_PROMPTS = _SOURCES + ("raw", "limit")
 _REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
             "draft_strategy", "draft_threshold")
 _SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic")
@@ -93,8 +95,11 @@ def tri_state(value: str):
     return TRI_STATE[value]
 
 
-def _empty(name):
-    raise ParamError(name, f"{opt(name)} must not be empty")
+def nonblank(value: str, name: str) -> str:
+    """``value`` unless it is blank (:class:`ParamError`)."""
+    if not value.strip():
+        raise ParamError(name, f"{opt(name)} must not be empty")
+    return value
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -115,22 +120,22 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return text
 
 
+#: the defaults of the settings (the command line's own: off, or none; --invariant is a flag)
+DEFAULTS = {**{name: False if s.kind is bool else None for name, s in OPTIONS.items()},
+            **{f.name: f.default for f in fields(EngineArgs) + fields(SamplingParams)}, "invariant": False}
+
+
+@functools.cache
 def options_of(command: str) -> dict:
-    """``{name: (flag, default)}`` of a command's options."""
+    """``{name: (flag, default)}`` of a command's options: ``--`` and the name with dashes
+    (``--no-`` for a setting that is on by default), at the command's default."""
     groups, defaults = COMMANDS[command]
     out = {}
-    for names in groups.values():
-        for name in names:
-            default = defaults.get(name, FIELD_DEFAULTS.get(name))
-            kind = SETTINGS[name].kind
-            flag = "--" + ("no-" if kind is bool and default is True else "") + name.replace("_", "-")
-            out[name] = ({"json_file": "--json"}.get(name, flag), default)
+    for name in (name for names in groups.values() for name in names):
+        default = defaults.get(name, DEFAULTS[name])
+        flag = "--" + ("no-" if default is True else "") + name.replace("_", "-")
+        out[name] = ({"json_file": "--json"}.get(name, flag), default)
     return out
-
-
-FIELD_DEFAULTS = {**{f.name: f.default for f in fields(EngineArgs) + fields(SamplingParams)}, "invariant": False}
-for _name, _setting in OPTIONS.items():
-    FIELD_DEFAULTS.setdefault(_name, False if _setting.kind is bool else None)
 
 
 def add_options(p: argparse.ArgumentParser, command: str) -> None:
@@ -138,11 +143,10 @@ def add_options(p: argparse.ArgumentParser, command: str) -> None:
     groups, _ = COMMANDS[command]
     specs = options_of(command)
     for title, names in groups.items():
-        g = p.add_argument_group(title)
-        exclusive = g.add_mutually_exclusive_group() if title == "prompts" else g
+        group = p.add_argument_group(title)
+        sources = group.add_mutually_exclusive_group() if set(names) & set(_SOURCES) else None
         for name in names:
             s, (flag, default) = SETTINGS[name], specs[name]
-            dest = exclusive if name in ("prompt", "prompts_file", "prompt_ids", "prompt_set") else g
             kw = {"dest": name, "help": HELP.get(name, s.help)}
             if s.kind is bool and default is not None:
                 kw.update(action="store_false" if default else "store_true")
@@ -152,7 +156,7 @@ def add_options(p: argparse.ArgumentParser, command: str) -> None:
                 kw.update(default=default, type=s.kind if s.kind in (int, float, Path) else str)
                 if s.choices:
                     kw["metavar"] = "{" + ",".join(s.choices) + "}"
-            dest.add_argument(flag, *ALIASES.get(name, ()), **kw)
+            (sources if name in _SOURCES else group).add_argument(flag, *ALIASES.get(name, ()), **kw)
 
 
 def version() -> str:

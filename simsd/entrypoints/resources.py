@@ -57,7 +57,7 @@ def check_run_memory(shape: RunShape) -> Estimate:
     short = shortfall(est)
     if short is None:
         return est
-    device, needed, free = short
+    device, _, free = short
 
     def fits(**change) -> bool:
         return shortfall(run_estimate(shape, **change)) is None

@@ -21,7 +21,7 @@ from ..decoding.choices import (MODES, SETTINGS, SPECULATIVE, ParamError, Sampli
                                 check_fields, check_fold_commit, check_gamma, check_modes, check_threshold,
                                 draft_settings, opt, settings_of)
 
-#: a request's seed is at most this (the draft's noise stream is keyed on seed and stream apart)
+#: the largest seed (a signed 64-bit value; :mod:`simsd.decoding.noise` keys the noise with it)
 SEED_MAX = SETTINGS["seed"].high
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "cuda", "triton", "torch")
@@ -164,11 +164,6 @@ class SamplingParams(StepSampling):
         draft_settings(self.strategy, self.threshold, self.draft_strategy, self.draft_threshold)
 
 
-def fresh_seed() -> int:
-    """A random seed for a request that gives none (reported back so it can be replayed)."""
-    return secrets.randbelow(2 ** 62)
-
-
 def resolve(params: SamplingParams, config: EngineArgs, vocab_size: int) -> tuple:
     """``(DecodeConfig, SpecConfig or None, seed)`` of a request to an engine of ``config`` (its
     ``block_length`` set) and a vocabulary of ``vocab_size``: the checks that need the mode and
@@ -194,7 +189,7 @@ def resolve(params: SamplingParams, config: EngineArgs, vocab_size: int) -> tupl
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    seed = fresh_seed() if params.seed is None else params.seed
+    seed = secrets.randbelow(2 ** 62) if params.seed is None else params.seed  # a fresh one is reported back
     cfg = DecodeConfig(block_length=config.block_length, steps=params.steps, strategy=params.strategy,
                        threshold=params.threshold,
                        sampling=StepSampling(params.temperature, params.top_k, params.top_p),
