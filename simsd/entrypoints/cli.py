@@ -234,17 +234,17 @@ def check_options(args, modes: list) -> None:
     mode) and ``args.params`` (the requests' :class:`SamplingParams`). Raises :class:`ParamError`."""
     specs = options_of(args.command)
     for name in specs:
-        value = getattr(args, name)
-        if value is not None:
-            unit, factor = UNITS.get(name, (None, 1))
-            kept = SETTINGS[name].check(name, value, unit)
-            setattr(args, name, kept * factor if factor != 1 else kept)
+        if getattr(args, name) is not None:
+            setattr(args, name, SETTINGS[name].check(name, getattr(args, name), UNITS.get(name, (None,))[0]))
     check_threshold(args.strategy, args.threshold)  # (the target's own first, then what the mode does not use)
     check_modes({n: SETTINGS[n] for n in args.typed}, modes)
     args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
     mode = next((m for m in ("paper", "exact") if m in modes), "vanilla")
-    args.engine = EngineArgs(mode=mode, **{n: getattr(args, n) for n in settings_of(EngineArgs)
-                                           if n in specs and n != "mode"})
+    engine = {n: getattr(args, n) for n in settings_of(EngineArgs) if n in specs and n != "mode"}
+    for name, (_, factor) in UNITS.items():
+        if engine.get(name) is not None:
+            engine[name] *= factor
+    args.engine = EngineArgs(mode=mode, **engine)
     temperature, typed = params.temperature, args.typed
     if temperature < MIN_TEMPERATURE:  # greedy: a sampling option would be ignored
         need = "> 0" if temperature == 0 else f">= {MIN_TEMPERATURE:.3g}"

@@ -98,7 +98,8 @@ class EngineArgs:
                                           f"graph runner does not run the per-unit path)")
         if self.mode != "vanilla" and self.fold_commit:
             apart = self.draft_device is not None and not same_device(self.draft_device, self.device)
-            check_fold_commit(True, self.optimistic, f"{self.draft_device} != {self.device}" if apart else None)
+            check_fold_commit(True, self.optimistic,
+                              f"{self.draft_device} != {self.device or 'the default device'}" if apart else None)
 
 
 def same_device(a, b) -> bool:
