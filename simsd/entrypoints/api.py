@@ -481,7 +481,7 @@ class LLM:
                 except ParamError as exc:
                     if single:
                         raise
-                    raise ParamError(exc.param, f"prompt {i}: {exc}") from None
+                    raise ParamError(exc.param, f"prompt {i}: {exc.template}") from None
                 self._enqueue(handle)
                 handles.append(handle)
             bar = None

@@ -95,7 +95,7 @@ class _Call:
                                                          request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
                 except ParamError as exc:
                     name = param if exc.param in ("prompt", "messages") else exc.param
-                    raise ParamError(name, str(exc) if len(prompts) == 1 else f"prompt {i}: {exc}") from None
+                    raise ParamError(name, (f"prompt {i}: " if len(prompts) > 1 else "") + exc.template) from None
         except BaseException:
             self.cancel()
             raise
