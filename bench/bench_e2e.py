@@ -89,6 +89,7 @@ def environment() -> dict:
 def random_model(shape: str, block_length: int):
     """A bf16 SDAR model with random weights on the GPU (std 0.02 linears, unit norms)."""
     import torch
+
     from simsd.models.config import ModelConfig
     from simsd.models.model import SDARForCausalLM
     from simsd.testing import config_dict
@@ -119,6 +120,7 @@ def random_model(shape: str, block_length: int):
 def forward_cases(B: int, L: int):
     """name -> (model role, mask mode, labels (1, Lq, 3) int32, num_write, logits?)."""
     import torch
+
     from simsd_kernels import KIND_DRAFT, KIND_MASK
     zeros = lambda n: torch.zeros(1, n, 3, dtype=torch.int32, device=DEV)  # noqa: E731
     paper = zeros(2 * B)
@@ -156,6 +158,7 @@ def gpu_time_ms(fn, iters: int = 5):
 
 def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
     import torch
+
     from simsd.engine.graphs import GraphRunner, eager_capture
     if DEV == "cuda":
         from triton.testing import do_bench
@@ -219,8 +222,8 @@ def modelled_rows(lat: list, B: int, a: float, env: dict, pair: str) -> list:
 def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> list:
     """Tokens/s of the six engine variants on ``prompts`` (lists of ids), one warm-up prompt each."""
     from simsd import DecodeConfig
-    from simsd.speculative import SpecConfig, speculative_generate_batch
     from simsd.decoding.vanilla import vanilla_generate_batch
+    from simsd.speculative import SpecConfig, speculative_generate_batch
     cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens)
     rows, outputs = [], {}
     for mode in ("vanilla", "paper", "exact"):
@@ -275,8 +278,8 @@ def goal_lines(rows: list) -> list:
             out.append(f"goal      {pair:12} verify_{v}/vanilla_step (graphs) {ratio:.2f} (goal <= 1.15)")
         gpu = lat[("draft_step", "eager")].get("gpu_ms")
         if gpu:
-            out.append(f"goal      {pair:12} draft_step graphs / pure GPU time {lat[('draft_step', 'graphs')]['ms'] / gpu:.2f}"
-                       " (goal <= 1.2)")
+            ratio = lat[("draft_step", "graphs")]["ms"] / gpu
+            out.append(f"goal      {pair:12} draft_step graphs / pure GPU time {ratio:.2f} (goal <= 1.2)")
         for r in rows:
             if r["kind"] == "modelled" and r["pair"] == pair and r["mode"] in ("paper/graphs", "exact/graphs"):
                 out.append(f"goal      {pair:12} modelled {r['mode']} / vanilla/graphs "
@@ -325,6 +328,7 @@ def main(argv=None) -> int:
         pair = os.path.basename(os.path.normpath(args.target))
     else:
         from pathlib import Path
+
         from simsd.models.loading import Checkpoint
         stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
         t = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)

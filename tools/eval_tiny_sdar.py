@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from simsd.engine.batching import engine_for  # noqa: E402
 from simsd.decoding.config import DecodeConfig, check_prompt  # noqa: E402
 from simsd.decoding.step import denoise_step  # noqa: E402
-from simsd.models.loading import load_checkpoint  # noqa: E402
-from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
 from simsd.decoding.vanilla import new_block, vanilla_generate  # noqa: E402
+from simsd.engine.batching import engine_for  # noqa: E402
+from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
+from simsd.models.loading import load_checkpoint  # noqa: E402
 
 ASSETS = ROOT / "simsd" / "assets"
 
@@ -42,6 +42,7 @@ def chat_ids(tok, text: str) -> list:
 
 def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
     import corpus
+
     import train_tiny_sdar as T
 
     docs = corpus.documents("heldout")

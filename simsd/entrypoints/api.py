@@ -43,8 +43,7 @@ from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
 from .encoding import encode_prompt, is_ids, is_messages, template_stop_ids
 from .errors import ParamError, SimsdWarning
-from .outputs import (RequestCancelled, RequestError, RequestHandle, RequestOutput,  # noqa: F401  (re-exported)
-                      request_failure, run_decode_seconds)
+from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure, run_decode_seconds  # noqa: F401  (re-exported)
 from .settings import EngineArgs, SamplingParams, resolve
 
 
@@ -487,6 +486,7 @@ class LLM:
             bar = None
             if use_tqdm:
                 import sys
+
                 from tqdm import tqdm
                 bar = tqdm(total=len(handles), desc=f"simsd {self.mode}", unit="req", file=sys.stderr)
             for h in handles:

@@ -169,8 +169,9 @@ def bench_modes(args, modes: list) -> int:
                 "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
                 "git_sha": git_sha(), "target": str(target.path), "draft": str(draft.path) if draft else None,
                 "repeats": args.repeats, "unstable_spread": UNSTABLE_SPREAD}
+        simple = (int, float, str, bool, type(None), Path)
         meta["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
-                             if k not in ("json_file", "command") and isinstance(v, (int, float, str, bool, type(None), Path))}
+                             if k not in ("json_file", "command") and isinstance(v, simple)}
         meta["settings"]["batch_size"] = n
         meta["prompts"] = [p.id for p in prompts]
         clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (strict JSON: no NaN)

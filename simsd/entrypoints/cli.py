@@ -16,8 +16,18 @@ import warnings
 from dataclasses import fields
 from pathlib import Path
 
-from ..decoding.choices import (MIN_TEMPERATURE, MODES, ParamError, Setting, check_modes, check_threshold,
-                                draft_settings, field_name, opt, settings_of)
+from ..decoding.choices import (
+    MIN_TEMPERATURE,
+    MODES,
+    ParamError,
+    Setting,
+    check_modes,
+    check_threshold,
+    draft_settings,
+    field_name,
+    opt,
+    settings_of,
+)
 from .errors import SimsdWarning
 from .settings import EngineArgs, SamplingParams
 
@@ -161,7 +171,8 @@ def add_options(p: argparse.ArgumentParser, command: str) -> None:
 
 def version() -> str:
     """The installed simsd version (package metadata)."""
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
     try:
         return dist_version("simsd")
     except PackageNotFoundError:

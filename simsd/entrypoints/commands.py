@@ -203,7 +203,8 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
     need = max(len(p.ids) for p in run.prompts) + run.cfg.max_new_tokens
     config = dataclasses.replace(
         config, target=loaded.get("target", run.target), draft=loaded.get("draft", run.draft) if spec else None,
-        mode=mode, draft_device=config.draft_device if spec else None, on_reject=config.on_reject if spec else "redraft",
+        mode=mode, draft_device=config.draft_device if spec else None,
+        on_reject=config.on_reject if spec else "redraft",
         rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if spec else None,
         max_gamma=run.params.gamma if spec else None, batch_size=min(config.batch_size, len(run.prompts)),
         max_model_len=min(limit, max(need, block_length + 1)), max_waiting=len(run.prompts), scheduler_thread=False)

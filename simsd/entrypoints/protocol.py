@@ -94,7 +94,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None,)}
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": (False,), "logprobs": (None,), "best_of": (None, 1),
+                               "suffix": (None,)}
 
     def prompts(self) -> list:
         """The prompts, one per choice (strings or lists of ids; an empty list is one empty prompt)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shortfall, weight_bytes
 from ..decoding.choices import ParamError, opt
+from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shortfall, weight_bytes
 
 
 @dataclass

@@ -31,7 +31,8 @@ def serving_summary(llm) -> str:
     model = llm.target.model
     param = next(model.parameters())
     parts = [llm.mode, f"{llm.batch_size} row{'s' if llm.batch_size != 1 else ''} of {llm.max_model_len} positions",
-             f"KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB", f"{param.device} {str(param.dtype).replace('torch.', '')}"]
+             f"KV cache {llm.kv_cache_bytes / 2**20:.0f} MiB",
+             f"{param.device} {str(param.dtype).replace('torch.', '')}"]
     if param.device.type == "cpu":
         n = torch.get_num_threads()
         parts.append(f"{n} CPU thread{'s' if n > 1 else ''}")

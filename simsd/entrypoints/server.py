@@ -305,7 +305,8 @@ async def _sse(state: ServerState, call: _Call, rid: str, created: int, chat: bo
                 yield chunk([piece(i, "", payload.finish_reason, _extension(payload))], **extra)
             else:
                 message = str(request_failure(call.handles[i].request_id, payload))
-                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                error = {"message": message, "type": "server_error", "param": None, "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n"
                 call.cancel()
                 break
         if include_usage and not left:

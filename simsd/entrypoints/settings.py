@@ -17,9 +17,22 @@ import secrets
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..decoding.choices import (MODES, SETTINGS, SPECULATIVE, ParamError, SamplingParams as StepSampling, Setting,
-                                check_fields, check_fold_commit, check_gamma, check_modes, check_threshold,
-                                draft_settings, opt, settings_of)
+from ..decoding.choices import (
+    MODES,
+    SETTINGS,
+    SPECULATIVE,
+    ParamError,
+    Setting,
+    check_fields,
+    check_fold_commit,
+    check_gamma,
+    check_modes,
+    check_threshold,
+    draft_settings,
+    opt,
+    settings_of,
+)
+from ..decoding.choices import SamplingParams as StepSampling
 
 #: the largest seed (a signed 64-bit value; :mod:`simsd.decoding.noise` keys the noise with it)
 SEED_MAX = SETTINGS["seed"].high
@@ -39,7 +52,8 @@ class EngineArgs:
             ``fold_commit`` with optimistic drafting.
     """
     target: object = Setting(Path, "target SDAR checkpoint directory (HF format; the Python API also takes a read "
-                                   "CheckpointInfo or a loaded Checkpoint); default: the bundled tiny target").field(None)
+                                   "CheckpointInfo or a loaded Checkpoint); default: the bundled tiny "
+                                   "target").field(None)
     draft: object = Setting(Path, "draft SDAR checkpoint, as the target (paper/exact modes); default: the bundled "
                                   "tiny draft",
                             modes=SPECULATIVE).field(None)

@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
-from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
 from ..decoding.choices import SETTINGS, check_fields, check_fold_commit, check_gamma, draft_settings
+from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
 from ..decoding.vanilla import batch_stats, row_seeds
 from ..engine.batching import BatchResult, engine_for
 from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)

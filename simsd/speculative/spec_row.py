@@ -58,8 +58,8 @@ class Draft:
     ``states[c] (L,)``: the block before draft step ``c`` (``c = 0..n-1``); ``final (L,)``: after
     the ``n`` steps; ``tau (L,)`` int64: 1-based reveal step, ``TAU_INF`` where not revealed;
     ``probs (L, V)``: the draft's sampling distribution at each position's reveal step (paper
-    mode's rejection sampling; None when greedy and in exact mode); ``remaining``: MASK positions left in ``final`` (a host int, known without
-    reading the device for the schedule strategies).
+    mode's rejection sampling; None when greedy and in exact mode); ``remaining``: MASK positions
+    left in ``final`` (a host int, known without reading the device for the schedule strategies).
     """
     states: list
     final: torch.Tensor

@@ -109,7 +109,8 @@ def chi2_pvalue(counts, probs):
 
 
 # the random model is confident: high temperatures give flat enough distributions for the test to have power
-@pytest.mark.parametrize("params", [SamplingParams(temperature=5.0), SamplingParams(temperature=8.0, top_k=7, top_p=0.9)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=5.0),
+                                    SamplingParams(temperature=8.0, top_k=7, top_p=0.9)])
 def test_static_first_step_follows_the_exact_distribution(target, params):
     """One static step from an all-MASK block reveals (position, token) with probability
     f_p(x) * prod_{q<p} P(c_q(X_q) < c_p(x)) * prod_{q>p} P(c_q(X_q) <= c_p(x)) (ties go to the

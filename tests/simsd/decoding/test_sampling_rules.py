@@ -16,8 +16,8 @@ import torch
 from scipy.stats import chisquare
 
 from simsd.decoding.config import DecodeConfig
-from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
 from simsd.decoding.noise import NoiseKey
+from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
 from simsd.decoding.step import denoise_step, step_noise
 from tests.reference_decoder import filtered, step_outcomes
 

@@ -5,8 +5,8 @@ import torch
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
 from simsd.decoding.noise import NoiseKey
 from simsd.decoding.step import denoise_step, step_noise
-from simsd.models.model import labels_for
 from simsd.decoding.vanilla import new_block
+from simsd.models.model import labels_for
 from tests.helpers import random_checkpoint
 
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
+from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.models.cache import KVCache
 from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate, speculative_generate_batch
-from simsd.decoding.vanilla import vanilla_generate_batch
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -132,8 +132,8 @@ def test_engine_refuses_a_write_past_a_rows_capacity():
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_static_shapes_equal_dynamic(pair, mode, fold, monkeypatch):
     """The fixed shapes that CUDA graphs replay (all rows, padded queries) give the same tokens."""
-    import simsd.speculative.decoder
     import simsd.decoding.vanilla
+    import simsd.speculative.decoder
     from simsd.engine.batching import BatchEngine
     static = lambda models, B, n, cap, margin, graphs: BatchEngine(models, B, n, cap, margin,  # noqa: E731
                                                                    static_shapes=True)

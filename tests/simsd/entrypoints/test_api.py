@@ -11,7 +11,8 @@ from simsd.decoding.sampling import SamplingParams as StepSampling
 from tests.simsd.entrypoints.serving import readme_blocks, single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
-           [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}], [11, 12, 13, 14, 15, 16, 17]]
+           [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}],
+           [11, 12, 13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,8 @@ def test_vllm_habits_get_errors_that_say_what_to_do():
     names = [f.name for f in dataclasses.fields(EngineArgs)]
     assert {"block_length", "on_reject", "device", "max_gamma", "mask_token_id", "mode"} <= set(names)
     for name in names:
-        with pytest.raises(ParamError, match=rf"^{name} is an LLM\(\.\.\.\) setting.*simsd\.LLM\(\.\.\., {name}=\.\.\.\)"):
+        where = rf"simsd\.LLM\(\.\.\., {name}=\.\.\.\)"
+        with pytest.raises(ParamError, match=rf"^{name} is an LLM\(\.\.\.\) setting.*{where}"):
             SamplingParams(**{name: 8})
     with pytest.raises(TypeError, match="batchsize"):  # a mistyped LLM keyword: Python's own error
         LLM(batchsize=2)

@@ -206,7 +206,8 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
         plain = build_llm(parse(["serve", "--max-batch-size", "1"]))
         try:
             assert plain.target.model.invariant is False and plain.default_params.draft_threshold is None
-            assert "invariant" not in serving_summary(plain) and serving_summary(plain).startswith("exact, 1 row of 2048 positions")
+            summary = serving_summary(plain)
+            assert "invariant" not in summary and summary.startswith("exact, 1 row of 2048 positions")
         finally:
             plain.shutdown()
     finally:

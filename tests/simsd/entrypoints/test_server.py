@@ -310,8 +310,8 @@ def test_a_request_draft_threshold_and_the_server_default():
     """A request's ``draft_threshold`` overrides the server's ``--draft-threshold``; a request that
     names another strategy or draft strategy without one falls back to the draft strategy's
     default rule (a bound for one strategy is never read as another's)."""
-    from simsd.entrypoints.settings import SamplingParams
     from simsd.entrypoints.protocol import CompletionRequest
+    from simsd.entrypoints.settings import SamplingParams
     defaults = SamplingParams(strategy="dynamic", threshold=0.8, draft_strategy="entropy", draft_threshold=0.4)
     req = lambda **kw: CompletionRequest(model=NAME, prompt="hi", **kw).sampling_params(defaults)  # noqa: E731
     assert req().draft_threshold == 0.4
