@@ -27,6 +27,7 @@ from ..decoding.choices import ParamError, opt
 from ..decoding.config import DecodeConfig
 from ..models.loading import CheckpointInfo
 from .api import LLM, check_engine
+from .cli import raw_without_text
 from .settings import SEED_MAX, EngineArgs, SamplingParams, resolve
 
 
@@ -85,13 +86,9 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
         prompts = prompts[: args.limit]
     texts = [p for p in prompts if p.ids is None]
     if args.raw and not texts:
-        raise ParamError("raw", f"{opt('raw')} applies to text prompts; these prompts are token ids (they bypass "
-                                f"the tokenizer)")
+        raise raw_without_text()
     from .encoding import ChatTemplateError, encode_prompt
     for i, p in enumerate(prompts):
-        if p.ids is None and tokenizer is None:
-            raise ParamError("prompt", f"this checkpoint has no tokenizer: pass {opt('prompt_ids')} or prompt_ids in "
-                                       f"the JSONL file")
         p.request = request_form(p, tokenizer, args.raw)
         try:
             p.ids, _ = encode_prompt(p.request, tokenizer, vocab_size, mask_id)

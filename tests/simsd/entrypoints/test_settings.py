@@ -127,3 +127,18 @@ def test_each_refusal_is_written_once():
                     seen[" ".join(text.split())].append(f"{path.relative_to(ROOT)}:{node.lineno}")
     twice = {t: w for t, w in seen.items() if len(w) > 1 and t not in SAME_WORDS}
     assert len(seen) > 100 and not twice, twice
+
+
+def test_a_text_prompt_without_a_tokenizer_is_refused_as_the_api_refuses_it(capsys, tmp_path):
+    """One rule, one text: the command line reaches the API's refusal (``encode_prompt``), with the
+    prompt named as the command line names it."""
+    from tests.helpers import random_checkpoint
+    ck = str(random_checkpoint("no-tok", tokenizer=False))
+    assert error_line(capsys, "generate", "--target", ck, "--prompt", "hi") == \
+        "--prompt: this checkpoint has no tokenizer: give token ids"
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt_ids": [5, 6]}\n{"prompt": "hi"}\n')
+    assert error_line(capsys, "generate", "--target", ck, "--prompts-file", str(f)) == \
+        "prompt p.jsonl:2: this checkpoint has no tokenizer: give token ids"
+    assert error_line(capsys, "generate", "--target", ck, "--prompts-file", str(f), "--raw", "--limit", "1") == \
+        "--raw applies to text prompts; token ids bypass the tokenizer and its chat template"
