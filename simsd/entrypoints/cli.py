@@ -284,14 +284,7 @@ def check_options(args, modes: list) -> None:
     if single and args.batch_size > 1:
         raise ParamError("batch_size", f"{opt('batch_size')} {args.batch_size} with a single prompt: batches need "
                                        f"{opt('prompts_file')} or {opt('prompt_set')}")
-    if getattr(args, "raw", False) and getattr(args, "prompt_ids", None) is not None:
-        raise raw_without_text()
 
-
-def raw_without_text() -> ParamError:
-    """``--raw`` where every prompt is token ids (``--prompt-ids``, or a file of ``prompt_ids``)."""
-    return ParamError("raw", f"{opt('raw')} applies to text prompts; token ids bypass the tokenizer and its chat "
-                             f"template")
 
 
 def _tp_rank_main(argv) -> None:

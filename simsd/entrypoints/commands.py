@@ -2,11 +2,11 @@
 Python API (:class:`~simsd.entrypoints.api.LLM`), which turns the options into tokens.
 
 A run is prepared in an order that fails early and cheaply (:func:`prepare`): option values
-and combinations (:func:`simsd.entrypoints.cli.check_options`), then as the API checks an
-engine (:func:`simsd.entrypoints.api.check_engine`) devices, attention backends, the
-checkpoints' small files and tensor headers (no weights), the block length, then the request
-settings against them (:func:`simsd.entrypoints.settings.resolve`, as for every request of the
-API), every prompt (encoded as the API encodes it,
+and combinations (:func:`simsd.entrypoints.cli.check_options`), the prompt sources (read, not
+encoded), then as the API checks an engine (:func:`simsd.entrypoints.api.check_engine`)
+devices, attention backends, the checkpoints' small files and tensor headers (no weights), the
+block length, then the request settings against them (:func:`simsd.entrypoints.settings.resolve`,
+as for every request of the API), every prompt (encoded as the API encodes it,
 :mod:`simsd.entrypoints.encoding`) against both models, and the memory the run will need
 (:mod:`simsd.entrypoints.resources`). Only then is the :class:`LLM` built (:func:`build_llm`:
 its weights load, announced by one line on stderr). Prompt ``i`` of the set samples with the
@@ -27,7 +27,6 @@ from ..decoding.choices import ParamError, opt
 from ..decoding.config import DecodeConfig
 from ..models.loading import CheckpointInfo
 from .api import LLM, check_engine
-from .cli import raw_without_text
 from .settings import SEED_MAX, EngineArgs, SamplingParams, resolve
 
 
@@ -56,17 +55,17 @@ def prompt_label(p, i: int = 0) -> str:
     return {"prompt": opt("prompt"), "prompt-ids": opt("prompt_ids")}.get(p.id, f"prompt {p.id or i + 1}")
 
 
-def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
-    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects with ``ids``
-    and ``request`` (the form given to the API, :func:`request_form`) set.
-
-    Sources: ``--prompt-ids``, ``--prompt``, ``--prompts-file``, ``--prompt-set`` (bundled
-    held-out prompts, or CHAMP / HumanEval held-out problems from their packages); with none of
-    them, the first bundled held-out prompt. Texts get the chat template unless ``--raw``.
-    Encoded by :func:`simsd.entrypoints.encoding.encode_prompt` (a text that spells the mask
-    token is refused there); the ids are checked against the models by :func:`check_prompts`.
-    """
+def read_prompts(args) -> list:
+    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects, read (not
+    yet encoded: :func:`encode_prompts`). Sources: ``--prompt-ids``, ``--prompt``,
+    ``--prompts-file``, ``--prompt-set`` (bundled held-out prompts, or CHAMP / HumanEval
+    held-out problems from their packages); with none of them, the first bundled held-out
+    prompt (``simsd bench``: 8 of them)."""
     from .prompts import Prompt, load_prompts, read_jsonl
+    if args.limit is None and args.command == "bench" and args.prompts_file is None \
+            and args.prompt is None and args.prompt_ids is None:
+        args.limit = 8
+        args.prompt_set = args.prompt_set or "bundled"
     if args.prompt_ids is not None:
         prompts = [Prompt(ids=parse_ids(args.prompt_ids), id="prompt-ids")]
     elif args.prompt is not None:
@@ -84,9 +83,17 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
                 print(f"simsd: no prompt given, using the held-out prompt {prompts[0].id}", file=sys.stderr)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    texts = [p for p in prompts if p.ids is None]
-    if args.raw and not texts:
-        raise raw_without_text()
+    if args.raw and all(p.ids is not None for p in prompts):
+        raise ParamError("raw", f"{opt('raw')} applies to text prompts; these prompts are token ids (they bypass "
+                                f"the tokenizer and its chat template)")
+    return prompts
+
+
+def encode_prompts(prompts: list, args, tokenizer, vocab_size: int, mask_id: int) -> list:
+    """``prompts`` with ``ids`` and ``request`` (the form given to the API, :func:`request_form`)
+    set: texts get the chat template unless ``--raw``, encoded by
+    :func:`simsd.entrypoints.encoding.encode_prompt` (a text that spells the mask token is
+    refused there); the ids are checked against the models by :func:`check_prompts`."""
     from .encoding import ChatTemplateError, encode_prompt
     for i, p in enumerate(prompts):
         p.request = request_form(p, tokenizer, args.raw)
@@ -145,6 +152,7 @@ def prepare(args, modes: list) -> Run:
 
     from ..engine.threads import apply_threads
     from .resources import RunShape, check_run_memory
+    prompts = read_prompts(args)  # (a prompt file's errors before the checkpoints are read)
     config, infos = check_engine(args.engine)
     target, draft = infos["target"], infos.get("draft")
     threads = config.threads
@@ -153,11 +161,7 @@ def prepare(args, modes: list) -> Run:
               f"(oversubscribed threads wait for each other)", file=sys.stderr)
     apply_threads([c.config for c in infos.values()], threads)
     cfg = resolve(args.params, config, target.config.vocab_size)[0]
-    if args.limit is None and args.command == "bench" and args.prompts_file is None \
-            and args.prompt is None and args.prompt_ids is None:
-        args.limit = 8
-        args.prompt_set = args.prompt_set or "bundled"
-    prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size, target.mask_token_id)
+    encode_prompts(prompts, args, target.tokenizer, target.config.vocab_size, target.mask_token_id)
     check_prompts(prompts, list(infos.values()), cfg, target.mask_token_id)
     tok = target.tokenizer
     if any(p.text is not None for p in prompts) and not args.raw and not getattr(tok, "chat_template", None):

@@ -141,4 +141,4 @@ def test_a_text_prompt_without_a_tokenizer_is_refused_as_the_api_refuses_it(caps
     assert error_line(capsys, "generate", "--target", ck, "--prompts-file", str(f)) == \
         "prompt p.jsonl:2: this checkpoint has no tokenizer: give token ids"
     assert error_line(capsys, "generate", "--target", ck, "--prompts-file", str(f), "--raw", "--limit", "1") == \
-        "--raw applies to text prompts; token ids bypass the tokenizer and its chat template"
+        "--raw applies to text prompts; these prompts are token ids (they bypass the tokenizer and its chat template)"
