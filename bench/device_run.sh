@@ -64,8 +64,8 @@ if [ "$DRY" = 1 ]; then
     BENCH_E2E=(--cpu-smoke)
 else
     DEV=()
-    CHECK_TRITON=(--backends triton --jobs 8)
-    CHECK_REST=(--backends all --exclude triton --jobs 6)
+    CHECK_TRITON=(--backends triton --full --jobs 8)
+    CHECK_REST=(--backends all --exclude triton --full --jobs 6)
     TEST_JOBS=12
     GROUP_CUDA="tests/kernels/test_cuda_attention.py tests/kernels/test_cuda_mask_rule.py"
     GROUP_TRITON="tests/kernels/test_triton_attention.py tests/kernels/test_triton_backend.py

@@ -1,23 +1,31 @@
 """``simsd check`` / ``python -m simsd_kernels.check``: is every attention backend right here?
 
-On the present device, every available backend (and ``auto``) x dtype x head_dim (64, 128 and
-96, which the fused kernels do not support: an explicit backend must refuse it with a
-``ValueError``, ``auto`` must fall back to one that runs it) x mask mode x cache (``empty``:
-lengths 0/0; ``short``: 37/5; ``split``: 700/300 in a 768-slot cache, past one split-KV chunk on
-a GPU) x GQA group (1, 4): the backend's output on a small case (2 rows, 9 new tokens, 2 kv
+Every available backend (and ``auto``) runs a set of configurations on the present device --
+dtype x head_dim (64, 128 and 96, which the fused kernels do not support: an explicit backend
+must refuse it with a ``ValueError``, ``auto`` must fall back to one that runs it) x mask mode x
+cache (``empty``: lengths 0/0; ``short``: 37/5; ``split``: 700/300 in a 768-slot cache, past one
+split-KV chunk on a GPU) x GQA group (1, 4) -- on a small case (2 rows, 9 new tokens, 2 kv
 heads, unread cache slots holding NaN) against the float64 reference on the same device. On
 the CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` is set when Triton
 has not been imported yet).
 
-Columns: ``status`` (``pass``; ``FAIL``: max error above ``tol`` = 2x the torch backend's error
-+ a dtype floor (:mod:`simsd_kernels.selfcheck`), NaN, a wrong shape or an exception;
-``refused``: an unsupported shape rejected cleanly), ``max_err`` against float64, ``us``
-(median microseconds of the backend call: CUDA events on a GPU, wall clock on the CPU), and for
-``auto`` the backend it resolved to. ``--json``: one JSON object per row on stdout, written as
-each row is produced; the table then goes to stderr (``--quiet``: only the per-backend summary
-and the failures). Exit status 1 when a row fails.
+Which configurations: by default the quick set :data:`QUICK` (every value of every axis at
+least once per backend; seconds on a CPU); ``--full``, or any of the axis options
+(``--dtypes``, ``--head-dims``, ``--mask-modes``, ``--caches``, ``--groups``; each defaults to
+all its values), the product of the axes' values (the full matrix: 216 rows per backend, tens of
+minutes for the Triton interpreter on a CPU, about a minute on a GPU with ``--jobs 8``).
 
-A user with a GPU runs this first; it is the first check of ``bench/device_run.sh``.
+Rows are printed as they finish (``--jobs N``: in the order they finish), then a per-backend
+summary and the failures. Columns: ``status`` (``pass``; ``FAIL``: max error above ``tol`` = 2x
+the torch backend's error + a dtype floor (:mod:`simsd_kernels.selfcheck`), NaN, a wrong shape
+or an exception; ``refused``: an unsupported shape rejected cleanly), ``max_err`` against
+float64, ``us`` (median microseconds of the backend call: CUDA events on a GPU after a warm-up
+call, wall clock on the CPU counting the checked call), and for ``auto`` the backend it resolved
+to. ``--json``: one JSON object per row on stdout, written as each row is produced; the table
+then goes to stderr (``--quiet``: only the per-backend summary and the failures). Exit status 1
+when a row fails.
+
+A user with a GPU runs this first; ``bench/device_run.sh`` runs the full matrix.
 """
 from __future__ import annotations
 
@@ -37,6 +45,21 @@ HEAD_DIMS = (64, 128, 96)
 #: name -> (cache lengths of the two rows, capacity)
 CACHES = {"empty": ((0, 0), 16), "short": ((37, 5), 64), "split": ((700, 300), 768)}
 GROUPS = (1, 4)
+#: the default set, ``(dtype, head_dim, mask mode, GQA group, cache)``, run by every backend:
+#: each dtype, head dim, mode, group and cache at least once; the split cache with the paper
+#: layout (the most mask work), head dim 128 in a half type and in float32 (the fused kernels'
+#: fp32 tiles differ on a GPU), 96 refused or fallen back
+QUICK = (
+    ("float16", 64, "paper", 4, "split"),
+    ("bfloat16", 128, "exact", 4, "short"),
+    ("float32", 128, "block_causal", 1, "short"),
+    ("bfloat16", 64, "bidirectional", 1, "empty"),
+    ("float16", 96, "paper", 4, "short"),
+)
+#: the axis options (``args`` attributes): given any of them, the product of their values runs
+AXES = ("dtypes", "head_dims", "mask_modes", "caches", "groups")
+#: rows per backend of the full matrix
+FULL_ROWS = len(DTYPES) * len(HEAD_DIMS) * len(MODES) * len(CACHES) * len(GROUPS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,12 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="all",
                    help="comma list of backends (and/or 'auto'); default: every available one and auto")
     p.add_argument("--exclude", default="", help="comma list of backends to leave out of --backends all")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of float16, bfloat16, float32")
-    p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma list of head dims")
-    p.add_argument("--mask-modes", default=",".join(MODES),
-                   help=f"comma list of attention mask modes ({', '.join(MODES)}); not decoding modes")
-    p.add_argument("--caches", default=",".join(CACHES), help=f"comma list of {', '.join(CACHES)}")
-    p.add_argument("--groups", default=",".join(map(str, GROUPS)), help="comma list of GQA groups Hq/Hkv")
+    p.add_argument("--full", action="store_true",
+                   help=f"the full matrix (every dtype x head dim x mask mode x cache x group: {FULL_ROWS} rows per "
+                        f"backend) instead of the quick set ({len(QUICK)} rows per backend)")
+    def axis(values) -> str:
+        return f"comma list (default {','.join(map(str, values))}); an axis option runs the product of the axes"
+
+    p.add_argument("--dtypes", default=None, help=axis(DTYPES))
+    p.add_argument("--head-dims", default=None, help=axis(HEAD_DIMS))
+    p.add_argument("--mask-modes", default=None, help=axis(MODES) + " (attention mask modes, not decoding modes)")
+    p.add_argument("--caches", default=None, help=axis(CACHES))
+    p.add_argument("--groups", default=None, help=axis(GROUPS) + " (GQA groups Hq/Hkv)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per row (default 20 on a GPU, 1 on the CPU)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (compiles Triton kernels in parallel)")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout as produced; the table on stderr")
@@ -74,9 +102,15 @@ def _csv(value: str, allowed, what: str, cast=str) -> list:
     return out
 
 
+def is_full(args) -> bool:
+    """True when ``args`` ask for the product of the axes (``--full`` or any axis option)."""
+    return args.full or any(getattr(args, k) is not None for k in AXES)
+
+
 def plan(args) -> tuple:
     """``(device, backends, unavailable, tasks)`` from the options; a task is one configuration
-    ``(backend, dtype, head_dim, mode, group, caches)``.
+    ``(backend, dtype, head_dim, mode, group, caches)``: :data:`QUICK` for every backend, or with
+    ``--full`` / an axis option the product of the axes' values.
 
     Raises:
         ValueError: an unknown or unavailable backend, dtype, mode, cache or a bad number.
@@ -104,23 +138,33 @@ def plan(args) -> tuple:
             ok, why = availability(n, device) if n != "auto" else (True, "")
             if not ok:
                 raise ValueError(f"--backends: {n!r} cannot run on {device}: {why}")
-    dtypes = _csv(args.dtypes, DTYPES, "dtypes")
-    head_dims = _csv(args.head_dims, None, "head-dims", int)
+
+    def axis(name: str, default, allowed, cast=str) -> list:  # an axis option's values (None: the default)
+        given = getattr(args, name.replace("-", "_"))
+        return _csv(",".join(map(str, default)) if given is None else given, allowed, name, cast)
+
+    dtypes = axis("dtypes", DTYPES, DTYPES)
+    head_dims = axis("head-dims", HEAD_DIMS, None, int)
     if any(d <= 0 or d % 2 for d in head_dims):
         raise ValueError(f"--head-dims: head dims must be positive and even, got {head_dims}")
-    modes = _csv(args.mask_modes, MODES, "mask-modes")
-    caches = _csv(args.caches, tuple(CACHES), "caches")
-    groups = _csv(args.groups, None, "groups", int)
+    modes = axis("mask-modes", MODES, MODES)
+    caches = axis("caches", tuple(CACHES), tuple(CACHES))
+    groups = axis("groups", GROUPS, None, int)
     if any(g < 1 for g in groups):
         raise ValueError(f"--groups must be >= 1, got {groups}")
     if args.jobs < 1 or (args.reps is not None and args.reps < 1):
         raise ValueError("--jobs and --reps must be >= 1")
-    tasks = [(b, dt, d, m, g, tuple(caches))
-             for b, dt, d, m, g in itertools.product(chosen, dtypes, head_dims, modes, groups)]
+    if is_full(args):
+        tasks = [(b, dt, d, m, g, tuple(caches))
+                 for b, dt, d, m, g in itertools.product(chosen, dtypes, head_dims, modes, groups)]
+    else:
+        tasks = [(b, dt, d, m, g, (c,)) for b in chosen for dt, d, m, g, c in QUICK]
     return device, chosen, unavailable, tasks
 
 
-def _time_us(fn, device, reps: int) -> float:
+def _time_us(fn, device, reps: int, first_us: float) -> float:
+    """Median microseconds of ``reps`` calls of ``fn``: on a GPU after a warm-up call (CUDA
+    events), on the CPU counting the checked call (``first_us``, wall clock) as the first."""
     import torch
     if device.type == "cuda":
         fn()
@@ -134,8 +178,8 @@ def _time_us(fn, device, reps: int) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
         return statistics.median(times)
-    times = []
-    for _ in range(reps):
+    times = [first_us]
+    for _ in range(reps - 1):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -188,12 +232,15 @@ def run_task(task, device_str: str, reps: int | None) -> list:
                     rows.append(row)
                     continue
                 ref, torch_err = reference(clean, mode, scale)
-                res = judge(call(), clean, ref, torch_err, lens)
+                t0 = time.perf_counter()
+                out = call()
+                first_us = (time.perf_counter() - t0) * 1e6
+                res = judge(out, clean, ref, torch_err, lens)
                 row.update(status="pass" if res.ok else "FAIL", max_err=res.max_err, tol=res.tol)
                 if note or not res.ok:
                     row["detail"] = (note + "; " if note else "") + res.detail
                 if res.ok:
-                    row["us"] = round(_time_us(call, device, reps), 2)
+                    row["us"] = round(_time_us(call, device, reps, first_us), 2)
             except Exception as exc:  # noqa: BLE001
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 row.update(status="FAIL", detail=f"{type(exc).__name__}: {first}"[:300])
@@ -211,11 +258,8 @@ def _fmt(x, spec):
     return format(x, spec) if ok else "-".rjust(int(spec.split(".")[0]))
 
 
-def table(rows: list, out=sys.stdout, summary_only: bool = False) -> None:
-    """The human-readable table of ``rows`` (unless ``summary_only``), a per-backend summary and
-    the failures."""
-    if not summary_only:
-        _rows_table(rows, out)
+def summary(rows: list, out=sys.stdout) -> None:
+    """A per-backend count of ``rows`` by status, then one line per failure."""
     for backend in dict.fromkeys(r["backend"] for r in rows):
         mine = [r for r in rows if r["backend"] == backend]
         counts = {s: sum(r["status"] == s for r in mine) for s in ("pass", "FAIL", "refused")}
@@ -227,13 +271,15 @@ def table(rows: list, out=sys.stdout, summary_only: bool = False) -> None:
                   f"G={r['group']}: {r.get('detail')}", file=out)
 
 
-def _rows_table(rows: list, out) -> None:
-    print(f"{'backend':8} {'->':7} {'dtype':9} {'D':>4} {'mode':14} {'cache':6} {'G':>2} {'status':8} "
-          f"{'max_err':>9} {'tol':>9} {'us':>9}", file=out)
-    for r in rows:
-        print(f"{r['backend']:8} {(r.get('resolved') or '-'):7} {r['dtype']:9} {r['head_dim']:>4} {r['mask_mode']:14} "
-              f"{r['cache']:6} {r['group']:>2} {r['status']:8} {_fmt(r.get('max_err'), '9.2e')} "
-              f"{_fmt(r.get('tol'), '9.2e')} {_fmt(r.get('us'), '9.1f')}", file=out)
+HEADER = (f"{'backend':8} {'->':7} {'dtype':9} {'D':>4} {'mode':14} {'cache':6} {'G':>2} {'status':8} "
+          f"{'max_err':>9} {'tol':>9} {'us':>9}")
+
+
+def row_line(r: dict) -> str:
+    """One row of the table (columns of :data:`HEADER`)."""
+    return (f"{r['backend']:8} {(r.get('resolved') or '-'):7} {r['dtype']:9} {r['head_dim']:>4} {r['mask_mode']:14} "
+            f"{r['cache']:6} {r['group']:>2} {r['status']:8} {_fmt(r.get('max_err'), '9.2e')} "
+            f"{_fmt(r.get('tol'), '9.2e')} {_fmt(r.get('us'), '9.1f')}")
 
 
 def run(args) -> int:
@@ -244,13 +290,25 @@ def run(args) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# simsd check on {device} ({gpu}), torch {torch.__version__}; backends {', '.join(chosen)}"
           + "".join(f"; {n} not available: {why}" for n, why in unavailable.items()), file=info, flush=True)
+    if not is_full(args):
+        which = f"the quick set (--full: the full matrix, {FULL_ROWS * len(chosen)} rows)"
+    else:
+        which = "the product of the chosen axes" if any(getattr(args, k) is not None for k in AXES) else \
+            "the full matrix"
+    print(f"# {sum(len(t[5]) for t in tasks)} rows, {which}; each row is printed as it finishes", file=info,
+          flush=True)
+    table_rows = not (args.json and args.quiet)
+    if table_rows:
+        print(HEADER, file=info, flush=True)
     rows = []
 
     def emit(batch):
         rows.extend(batch)
-        if args.json:
-            for r in batch:
+        for r in batch:
+            if args.json:
                 print(json.dumps(r), flush=True)
+            if table_rows:
+                print(row_line(r), file=info, flush=True)
 
     t0 = time.time()
     payloads = [(t, str(device), args.reps) for t in tasks]
@@ -265,7 +323,7 @@ def run(args) -> int:
     order = {t[:5]: i for i, t in enumerate(tasks)}
     rows.sort(key=lambda r: (order[(r["backend"], r["dtype"], r["head_dim"], r["mask_mode"], r["group"])],
                              list(CACHES).index(r["cache"])))
-    table(rows, out=info, summary_only=args.json and args.quiet)
+    summary(rows, out=info)
     print(f"# {len(rows)} rows in {time.time() - t0:.1f} s", file=info)
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 

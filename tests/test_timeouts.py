@@ -1,4 +1,10 @@
-"""A hang is a failure: the suite runs under pytest-timeout with a per-test limit."""
+"""A hang is a failure: the suite runs under pytest-timeout with a per-test limit.
+
+The limit is a hang guard, not a speed check: a healthy test on a slow or busy machine must not
+reach it (the slowest tests took 100 s of wall time with the 2 cores shared by 4-5 other jobs, 5-10x
+their time alone; a reported run on another busy machine took over 300 s for three of them), and
+a hang must still fail inside CI's 90-minute limit.
+"""
 import subprocess
 import sys
 
@@ -6,7 +12,7 @@ import sys
 def test_suite_has_a_per_test_timeout(request):
     assert request.config.pluginmanager.hasplugin("timeout"), \
         "pytest-timeout is not installed: pip install -e '.[test]'"
-    assert 0 < float(request.config.getini("timeout")) <= 600
+    assert 900 <= float(request.config.getini("timeout")) <= 1800
 
 
 def test_a_hanging_test_fails(tmp_path):

@@ -16,6 +16,8 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
   mode a runtime argument); a tile no query row of the program may see is skipped (exact: a fully
   masked tile leaves the softmax state unchanged).
 * Softmax in base 2 with fp32 statistics; a row that sees nothing writes zeros.
+* Tile products go through :func:`common.dot`: ``tl.dot`` when compiled, a fixed-order sum under
+  the interpreter (so a row's bits there do not depend on its place in the tile or on the CPU).
 * A row with a single active split writes its output; otherwise each split writes a normalised
   partial output and its log2-sum-exp to an fp32 workspace and :func:`merge_splits_kernel`
   combines the row's active splits in index order.
@@ -23,7 +25,7 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
 import triton
 import triton.language as tl
 
-from .common import allowed, rope_inv_freq, to_dot, upcast
+from .common import allowed, dot, rope_inv_freq, to_dot, upcast
 
 # runtime scalars that must not be specialised (a value of 1 or a multiple of 16 would otherwise
 # compile another variant): one variant per (dtype, head_dim, GQA group, BLOCK_M)
@@ -58,7 +60,7 @@ def _online_softmax_step(acc, m_i, l_i, qk, v, ELT: tl.constexpr, UPCAST: tl.con
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(to_dot(p, ELT, UPCAST), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + dot(to_dot(p, ELT, UPCAST), v, UPCAST, DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -75,7 +77,7 @@ def _cache_tile(acc, m_i, l_i, q, kc_base, vc_base, skct, svct, start, hi, qk_sc
     else:
         kt = upcast(tl.load(kt_ptr), UPCAST)
         v = upcast(tl.load(v_ptr), UPCAST)
-    qk = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+    qk = dot(q, kt, UPCAST, DOT_PREC) * qk_scale
     if MASKED:
         qk = tl.where(ok[None, :], qk, float("-inf"))
     return _online_softmax_step(acc, m_i, l_i, qk, v, ELT, UPCAST, DOT_PREC)
@@ -146,7 +148,7 @@ def temporal_attn_fwd_kernel(
                 kt = upcast(tl.load(kt_ptr, mask=ok[None, :], other=0.0), UPCAST)
                 v_ptr = V + b * svb + n[:, None] * svt + hkv * svh + offs_d[None, :]
                 v = upcast(tl.load(v_ptr, mask=ok[:, None], other=0.0), UPCAST)
-                qk = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+                qk = dot(q, kt, UPCAST, DOT_PREC) * qk_scale
                 qk = tl.where(vis, qk, float("-inf"))
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, ELT, UPCAST, DOT_PREC)
 

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the simsd kernels: the mask-rule mirror and RoPE angles.
+"""Triton helpers shared by the simsd kernels: the mask-rule mirror, RoPE angles and the tile dot.
 
 :func:`allowed` mirrors :func:`simsd_kernels.mask_rule.allowed` operator for operator;
 ``tests/kernels/test_mask_mirror.py`` checks the two agree on every label combination.
@@ -74,3 +74,23 @@ def upcast(x, UPCAST: tl.constexpr):
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def dot(a, b, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``(M, K) @ (K, N)`` tile product with fp32 accumulation: ``tl.dot`` when compiled.
+
+    Under the interpreter (``UPCAST``) it is the products ``a[m, k] * b[k, n]``, each rounded to
+    fp32, summed over ``k`` in index order (``tl.sum`` over a middle axis: numpy adds the ``k``
+    slices one after another), so an output element depends only on its own row and column and
+    is the same bits on every CPU. ``tl.dot`` there would be ``np.matmul``, i.e. the BLAS, whose
+    sgemm kernels may round a row differently by its place in the tile (OpenBLAS's Haswell kernel
+    does, its SkylakeX kernel does not). A GPU's ``tl.dot`` sums in another order (these bits are
+    not promised there; README "What exact means"); ``tests/kernels/test_tile_dot.py`` checks
+    the order.
+    """
+    if UPCAST:
+        out = tl.sum(a[:, :, None] * b[None, :, :], 1)
+    else:
+        out = tl.dot(a, b, input_precision=DOT_PREC)
+    return out

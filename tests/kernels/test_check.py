@@ -25,26 +25,89 @@ def _clean(monkeypatch):
     backends.reset()
 
 
-def test_check_torch_triton_auto(capsys):
+def test_quick_default_set_torch_triton_auto(capsys):
+    """No axis option: the quick set, every dtype, head dim, mask mode, cache and group at least
+    once per backend, and every row right."""
     pytest.importorskip("triton")
     names = ["torch", "auto"] + (["triton"] if backends.availability("triton", torch.device("cpu"))[0] else [])
-    code = check.main(["--device", "cpu", "--backends", ",".join(names), "--json", *SMALL])
+    code = check.main(["--device", "cpu", "--backends", ",".join(names), "--json"])
     out, err = capsys.readouterr()
     rows = _rows(out)
     assert code == 0, err
-    assert len(rows) == len(names) * 2 * 2 * 2 * 2
+    assert len(rows) == len(names) * len(check.QUICK)
     by = lambda **kw: [r for r in rows if all(r[k] == v for k, v in kw.items())]  # noqa: E731
-    assert all(r["status"] == "pass" and r["max_err"] <= r["tol"] for r in by(head_dim=64))
+    for name in names:
+        mine = by(backend=name)
+        for key, values in (("dtype", check.DTYPES), ("head_dim", check.HEAD_DIMS), ("mask_mode", check.MODES),
+                            ("cache", tuple(check.CACHES)), ("group", check.GROUPS)):
+            assert {r[key] for r in mine} == set(values), (name, key)
+    assert all(r["status"] == "pass" and r["max_err"] <= r["tol"] for r in by(head_dim=64) + by(head_dim=128))
     assert all(r["status"] == "pass" and r["resolved"] == "torch" for r in by(backend="auto"))
     assert all(r["status"] == "pass" for r in by(backend="torch"))
     if "triton" in names:  # head_dim 96: the kernel refuses it by name, auto ran torch (above)
         assert {r["status"] for r in by(backend="triton", head_dim=96)} == {"refused"}
         assert all("head_dim" in r["detail"] for r in by(backend="triton", head_dim=96))
         assert all(r["us"] > 0 for r in by(backend="triton", head_dim=64))
-    bf16 = by(dtype="bfloat16", head_dim=64, backend="torch")
-    assert all(1e-4 < r["max_err"] < 5e-2 for r in bf16), "bf16 errors are bf16-sized (the reference is float64)"
-    assert "# torch: 16 pass, 0 FAIL, 0 refused (of 16)" in err
+    bf16 = by(dtype="bfloat16", backend="torch")
+    assert bf16 and all(1e-4 < r["max_err"] < 5e-2 for r in bf16), \
+        "bf16 errors are bf16-sized (the reference is float64)"
+    assert f"# torch: {len(check.QUICK)} pass, 0 FAIL, 0 refused (of {len(check.QUICK)})" in err
+    assert f"rows, the quick set (--full: the full matrix, {check.FULL_ROWS * len(names)} rows)" in err
     assert "backend  ->" in err  # the table went to stderr
+
+
+def test_axis_options_run_their_product(capsys):
+    code = check.main(["--device", "cpu", "--backends", "torch", "--json", *SMALL])
+    out, err = capsys.readouterr()
+    rows = _rows(out)
+    assert code == 0, err
+    assert len(rows) == 2 * 2 * 2 * 2 and all(r["status"] == "pass" for r in rows)
+    assert {(r["dtype"], r["head_dim"], r["mask_mode"], r["cache"]) for r in rows} == {
+        (dt, d, m, c) for dt in ("float32", "bfloat16") for d in (64, 96) for m in ("paper", "exact")
+        for c in ("empty", "short")}
+    assert "16 rows, the product of the chosen axes" in err
+
+
+def _args(argv):
+    import argparse
+    p = argparse.ArgumentParser()
+    check.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_full_is_the_product_of_every_axis():
+    _, chosen, _, tasks = check.plan(_args(["--device", "cpu", "--backends", "torch,auto", "--full"]))
+    assert chosen == ["torch", "auto"]
+    got = sorted((b, dt, d, m, g, c) for b, dt, d, m, g, caches in tasks for c in caches)
+    want = sorted((b, dt, d, m, g, c) for b in chosen for dt in check.DTYPES for d in check.HEAD_DIMS
+                  for m in check.MODES for g in check.GROUPS for c in check.CACHES)
+    assert got == want and len(got) == 2 * check.FULL_ROWS == 2 * 216
+    _, _, _, quick = check.plan(_args(["--device", "cpu", "--backends", "torch,auto"]))
+    assert [t[1:5] + t[5] for t in quick] == [tuple(q) for q in check.QUICK] * 2
+
+
+def test_rows_are_printed_as_they_finish(capsys, monkeypatch):
+    """Each row is on stdout (the table) before the next configuration starts, after the header
+    lines; the summary comes last. The configurations themselves are stand-ins here (the rows'
+    contents are checked by the tests above)."""
+    seen = []
+
+    def fake_worker(payload):
+        task = payload[0]
+        seen.append(capsys.readouterr().out)  # what was printed before this configuration ran
+        return [dict(backend=task[0], device="cpu", dtype=task[1], head_dim=task[2], mask_mode=task[3],
+                     group=task[4], cache=c, resolved=task[0], status="pass", max_err=0.0, tol=1.0, us=1.0)
+                for c in task[5]]
+    monkeypatch.setattr(check, "_worker", fake_worker)
+    assert check.main(["--device", "cpu", "--backends", "torch", "--full"]) == 0
+    tail = capsys.readouterr().out
+    assert len(seen) == check.FULL_ROWS // len(check.CACHES)
+    assert "# 216 rows, the full matrix; each row is printed as it finishes" in seen[0]
+    assert check.HEADER in seen[0] and "# torch:" not in seen[0]
+    for printed in seen[1:]:  # exactly the previous configuration's rows, one per cache
+        lines = printed.splitlines()
+        assert len(lines) == len(check.CACHES) and all(x.startswith("torch    torch ") for x in lines), printed
+    assert "# torch: 216 pass, 0 FAIL, 0 refused (of 216)" in tail
 
 
 def test_a_wrong_backend_fails_its_rows_and_auto_avoids_it(capsys):
@@ -98,3 +161,15 @@ def test_simsd_check_subcommand(capsys):
                  "--mask-modes", "exact", "--groups", "2", "--caches", "short", "--json"]) == 0
     (row,) = _rows(capsys.readouterr().out)
     assert row["status"] == "pass" and row["resolved"] == "torch" and row["head_dim"] == 48
+
+
+def test_device_script_runs_the_full_matrix():
+    """bench/device_run.sh checks the GPU with the product of the axes, never the quick set."""
+    import re
+    import shlex
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "bench" / "device_run.sh").read_text()
+    arrays = re.findall(r"^\s*(CHECK_\w+)=\(([^)]*)\)", text, flags=re.M)
+    assert {name for name, _ in arrays} == {"CHECK_TRITON", "CHECK_REST"} and len(arrays) == 4  # dry run and GPU
+    for name, body in arrays:
+        assert check.is_full(_args(shlex.split(body))), name

@@ -7,6 +7,7 @@ from simsd_kernels import MaskMode
 from simsd_kernels.reference import temporal_attention_torch
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_output_independent_of_neighbours(dtype):
     g = torch.Generator().manual_seed(0)

@@ -106,6 +106,7 @@ def test_softmax_scale_is_used():
     assert err < 5e-5
 
 
+@pytest.mark.bitwise
 def test_rope_copy_equal_positions_give_equal_rotation():
     """Paper layout's RoPE copy: D_k and M_k share a position; with identical q/k/v content and
     labels, their outputs are identical (rotation depends on the position only)."""

@@ -98,6 +98,7 @@ def test_rope_pre_pass_matches_the_reference_rotation():
         assert torch.equal(got[0, 0], x[0, 0])
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shape_invariant_rows_are_bit_identical(dtype):
     """Exact mode: a denoise forward of one block (Lq 4, copy 0) and a verify forward of 20 copies

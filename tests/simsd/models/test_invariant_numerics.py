@@ -16,6 +16,7 @@ from simsd.speculative.verification import exact_layout
 from simsd_kernels import SHARED_GRP
 from tests.helpers import random_checkpoint
 
+pytestmark = pytest.mark.bitwise
 V = 96
 DTYPES = ["bfloat16", "float16", "float32"]
 
