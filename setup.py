@@ -17,13 +17,16 @@ Environment:
 * ``CUDA_HOME``                 the CUDA toolkit (found from nvcc otherwise).
 
 A successful build writes ``simsd_kernels/_build_info.json`` next to the extension (archs,
-versions, flags), which :mod:`simsd_kernels.cuda_backend` reads.
+versions, flags), which :mod:`simsd_kernels.cuda_backend` reads. The build first checks that
+setuptools is at least 77 (pyproject.toml's string ``license``, PEP 639, fails older ones deep in
+the build; ``--no-build-isolation`` uses the installed one) and says so in one line.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +37,8 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
 DEFAULT_ARCHS = "80;90"
+#: the least setuptools that reads pyproject.toml's ``license = "Apache-2.0"`` (PEP 639)
+SETUPTOOLS_MIN = (77, 0)
 
 
 def _log(msg: str) -> None:
@@ -58,6 +63,18 @@ def _parse_archs(spec: str) -> list[int]:
     if not archs:
         raise ValueError("SIMSD_CUDA_ARCHS is empty")
     return sorted(set(archs))
+
+
+def _check_setuptools() -> None:
+    """One line: the setuptools in use and whether it is new enough (SystemExit when it is not)."""
+    import setuptools
+    m = re.match(r"(\d+)\.(\d+)", setuptools.__version__)
+    version = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    if version < SETUPTOOLS_MIN:
+        raise SystemExit(f"simsd setup: error: setuptools {setuptools.__version__} is older than "
+                         f"{'.'.join(map(str, SETUPTOOLS_MIN))}, which pyproject.toml's license string needs: "
+                         f"pip install 'setuptools>=77' (or build with isolation)")
+    _log(f"setuptools {setuptools.__version__} (>= {'.'.join(map(str, SETUPTOOLS_MIN))}, as pyproject.toml needs)")
 
 
 def _find_cuda_home() -> str | None:
@@ -173,5 +190,6 @@ def _cuda_extension():
     return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=True)}
 
 
+_check_setuptools()
 ext_modules, cmdclass = _cuda_extension()
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -14,15 +14,20 @@ Providers (a provider that cannot run is reported and skipped):
   (:func:`simsd_kernels.backends.resolve_backend`), and with ``--check FILE`` (the rows of
   ``simsd check --json``) a backend with a failing row is not benchmarked at all;
 * ``flex``: compiled FlexAttention, block mask from ``simsd_kernels.flex.make_mask_mod``; last
-  in each case and behind ``--flex-budget`` seconds in all (its cold ``torch.compile`` builds
-  are slow): once spent, its rows say so;
+  in each case. Its ``torch.compile`` builds (slow when cold) run first, untimed, in a warm-up
+  over every case's shape with ``--flex-budget`` seconds of its own; the timed loop runs flex only
+  on shapes the warm-up compiled (the others' rows say why);
 * ``sdpa-dense``: SDPA with a dense boolean mask (the torch backend's method);
 * ``sdpa-nomask``: SDPA over the same keys with no mask, the speed-of-light for this token count
   (SDPA's ``is_causal`` is top-left aligned when Lq != Lk, so it is not a valid causal here);
 * ``flash-kvcache``: ``flash_attn_with_kvcache`` (non-causal, over the cache), when importable.
 Baselines get pre-rotated q/k and pre-concatenated K/V (untimed), so they do less work than ours.
 
-Metrics: median time of ``triton.testing.do_bench``; bytes = K/V cache read
+Metrics: time per launch from CUDA events around replays of a CUDA graph holding
+``GRAPH_LAUNCHES`` launches (:func:`graph_time_ms`: a batch-1 call lasts a few microseconds, as
+long as its launch, so single launches would time the launch; ``timing: "graph"``), or, for a
+provider that cannot be captured, around ``EVENT_LAUNCHES`` back-to-back launches
+(``timing: "events"``); the median of the repetitions; bytes = K/V cache read
 ``2 * B * cache_len * Hkv * D * elt`` + q/k/v/out ``B * Lq * (2*Hq + 2*Hkv) * D * elt``;
 GB/s = bytes / time; fractions of a 4 TB/s floor and of the measured device copy bandwidth;
 TFLOP/s = ``4 * B * Hq * Lq * (cache_len + Lq) * D`` / time. ``max_diff`` is each provider's max
@@ -33,6 +38,10 @@ another function: ``valid: null``). Rows (json lines, with GPU name, versions, g
 appended to ``--out`` (default ``bench/results/attention.jsonl``) and flushed one by one, so a
 run killed by a time limit keeps what it measured.
 
+A case whose set-up fails is recorded (an ``error`` row per provider) and the next runs; a
+provider's exception gives its row an ``error`` and prints its traceback (once per message) to the
+log.
+
 ``--cpu-smoke``: tiny float32 shapes on the CPU, the Triton kernels under the interpreter,
 wall-clock timing: only checks this script's code paths (the device script's dry run).
 """
@@ -41,9 +50,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +64,9 @@ FLOOR_BYTES_PER_S = 4e12
 #: relative error floor per dtype name, times max |reference| (a couple of units in the last place)
 REL_FLOOR = {"bf16": 2 ** -7, "fp16": 2 ** -10, "fp32": 1e-5}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention.jsonl")
+#: launches per captured CUDA graph, and per timed loop of the events fallback
+GRAPH_LAUNCHES, EVENT_LAUNCHES = 20, 50
+_FLEX = {}  # the compiled flex_attention, one for the process (its compile cache keeps every shape)
 
 
 def parse_args(argv=None):
@@ -171,7 +185,10 @@ def build_providers(names_filter, failed=None):
         qr, keys, vals = dense_inputs(c)
         mask_mod = make_mask_mod(c["args"][6], c["args"][5], c["cache_len"], c["mode"])
         bm = create_block_mask(mask_mod, qr.shape[0], None, qr.shape[2], keys.shape[2], device=qr.device)
-        fn = torch.compile(flex_attention, dynamic=False) if qr.is_cuda else flex_attention
+        if qr.is_cuda and "fn" not in _FLEX:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        fn = _FLEX["fn"] if qr.is_cuda else flex_attention
         return lambda: fn(qr, keys, vals, block_mask=bm, enable_gqa=True).transpose(1, 2)
     provs["flex"] = flex
 
@@ -241,15 +258,73 @@ def copy_bandwidth():
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def _wall_bench(fn, warmup=1, rep=3, return_mode="median"):
-    for _ in range(warmup):
-        fn()
+def wall_time_ms(fn, reps=3):
+    """CPU (dry run): the median wall-clock time of ``reps`` calls after one warm-up call."""
+    fn()
     times = []
-    for _ in range(rep):
+    for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
+
+
+def graph_time_ms(fn, launches=GRAPH_LAUNCHES, replays=10):
+    """Milliseconds per launch of ``fn``: ``launches`` calls captured in one CUDA graph, replayed
+    ``replays`` times between CUDA events (the median). Raises when ``fn`` cannot be captured."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up off the capture (allocations, lazy initialisation)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    del graph
+    return statistics.median(times)
+
+
+def events_time_ms(fn, launches=EVENT_LAUNCHES, reps=5):
+    """Milliseconds per launch of ``fn`` from CUDA events around ``launches`` back-to-back calls
+    (the median of ``reps``): for providers that cannot be captured in a graph."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return statistics.median(times)
+
+
+def time_ms(fn, device) -> tuple:
+    """``(ms per launch, method)``: ``graph`` replays on CUDA, ``events`` when capture fails,
+    ``wall`` on the CPU."""
+    if device != "cuda":
+        return wall_time_ms(fn), "wall"
+    import torch
+    try:
+        return graph_time_ms(fn), "graph"
+    except Exception:  # not capturable (a host sync, an allocation the capture refuses)
+        torch.cuda.synchronize()
+        return events_time_ms(fn), "events"
 
 
 def cases(args, device, dtype, models):
@@ -265,6 +340,35 @@ def cases(args, device, dtype, models):
                         a = make_case(batch, Lq, Hq, Hkv, D, L, device, dtype) + [labels, offs + L]
                         yield model, layout, bk, batch, L, dict(args=a, q=a[0], mode=mode, scale=D ** -0.5,
                                                                   cache_len=L), Hq, Hkv, D
+
+
+def case_key(model, layout, bk, batch, L):
+    return (model, layout, bk, batch, L)
+
+
+def flex_warmup(args, device, dtype, models, providers) -> dict:
+    """Compile FlexAttention for every case's shape, untimed, within ``--flex-budget`` seconds:
+    ``{case key: None (compiled) or the reason it is not}``."""
+    done = {}
+    if "flex" not in providers:
+        return done
+    t0 = time.perf_counter()
+    for model, layout, bk, batch, L, case, *_ in cases(args, device, dtype, models):
+        key = case_key(model, layout, bk, batch, L)
+        if time.perf_counter() - t0 >= args.flex_budget:
+            done[key] = f"not run: the FlexAttention warm-up budget of {args.flex_budget:.0f} s was spent compiling"
+            continue
+        try:
+            providers["flex"](case)()
+            done[key] = None
+        except Exception as exc:  # the timed loop reports it
+            done[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+    print(f"# flex warm-up: {sum(v is None for v in done.values())} of {len(done)} shapes compiled in "
+          f"{time.perf_counter() - t0:.0f} s (budget {args.flex_budget:.0f} s)", flush=True)
+    return done
 
 
 def warm(args, device, dtype, models) -> int:
@@ -290,16 +394,12 @@ def main(argv=None):
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
         device, dtype, dname, models = "cpu", torch.float32, "fp32", SMOKE_MODELS
-        bench = lambda fn, warmup, rep, return_mode: _wall_bench(fn)  # noqa: E731
         copy_bw = None
     elif not torch.cuda.is_available():
         print("bench_attention: no CUDA device; nothing to measure (this benchmark needs a GPU).")
         return 0
     else:
-        from triton.testing import do_bench
         device, dtype, dname, models = "cuda", torch.bfloat16, "bf16", MODELS
-        bench = lambda fn, warmup, rep, return_mode: do_bench(fn, warmup=warmup, rep=rep,  # noqa: E731
-                                                              return_mode=return_mode)
         copy_bw = None if args.warm_only else copy_bandwidth()
     if args.warm_only:
         return warm(args, device, dtype, models)
@@ -310,28 +410,45 @@ def main(argv=None):
     for name, why in failed.items():
         print(f"# simsd-{name}: not benchmarked: {why}", flush=True)
     providers = build_providers(args.providers, failed)
+    flex_ready = flex_warmup(args, device, dtype, models, providers) if args.flex_budget > 0 else {}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     print(f"{'model':6} {'layout':8} {'Bk':>3} {'B':>3} {'cache':>6} {'Lq':>4} {'provider':16} "
           f"{'ms':>8} {'GB/s':>7} {'%4TB':>5} {'%copy':>5} {'TF/s':>6} {'diff':>8} {'err/tol':>8}", flush=True)
-    flex_spent = 0.0
+    reported = set()
+
+    def report(pname, exc):  # the traceback once per provider and message (the log)
+        key = (pname, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        if key not in reported and not str(exc).startswith("not run"):
+            reported.add(key)
+            print(f"# {pname} raised:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
     with open(args.out, "a") as f:
+        def write(row):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         for model, layout, bk, batch, L, case, Hq, Hkv, D in cases(args, device, dtype, models):
-            Lq = case["q"].shape[1]
-            elt = case["q"].element_size()
-            nbytes = 2 * batch * L * Hkv * D * elt + batch * Lq * (2 * Hq + 2 * Hkv) * D * elt
-            flops = 4 * batch * Hq * Lq * (L + Lq) * D
-            ref32 = reference_fp32(case)
-            ref_scale = ref32.abs().max().item()
+            base = dict(env, model=model, layout=layout, block=bk, batch=batch, cache_len=L, Hq=Hq, Hkv=Hkv, D=D,
+                        dtype=dname, copy_gbps=copy_bw / 1e9 if copy_bw else None)
+            try:  # the case's set-up and reference
+                Lq = case["q"].shape[1]
+                elt = case["q"].element_size()
+                nbytes = 2 * batch * L * Hkv * D * elt + batch * Lq * (2 * Hq + 2 * Hkv) * D * elt
+                flops = 4 * batch * Hq * Lq * (L + Lq) * D
+                ref32 = reference_fp32(case)
+                ref_scale = ref32.abs().max().item()
+            except Exception as exc:  # noqa: BLE001  (the case failed; the next one runs)
+                report("case set-up", exc)
+                for pname in providers:
+                    write(dict(base, provider=pname, error=f"case set-up: {type(exc).__name__}: {str(exc)[:300]}"))
+                continue
             ref, base_err = None, None
             for pname, make in providers.items():
-                row = dict(env, model=model, layout=layout, block=bk, batch=batch,
-                           cache_len=L, Lq=Lq, Hq=Hq, Hkv=Hkv, D=D, dtype=dname,
-                           provider=pname, copy_gbps=copy_bw / 1e9 if copy_bw else None)
-                t_start = time.perf_counter()
+                row = dict(base, Lq=Lq, provider=pname)
                 try:
-                    if pname == "flex" and flex_spent >= args.flex_budget:
-                        raise RuntimeError(f"not run: flex time budget of {args.flex_budget:.0f} s "
-                                           "spent")
+                    if pname == "flex" and flex_ready.get(case_key(model, layout, bk, batch, L), "not warmed up"):
+                        raise RuntimeError(flex_ready.get(case_key(model, layout, bk, batch, L)) or
+                                           "not run: no FlexAttention warm-up (--flex-budget 0)")
                     fn = make(case)
                     out = fn()
                     err = (out.float() - ref32).abs().max().item()
@@ -340,8 +457,8 @@ def main(argv=None):
                     diff = (out.float() - ref.float()).abs().max().item() if ref is not None else None
                     tol = 2 * (base_err or 0.0) + REL_FLOOR[dname] * ref_scale
                     valid = None if pname == "sdpa-nomask" else bool(err <= tol)
-                    ms = bench(fn, warmup=25, rep=100, return_mode="median")
-                    row.update(ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9,
+                    ms, method = time_ms(fn, device)
+                    row.update(ms=ms, timing=method, gbps=nbytes / (ms * 1e-3) / 1e9,
                                frac_4tbs=nbytes / (ms * 1e-3) / FLOOR_BYTES_PER_S,
                                frac_copy=nbytes / (ms * 1e-3) / copy_bw if copy_bw else None,
                                tflops=flops / (ms * 1e-3) / 1e12, max_diff=diff, err=err, tol=tol,
@@ -357,12 +474,14 @@ def main(argv=None):
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     print(f"{model:6} {layout:8} {bk:3} {batch:3} {L:6} {Lq:4} {pname:16} "
                           f"skipped: {row['error'][:100]}", flush=True)
+                    report(pname, exc)
                     if device == "cuda":
-                        torch.cuda.empty_cache()
-                if pname == "flex":
-                    flex_spent += time.perf_counter() - t_start
-                f.write(json.dumps(row) + "\n")
-                f.flush()
+                        try:
+                            torch.cuda.synchronize()
+                            torch.cuda.empty_cache()
+                        except Exception:  # noqa: BLE001  (a sticky CUDA error: later rows say so)
+                            pass
+                write(row)
     return 0
 
 

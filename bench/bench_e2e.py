@@ -24,19 +24,26 @@
    static padded shapes, so in bf16 a rare tie may legitimately differ; the GPU test
    ``tests/simsd/engine/test_graphs.py`` checks replay against eager with the same shapes).
 
-Rows (JSON lines, with GPU name, versions and git sha) are appended to ``--out``
-(default ``bench/results/e2e.jsonl``) as each phase ends. Without CUDA the script says so and
-exits 0.
+Every case -- one forward's latency in one mode, the modelled rows, one engine variant's tokens/s
+-- runs isolated: an exception or ``--case-timeout`` seconds (SIGALRM: Python code is interrupted,
+a call blocked inside a CUDA kernel is not) records a ``kind: "error"`` row naming the case, prints
+its traceback and the script goes on; rows that need a failed case's result leave it out. Rows
+(JSON lines, with GPU name, versions and git sha) are appended to ``--out`` (default
+``bench/results/e2e.jsonl``) as each case ends, flushed and fsync'ed. Exit status 1 when a case
+failed. Without CUDA the script says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,7 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="prompts for the measured tokens/s rows")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per case (0: none)")
     p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    # testing the isolation of cases (tests/bench/test_device_run.py): this case raises
+    p.add_argument("--inject-failure", default=None, metavar="CASE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens = 2, 48
@@ -156,115 +166,147 @@ def gpu_time_ms(fn, iters: int = 5):
         return None
 
 
-def latency_rows(models: dict, B: int, L: int, env: dict, pair: str) -> list:
-    import torch
-
-    from simsd.engine.graphs import GraphRunner, eager_capture
+def bench_fn():
+    """``do_bench(fn, warmup, rep, return_mode) -> ms``: triton's on CUDA, a wall-clock median on the CPU."""
     if DEV == "cuda":
         from triton.testing import do_bench
+        return do_bench
+
+    def wall(fn, warmup, rep, return_mode):
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[2]
+    return wall
+
+
+def latency_row(models: dict, B: int, L: int, env: dict, pair: str, name: str, kind: str) -> list:
+    """The row of forward ``name`` (:func:`forward_cases`) run ``kind`` = ``eager`` or ``graphs``."""
+    import torch
+
+    from simsd.engine.forward import model_forward
+    from simsd.engine.graphs import GraphRunner, eager_capture
+    role, mode, labels, nw, want = forward_cases(B, L)[name]
+    model = models[role]
+    Lq = labels.shape[1]
+    cache = model.new_cache(1, L + Lq + 8)
+    for t in cache.k + cache.v:
+        t.normal_()
+    cache.seqlens.fill_(L)
+    ids = torch.randint(0, model.config.vocab_size - 1, (1, Lq), device=DEV)
+    pos = (L + torch.arange(Lq, device=DEV) % B)[None]
+    nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
+    if kind == "eager":
+        def fn():  # the engine's forward, as a graph captures it
+            model_forward(model, cache, ids, pos, labels, mode, nw_t, want, B)
+            if nw:
+                cache.seqlens.fill_(L)
     else:
-        def do_bench(fn, warmup, rep, return_mode):
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return sorted(times)[2]
-    rows = []
-    for name, (role, mode, labels, nw, want) in forward_cases(B, L).items():
-        model = models[role]
-        Lq = labels.shape[1]
-        cache = model.new_cache(1, L + Lq + 8)
-        for t in cache.k + cache.v:
-            t.normal_()
-        cache.seqlens.fill_(L)
-        ids = torch.randint(0, model.config.vocab_size - 1, (1, Lq), device=DEV)
-        pos = (L + torch.arange(Lq, device=DEV) % B)[None]
-        nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
-        runner = GraphRunner(model, cache, capture=None if DEV == "cuda" else eager_capture)
-        sl = slice(None) if want else None
+        runner = GraphRunner(model, cache, B, capture=None if DEV == "cuda" else eager_capture)
 
-        def eager():
-            model(ids, pos, labels, mode, cache, nw, sl)
+        def fn():
+            runner(ids, pos, labels, mode, nw_t, want)
             if nw:
                 cache.seqlens.fill_(L)
-
-        def graph():
-            runner(ids, pos, labels, mode, nw_t if nw else 0, want)
-            if nw:
-                cache.seqlens.fill_(L)
-        for kind, fn in (("eager", eager), ("graphs", graph)):
-            ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
-            rows.append(dict(env, kind="latency", pair=pair, forward=name, mode=kind, mask_mode=mode, Lq=Lq,
-                             block_length=B, cache_len=L, batch=1, dtype=DTYPE, ms=ms,
-                             gpu_ms=gpu_time_ms(fn) if kind == "eager" else None))
-    return rows
+    ms = bench_fn()(fn, warmup=10, rep=60, return_mode="median")
+    return [dict(env, kind="latency", pair=pair, forward=name, mode=kind, mask_mode=mode, Lq=Lq, block_length=B,
+                 cache_len=L, batch=1, dtype=DTYPE, ms=ms, gpu_ms=gpu_time_ms(fn) if kind == "eager" else None)]
 
 
 def modelled_rows(lat: list, B: int, a: float, env: dict, pair: str) -> list:
+    """Modelled tokens/s of vanilla and the two verifications, per mode (eager / graphs) whose
+    latencies all exist (a failed latency case leaves its rows out)."""
     rows = []
     for kind in ("eager", "graphs"):
-        t = {r["forward"]: r["ms"] / 1e3 for r in lat if r["mode"] == kind}
-        van = B / (B * t["vanilla_step"] + t["commit"])
-        rows.append(dict(env, kind="modelled", modelled=True, pair=pair, mode=f"vanilla/{kind}", block_length=B,
-                         tokens_per_second=van, formula="B / (B*t_vanilla_step + t_commit)"))
+        t = {r["forward"]: r["ms"] / 1e3 for r in lat if r.get("kind") == "latency" and r["mode"] == kind}
+        if "vanilla_step" in t and "commit" in t:
+            van = B / (B * t["vanilla_step"] + t["commit"])
+            rows.append(dict(env, kind="modelled", modelled=True, pair=pair, mode=f"vanilla/{kind}", block_length=B,
+                             tokens_per_second=van, formula="B / (B*t_vanilla_step + t_commit)"))
         for verify in ("paper", "exact"):
+            need = ("draft_step", f"verify_{verify}", "commit", "draft_commit")
+            if not all(n in t for n in need):
+                continue
             tps = a / (B * t["draft_step"] + t[f"verify_{verify}"] + a / B * (t["commit"] + t["draft_commit"]))
             rows.append(dict(env, kind="modelled", modelled=True, pair=pair, mode=f"{verify}/{kind}",
                              block_length=B, acceptance_tokens_per_round=a, tokens_per_second=tps,
                              formula="a / (B*t_draft_step + t_verify + a/B*(t_commit + t_draft_commit))"))
-    base = next(r["tokens_per_second"] for r in rows if r["mode"] == "vanilla/graphs")
+    base = next((r["tokens_per_second"] for r in rows if r["mode"] == "vanilla/graphs"), None)
     for r in rows:
-        r["speedup_vs_vanilla_graphs"] = r["tokens_per_second"] / base
+        r["speedup_vs_vanilla_graphs"] = r["tokens_per_second"] / base if base else None
     return rows
 
 
-def measured_rows(target, draft, prompts: list, args, env: dict, pair: str) -> list:
-    """Tokens/s of the six engine variants on ``prompts`` (lists of ids), one warm-up prompt each."""
+MEASURED = [(mode, graphs) for mode in ("vanilla", "paper", "exact") for graphs in (False, True)]
+
+
+def measured_row(target, draft, prompts: list, args, env: dict, pair: str, mode: str, graphs: bool,
+                 outputs: dict) -> list:
+    """Tokens/s of one engine variant on ``prompts`` (lists of ids) after one warm-up prompt; its
+    tokens go to ``outputs[label]`` for the comparisons of later variants (None where the variant
+    compared with failed). The variant keeps one engine for its prompts (captured graphs are
+    replayed, not captured again)."""
     from simsd import DecodeConfig
-    from simsd.decoding.vanilla import vanilla_generate_batch
-    from simsd.speculative import SpecConfig, speculative_generate_batch
-    cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens)
-    rows, outputs = [], {}
-    for mode in ("vanilla", "paper", "exact"):
-        for graphs in (False, True):
-            def run(p, i):
-                if mode == "vanilla":
-                    return vanilla_generate_batch(target.model, [p], cfg, target.mask_token_id, target.stop_ids,
-                                                  i, cuda_graphs=graphs).results[0]
-                return speculative_generate_batch(target, draft, [p], cfg, SpecConfig(mode=mode), i,
-                                                  cuda_graphs=graphs).results[0]
-            run(prompts[0], 0)
-            res = [run(p, i) for i, p in enumerate(prompts)]
-            tok = sum(r.stats["new_tokens"] for r in res)
-            sec = sum(r.stats["decode_seconds"] for r in res)
-            label = mode + ("+graphs" if graphs else "")
-            outputs[label] = [r.token_ids for r in res]
-            s = lambda k: sum(r.stats.get(k, 0) for r in res)  # noqa: E731
-            rows.append(dict(env, kind="tokens_per_second", pair=pair, mode=label, prompts=len(prompts),
-                             block_length=args.block_length, max_new_tokens=args.max_new_tokens, new_tokens=tok,
-                             decode_seconds=sec, tokens_per_second=tok / sec,
-                             target_forwards_per_token=s("target_forwards") / max(tok, 1),
-                             acceptance_rate=s("accepted") / s("proposed") if s("proposed") else None,
-                             identical_to_vanilla=sum(a == b for a, b in zip(outputs[label], outputs["vanilla"])),
-                             graphs_equal_eager=(outputs[label] == outputs[mode]) if graphs else None))
-    return rows
+    from simsd.decoding.config import check_prompt
+    from simsd.decoding.program import generate_batch
+    from simsd.decoding.vanilla import VanillaRow
+    from simsd.engine.batching import BatchEngine, round_capacity
+    from simsd.speculative import SpecConfig
+    from simsd.speculative.decoder import SpeculativeDecoder
+    block_length = args.block_length
+    cfg = DecodeConfig(block_length=block_length, strategy="static", max_new_tokens=args.max_new_tokens)
+    caps = [check_prompt(p, target.config, cfg.max_new_tokens, block_length) for p in prompts]
+    models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+    engine = BatchEngine(models, block_length, 1, round_capacity(max(caps)),
+                         (2 if mode == "vanilla" else block_length + 2) * block_length, cuda_graphs=graphs)
+    dec = None if mode == "vanilla" else SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode))
+
+    def run(p, i):
+        seed = cfg.seed + i
+        new = (lambda row, _: VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, seed)) \
+            if dec is None else (lambda row, _: dec.new_row(row, seed))
+        return generate_batch(engine, [p], [caps[i]], new).results[0]
+    run(prompts[0], 0)
+    res = [run(p, i) for i, p in enumerate(prompts)]
+    tok = sum(r.stats["new_tokens"] for r in res)
+    sec = sum(r.stats["decode_seconds"] for r in res)
+    label = mode + ("+graphs" if graphs else "")
+    outputs[label] = [r.token_ids for r in res]
+    s = lambda k: sum(r.stats.get(k, 0) for r in res)  # noqa: E731
+    vanilla = outputs.get("vanilla")
+    return [dict(env, kind="tokens_per_second", pair=pair, mode=label, prompts=len(prompts),
+                 block_length=args.block_length, max_new_tokens=args.max_new_tokens, new_tokens=tok,
+                 decode_seconds=sec, tokens_per_second=tok / sec,
+                 target_forwards_per_token=s("target_forwards") / max(tok, 1),
+                 acceptance_rate=s("accepted") / s("proposed") if s("proposed") else None,
+                 identical_to_vanilla=None if vanilla is None else sum(a == b for a, b in zip(outputs[label], vanilla)),
+                 graphs_equal_eager=(outputs[label] == outputs[mode]) if graphs and mode in outputs else None)]
 
 
-def bundled_pair_rows(args, env) -> list:
+def measured_cases(target, draft, prompts, args, env, pair, run_case) -> None:
+    outputs: dict = {}
+    for mode, graphs in MEASURED:
+        run_case(f"tokens/s:{mode}{'+graphs' if graphs else ''}", pair,
+                 lambda: measured_row(target, draft, prompts, args, env, pair, mode, graphs, outputs))
+
+
+def bundled_pair(args):
+    """``(target, draft, prompts)`` of the bundled tiny pair, or None when it is not installed."""
     from simsd import load_checkpoint
     from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET, HELDOUT_PROMPTS
     from simsd.entrypoints.encoding import encode_prompt
     if not (DEFAULT_TARGET / "config.json").is_file() or not (DEFAULT_DRAFT / "config.json").is_file():
         print(f"bench_e2e: bundled pair not found under {DEFAULT_TARGET.parent}: measured rows skipped")
-        return []
+        return None
     t = load_checkpoint(DEFAULT_TARGET, dtype=DTYPE, device=DEV)
     d = load_checkpoint(DEFAULT_DRAFT, dtype=DTYPE, device=DEV)
     lines = HELDOUT_PROMPTS.read_text().splitlines() if HELDOUT_PROMPTS.is_file() else []
     texts = [json.loads(x)["prompt"] for x in lines if x.strip()][: args.prompts] or ["def add(a, b):"]
     prompts = [encode_prompt([{"role": "user", "content": x}], t.tokenizer, t.config.vocab_size,
                              t.mask_token_id)[0] for x in texts]
-    return measured_rows(t, d, prompts, args, env, "bundled-tiny")
+    return t, d, prompts
 
 
 def goal_lines(rows: list) -> list:
@@ -272,16 +314,18 @@ def goal_lines(rows: list) -> list:
     out = []
     for pair in dict.fromkeys(r["pair"] for r in rows if r["kind"] == "latency"):
         lat = {(r["forward"], r["mode"]): r for r in rows if r["kind"] == "latency" and r["pair"] == pair}
-        van = lat[("vanilla_step", "graphs")]["ms"]
+        van = lat.get(("vanilla_step", "graphs"))
         for v in ("paper", "exact"):
-            ratio = lat[(f"verify_{v}", "graphs")]["ms"] / van
-            out.append(f"goal      {pair:12} verify_{v}/vanilla_step (graphs) {ratio:.2f} (goal <= 1.15)")
-        gpu = lat[("draft_step", "eager")].get("gpu_ms")
-        if gpu:
+            if van and (f"verify_{v}", "graphs") in lat:
+                ratio = lat[(f"verify_{v}", "graphs")]["ms"] / van["ms"]
+                out.append(f"goal      {pair:12} verify_{v}/vanilla_step (graphs) {ratio:.2f} (goal <= 1.15)")
+        gpu = lat.get(("draft_step", "eager"), {}).get("gpu_ms")
+        if gpu and ("draft_step", "graphs") in lat:
             ratio = lat[("draft_step", "graphs")]["ms"] / gpu
             out.append(f"goal      {pair:12} draft_step graphs / pure GPU time {ratio:.2f} (goal <= 1.2)")
         for r in rows:
-            if r["kind"] == "modelled" and r["pair"] == pair and r["mode"] in ("paper/graphs", "exact/graphs"):
+            if r["kind"] == "modelled" and r["pair"] == pair and r["mode"] in ("paper/graphs", "exact/graphs") \
+                    and r.get("speedup_vs_vanilla_graphs"):
                 out.append(f"goal      {pair:12} modelled {r['mode']} / vanilla/graphs "
                            f"{r['speedup_vs_vanilla_graphs']:.2f} (goal >= 1.6)")
     return out
@@ -294,8 +338,11 @@ def print_table(rows: list) -> None:
             gpu = f" gpu {r['gpu_ms']:.3f}" if r.get("gpu_ms") else ""
             print(f"latency   {r['pair']:12} {r['forward']:13} {r['mode']:7} {r['ms']:8.3f} ms{gpu}")
         elif r["kind"] == "modelled":
+            x = r["speedup_vs_vanilla_graphs"]
             print(f"modelled  {r['pair']:12} {r['mode']:15} {r['tokens_per_second']:9.1f} tok/s "
-                  f"x{r['speedup_vs_vanilla_graphs']:.2f} vs vanilla/graphs")
+                  + (f"x{x:.2f} vs vanilla/graphs" if x else ""))
+        elif r["kind"] == "error":
+            print(f"FAILED    {r['pair']:12} {r['case']:28} {r['error'][:100]}")
         else:
             acc = f" accept {r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else ""
             print(f"measured  {r['pair']:12} {r['mode']:15} {r['tokens_per_second']:9.1f} tok/s "
@@ -303,6 +350,77 @@ def print_table(rows: list) -> None:
                   f"/{r['prompts']}")
     for line in goal_lines(rows):
         print(line)
+
+
+class CaseTimeout(Exception):
+    """A case ran past ``--case-timeout``."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`CaseTimeout` in this (main) thread after ``seconds`` (0: no limit)."""
+    if not seconds:
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise CaseTimeout(f"ran past the case time limit of {seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Cases:
+    """Runs cases in isolation and appends their rows to ``path`` as each ends (flushed, fsync'ed)."""
+
+    def __init__(self, path: str, env: dict, timeout: float, inject: str | None):
+        self.path, self.env, self.timeout, self.inject = path, env, timeout, inject
+        self.rows, self.failed = [], []
+
+    def __call__(self, case: str, pair: str, fn) -> list:
+        t0 = time.perf_counter()
+        try:
+            with time_limit(self.timeout):
+                if case == self.inject:
+                    raise RuntimeError("injected failure (--inject-failure)")
+                rows = fn()
+        except Exception as exc:  # the case failed; the next one runs
+            sec = time.perf_counter() - t0
+            print(f"bench_e2e: case {case} ({pair}) FAILED after {sec:.1f} s:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+            self.failed.append(case)
+            rows = [dict(self.env, kind="error", pair=pair, error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                         seconds=round(sec, 2))]
+            _release_device()
+        for r in rows:
+            r.setdefault("case", case)
+        self.emit(rows)
+        return rows
+
+    def emit(self, rows: list) -> None:
+        self.rows.extend(rows)
+        with open(self.path, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _release_device() -> None:
+    """After a failed case: free cached GPU memory (a sticky CUDA error makes this raise: ignored,
+    the following cases then fail and say why)."""
+    if DEV != "cuda":
+        return
+    import torch
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def main(argv=None) -> int:
@@ -318,42 +436,52 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench_e2e: no CUDA device; nothing to measure (this benchmark needs a GPU).")
         return 0
-    from simsd import load_checkpoint
     env = environment()
-    print(f"# {env['gpu']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  sha {env['git_sha']}")
+    print(f"# {env['gpu']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  sha {env['git_sha']}",
+          flush=True)
     B = args.block_length
-    if args.target:
-        t = load_checkpoint(args.target, dtype=DTYPE, device=DEV)
-        d = load_checkpoint(args.draft or args.target, dtype=DTYPE, device=DEV)
-        pair = os.path.basename(os.path.normpath(args.target))
-    else:
-        from pathlib import Path
-
-        from simsd.models.loading import Checkpoint
-        stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
-        t = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)
-        d = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
-        pair = "random-8b/1.7b"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    rows = []
+    run_case = Cases(args.out, env, args.case_timeout, args.inject_failure)
+    pair = os.path.basename(os.path.normpath(args.target)) if args.target else "random-8b/1.7b"
+    models = {}
 
-    def emit(new):  # rows reach the file as each phase ends (a run killed by a time limit keeps them)
-        rows.extend(new)
-        with open(args.out, "a") as f:
-            for r in new:
-                f.write(json.dumps(r) + "\n")
-    emit(latency_rows({"target": t.model, "draft": d.model}, B, args.cache_len, env, pair))
-    emit(modelled_rows(rows, B, args.acceptance, env, pair))
-    prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
-    emit(measured_rows(t, d, prompts, args, env, pair))
-    import simsd.engine.batching
-    simsd.engine.batching._POOL.clear()  # pooled graph engines hold the models
-    del t, d
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
-    emit(bundled_pair_rows(args, env))
-    print_table(rows)
-    return 0
+    def load():
+        from simsd import load_checkpoint
+        if args.target:
+            models["t"] = load_checkpoint(args.target, dtype=DTYPE, device=DEV)
+            models["d"] = load_checkpoint(args.draft or args.target, dtype=DTYPE, device=DEV)
+        else:
+            from pathlib import Path
+
+            from simsd.models.loading import Checkpoint
+            stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
+            models["t"] = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)
+            models["d"] = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
+        return []
+    run_case("load", pair, load)
+    if models:
+        t, d = models["t"], models["d"]
+        roles = {"target": t.model, "draft": d.model}
+        lat = []
+        for name in forward_cases(B, args.cache_len):
+            for kind in ("eager", "graphs"):
+                lat += run_case(f"latency:{name}:{kind}", pair,
+                                lambda: latency_row(roles, B, args.cache_len, env, pair, name, kind))
+        run_case("modelled", pair, lambda: modelled_rows(lat, B, args.acceptance, env, pair))
+        prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
+        measured_cases(t, d, prompts, args, env, pair, run_case)
+        del t, d, roles
+        models.clear()
+        _release_device()
+    bundled = {}
+    run_case("load:bundled-tiny", "bundled-tiny", lambda: bundled.update(pair=bundled_pair(args)) or [])
+    if bundled.get("pair"):
+        t, d, prompts = bundled["pair"]
+        measured_cases(t, d, prompts, args, env, "bundled-tiny", run_case)
+    print_table(run_case.rows)
+    if run_case.failed:
+        print(f"bench_e2e: {len(run_case.failed)} cases failed: {', '.join(run_case.failed)} (tracebacks above)")
+    return 1 if run_case.failed else 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,26 @@
 """Run groups of pytest tests in parallel shards and report per group (bench/device_run.sh).
 
-    python bench/device_tests.py --out-dir OUT --jobs 12 \
+    python bench/device_tests.py --log-dir LOGS --json OUT/tests.json --jobs 12 \
         --group cuda-kernels="tests/kernels/test_cuda_attention.py" \
         --group engine="-m gpu tests/simsd"
 
 Each ``--group NAME=ARGS`` is collected with ``pytest --collect-only -q ARGS`` (markers, ``-k``
-and paths apply there); the node ids of all groups are dealt round-robin to ``--jobs`` pytest
-processes that run in parallel (on a GPU machine: Triton kernels compile on many cores at once;
-the GPU is shared). Every shard runs ``pytest -v`` with its output in ``OUT/tests.log`` (shard
-logs concatenated, each cut to its head and tail past 120 kB), so a shard killed by the
-deadline still reports the tests it finished.
-``OUT/tests.json``: per group the counts ``passed, failed, error, skipped, not_run`` and the ids
-of failures and of tests not run. Deadline: ``--timeout`` seconds, default the device script's
-``SIMSD_STEP_LIMIT`` minus 10. Exit status 0 when no test failed, errored or was left unrun.
+and paths apply there); each group's node ids are dealt round-robin to its own shards (``--jobs``
+pytest processes in all, shared by the groups in proportion to their sizes, at least one each),
+which run in parallel (on a GPU machine: Triton kernels compile on many cores at once; the GPU is
+shared). Groups never share a process, so a failure in one cannot touch another's results.
+
+Isolation within a group: a shard stops at its first failure (``-x``: a CUDA error is sticky and
+would fail every later test of the process) and at a crash (the process dies: the test that was
+running is recorded as ``crashed``, an error); the shard then restarts with the tests it has not
+run, until they are done or the deadline comes. Every test also has ``--test-timeout`` seconds
+(pytest-timeout). Output: ``pytest -v`` of every shard run in ``LOGS/tests.log`` (each cut to its
+head and tail past 120 kB), so a shard killed by the deadline still reports the tests it finished.
+
+``--json`` (default ``LOGS/tests.json``): per group the counts ``passed, failed, error, skipped,
+not_run`` and the ids of failures and of tests not run, plus ``timed_out``. Deadline:
+``--timeout`` seconds, default the device script's ``SIMSD_STEP_LIMIT`` minus 10. Exit status 0
+when no test failed, errored or was left unrun.
 """
 from __future__ import annotations
 
@@ -27,18 +35,30 @@ import time
 STATUS = re.compile(r"^(\S.*?::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 MAX_SHARD_LOG = 120_000
 BASE = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts="]
+#: ``--inject-crash``: the environment variable naming the test this module, loaded as a pytest
+#: plugin, aborts (a process killed mid-test, as by a CUDA fault; tests/bench/test_device_run.py)
+CRASH_ENV = "SIMSD_DEVICE_CRASH_TEST"
+
+
+def pytest_runtest_call(item):  # pytest hook, active only in shards of an --inject-crash run
+    if os.environ.get(CRASH_ENV) == item.nodeid:
+        os.abort()
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out-dir", required=True)
+    p.add_argument("--log-dir", required=True, help="tests.log and the shard logs")
+    p.add_argument("--json", default=None, help="the per-group report (default LOG_DIR/tests.json)")
     p.add_argument("--jobs", type=int, default=4)
-    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the whole run, seconds")
+    p.add_argument("--test-timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("--group", action="append", default=[], help="NAME=pytest arguments (repeatable)")
+    p.add_argument("--inject-crash", default=None, metavar="GROUP", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.timeout is None:
         limit = float(os.environ.get("SIMSD_STEP_LIMIT", "600"))
         args.timeout = max(10.0, limit - 10)
+    args.json = args.json or os.path.join(args.log_dir, "tests.json")
     groups = {}
     for g in args.group:
         name, sep, rest = g.partition("=")
@@ -47,6 +67,8 @@ def parse_args(argv=None):
         groups[name] = rest.split()
     if not groups:
         p.error("give at least one --group")
+    if args.inject_crash is not None and args.inject_crash not in groups:
+        p.error(f"--inject-crash {args.inject_crash!r}: no such group (groups: {', '.join(groups)})")
     args.groups = groups
     return args
 
@@ -83,7 +105,75 @@ def outcomes(text: str) -> dict:
     return seen
 
 
-def summarize(groups: dict, ids: dict, seen: dict, errors: dict) -> dict:
+def crashed_test(text: str, pending: list) -> str | None:
+    """The test a dead shard was running: the last pending id that ``pytest -v`` announced (it
+    writes the id when a test starts and the status when it ends; a crash leaves the id alone or
+    followed by the fault's message), else the first pending id."""
+    for line in reversed(text.splitlines()):
+        for nid in pending:
+            if line.startswith(nid + " ") or line == nid:
+                return nid
+    return pending[0] if pending else None
+
+
+def deal(ids: dict, jobs: int) -> list:
+    """``[(group, ids)]`` shards: each group's ids round-robin over its share of ``jobs``."""
+    total = sum(len(v) for v in ids.values())
+    shards = []
+    for name, nids in ids.items():
+        if not nids:
+            continue
+        share = max(1, min(len(nids), jobs * len(nids) // max(total, 1)))
+        shards += [(name, nids[i::share]) for i in range(share)]
+    return shards
+
+
+class Shard:
+    """One group's slice of tests, run by successive pytest processes until done or out of time."""
+
+    def __init__(self, index, group, ids, log_dir, test_timeout, crash_id=None):
+        self.index, self.group, self.pending = index, group, list(ids)
+        self.log_dir, self.test_timeout, self.crash_id = log_dir, test_timeout, crash_id
+        self.seen, self.crashed, self.text, self.runs, self.proc = {}, [], "", 0, None
+
+    def start(self):
+        self.runs += 1
+        self.log = os.path.join(self.log_dir, f"tests-shard{self.index}-run{self.runs}.log")
+        env = dict(os.environ)
+        plugin = []
+        if self.crash_id:
+            env[CRASH_ENV] = self.crash_id
+            env["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+            plugin = ["-p", "device_tests"]
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(BASE + plugin + ["-v", "-x", "--tb=short", "-rfE", "-o",
+                                                          f"timeout={self.test_timeout:g}", *self.pending],
+                                         stdout=f, stderr=subprocess.STDOUT, env=env)
+
+    def finish(self):
+        """Read the finished process's log; returns True when tests remain to be run."""
+        with open(self.log) as f:
+            body = f.read()
+        os.remove(self.log)
+        self.text += f"\n===== shard {self.index} ({self.group}) run {self.runs} (exit {self.proc.returncode}) " \
+                     f"=====\n" + (body if len(body) <= MAX_SHARD_LOG else
+                                  body[:MAX_SHARD_LOG // 4] + "\n[... cut ...]\n" + body[-3 * MAX_SHARD_LOG // 4:])
+        seen = outcomes(body)
+        self.seen.update(seen)
+        pending = [nid for nid in self.pending if nid not in seen]
+        # died (a signal, an abort, an internal error), or stopped without running anything new
+        if pending and (self.proc.returncode not in (0, 1, 5) or not seen):
+            nid = crashed_test(body, pending)
+            self.crashed.append(nid)
+            self.seen[nid] = "ERROR"
+            self.text += f"\n===== {nid}: CRASHED (the process exited with {self.proc.returncode}) =====\n"
+            pending.remove(nid)
+        self.pending = pending
+        self.proc = None
+        return bool(pending)
+
+
+def summarize(groups: dict, ids: dict, seen: dict, errors: dict, crashed=()) -> dict:
     out = {}
     for name in groups:
         counts = dict(passed=0, failed=0, error=0, skipped=0, not_run=0)
@@ -99,7 +189,7 @@ def summarize(groups: dict, ids: dict, seen: dict, errors: dict) -> dict:
                 failures.append(nid)
             elif status == "ERROR":
                 counts["error"] += 1
-                failures.append(nid)
+                failures.append(nid + (" (crashed)" if nid in crashed else ""))
             else:
                 counts["not_run"] += 1
                 unrun.append(nid)
@@ -112,45 +202,45 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.timeout
-    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.log_dir, exist_ok=True)
     ids, errors = collect(args.groups, deadline)
     for name in args.groups:
         print(f"# {name}: {len(ids[name])} tests collected{' (collection error)' if name in errors else ''}",
               flush=True)
-    flat = [nid for name in args.groups for nid in ids[name]]
-    shards = [flat[i::args.jobs] for i in range(args.jobs)]
-    shards = [s for s in shards if s]
-    logs = [os.path.join(args.out_dir, f"tests-shard{i}.log") for i in range(len(shards))]
-    procs = []
-    for ids_i, log in zip(shards, logs):
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(BASE + ["-v", "--tb=short", "-rfE", *ids_i], stdout=f,
-                                          stderr=subprocess.STDOUT))
+    crash_id = ids[args.inject_crash][0] if args.inject_crash and ids[args.inject_crash] else None
+    shards = [Shard(i, g, s, args.log_dir, args.test_timeout, crash_id if crash_id in s else None)
+              for i, (g, s) in enumerate(deal(ids, args.jobs))]
+    for s in shards:
+        s.start()
     timed_out = False
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
+    while any(s.proc is not None for s in shards):
+        for s in shards:
+            if s.proc is not None and s.proc.poll() is not None:
+                if s.finish() and time.time() < deadline - 5:
+                    s.start()
+        if time.time() >= deadline:
             timed_out = True
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    text = ""
-    with open(os.path.join(args.out_dir, "tests.log"), "a") as out:
-        for i, log in enumerate(logs):
-            with open(log) as f:
-                body = f.read()
-            text += body
-            if len(body) > MAX_SHARD_LOG:  # keep the returned file small: head and tail of the shard
-                body = body[:MAX_SHARD_LOG // 4] + "\n[... cut ...]\n" + body[-3 * MAX_SHARD_LOG // 4:]
-            out.write(f"\n===== shard {i} (exit {procs[i].returncode}) =====\n{body}")
-            os.remove(log)
+            for s in shards:
+                if s.proc is not None:
+                    s.proc.kill()
+                    s.proc.wait()
+                    s.finish()
+            break
+        time.sleep(0.2)
+    timed_out = timed_out or any(s.pending for s in shards)
+    seen = {k: v for s in shards for k, v in s.seen.items()}
+    crashed = [nid for s in shards for nid in s.crashed]
+    with open(os.path.join(args.log_dir, "tests.log"), "a") as out:
+        for s in shards:
+            out.write(s.text)
         for name, err in errors.items():
             out.write(f"\n===== collection of {name} failed =====\n{err}\n")
-    summary = summarize(args.groups, ids, outcomes(text), errors)
-    with open(os.path.join(args.out_dir, "tests.json"), "w") as f:
+    summary = summarize(args.groups, ids, seen, errors, crashed)
+    for name, g in summary.items():
+        g["timed_out"] = any(s.pending for s in shards if s.group == name)
+    with open(args.json, "w") as f:
         json.dump(dict(groups=summary, wall_s=round(time.time() - t0, 1), timed_out=timed_out, jobs=len(shards),
+                       restarts=sum(s.runs - 1 for s in shards),
                        args={k: " ".join(v) for k, v in args.groups.items()}), f, indent=1)
     bad = False
     for name, s in summary.items():

@@ -94,7 +94,10 @@ class Backend:
     cache_seqlens, rope_theta, num_tokens)`` as in :mod:`simsd_kernels.api`;
     ``is_available(device) -> (ok, reason)``; ``supports(dtype, head_dim) -> (ok, reason)``;
     ``auto_devices``: device types on which ``auto`` may choose it; ``self_check``: whether it
-    must pass :func:`simsd_kernels.selfcheck.run_check` before use (not the reference itself).
+    must pass :func:`simsd_kernels.selfcheck.run_check` before use (not the reference itself);
+    ``plan_options``: whether ``attention`` also takes the launch-plan keywords ``num_splits``
+    (0 = its own plan, n = n splits merged) and ``shape_invariant`` (the fused kernels), so the
+    self-check can force a split-KV plan and the invariant one.
     """
     name: str
     attention: Callable
@@ -103,6 +106,7 @@ class Backend:
     supports: Callable[[torch.dtype, int], tuple] = field(default=_supports_everything)
     auto_devices: tuple = ("cuda",)
     self_check: bool = True
+    plan_options: bool = False
 
 
 def _torch_backend() -> Backend:

@@ -133,4 +133,4 @@ def mask_table(labels, mask_mode):
 
 def make_backend() -> Backend:
     """The :class:`~simsd_kernels.backends.Backend` for ``cuda`` (the import above already succeeded)."""
-    return Backend("cuda", attention, append_kv, is_available, supports)
+    return Backend("cuda", attention, append_kv, is_available, supports, plan_options=True)

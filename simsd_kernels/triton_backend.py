@@ -70,4 +70,4 @@ def _append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num
 def make_backend() -> Backend:
     """Backend factory used by :func:`simsd_kernels.backends.get_backend`."""
     import triton  # noqa: F401  (ImportError -> backend reported unavailable)
-    return Backend("triton", _attention, _append_kv, is_available, supports)
+    return Backend("triton", _attention, _append_kv, is_available, supports, plan_options=True)

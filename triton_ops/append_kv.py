@@ -8,7 +8,7 @@ store; the caller owns capacity).
 import triton
 import triton.language as tl
 
-from .common import rope_inv_freq
+from .common import rope_inv_freq, round_to
 
 
 @triton.jit
@@ -33,8 +33,8 @@ def append_kv_kernel(K, V, POS, KC, VC, SEQLENS, num_tokens, Lmax,
     cos = tl.cos(ang)
     sin = tl.sin(ang)
     kc_ptr = KC + b * skcb + slot[:, None] * skct + h * skch + offs_h[None, :]
-    tl.store(kc_ptr, (k_lo * cos - k_hi * sin).to(KC.dtype.element_ty), mask=ok[:, None])
-    tl.store(kc_ptr + HALF, (k_hi * cos + k_lo * sin).to(KC.dtype.element_ty), mask=ok[:, None])
+    tl.store(kc_ptr, round_to(k_lo * cos - k_hi * sin, KC.dtype.element_ty), mask=ok[:, None])
+    tl.store(kc_ptr + HALF, round_to(k_hi * cos + k_lo * sin, KC.dtype.element_ty), mask=ok[:, None])
 
     v = tl.load(V + b * svb + t[:, None] * svt + h * svh + offs_d[None, :], mask=ok[:, None], other=0.0)
     tl.store(VC + b * svcb + slot[:, None] * svct + h * svch + offs_d[None, :],

@@ -25,7 +25,7 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
 import triton
 import triton.language as tl
 
-from .common import allowed, dot, rope_inv_freq, to_dot, upcast
+from .common import allowed, dot, rope_inv_freq, round_to, to_dot, upcast
 
 # runtime scalars that must not be specialised (a value of 1 or a multiple of 16 would otherwise
 # compile another variant): one variant per (dtype, head_dim, GQA group, BLOCK_M)
@@ -156,7 +156,7 @@ def temporal_attn_fwd_kernel(
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if active == 1:
             o_ptr = OUT + b * sob + tok[:, None] * sot + head[:, None] * soh + offs_d[None, :]
-            tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptr, round_to(o, OUT.dtype.element_ty), mask=row_ok[:, None])
         else:
             row_id = ((b * Lq + tok) * Hq + head).to(tl.int64) + split * total_rows
             lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
@@ -190,7 +190,7 @@ def merge_splits_kernel(O_PART, LSE_PART, OUT, SEQLENS, Lq, Hq, Lmax, total_rows
             o = o + w * tl.load(O_PART + (s * total_rows + row) * HEAD_DIM + offs_d)
             denom = denom + w
         o = o / tl.where(denom > 0.0, denom, 1.0)
-        tl.store(OUT + b * sob + tok * sot + h * soh + offs_d, o.to(OUT.dtype.element_ty))
+        tl.store(OUT + b * sob + tok * sot + h * soh + offs_d, round_to(o, OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -215,8 +215,8 @@ def rope_qk_kernel(Q, K, POS, QR, KR, sqb, sqt, sqh, skb, skt, skh, spb, spt, Lq
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
         dst = QR + ((b * Lq + t) * Hq + h[:, None]) * HEAD_DIM + offs[None, :]
-        tl.store(dst, (x1 * cos - x2 * sin).to(QR.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(QR.dtype.element_ty), mask=ok)
+        tl.store(dst, round_to(x1 * cos - x2 * sin, QR.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, round_to(x2 * cos + x1 * sin, QR.dtype.element_ty), mask=ok)
     for h0 in range(0, Hkv, BLOCK_H):
         h = h0 + offs_h
         ok = (h < Hkv)[:, None]
@@ -224,5 +224,5 @@ def rope_qk_kernel(Q, K, POS, QR, KR, sqb, sqt, sqh, skb, skt, skh, spb, spt, Lq
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
         dst = KR + ((b * Lq + t) * Hkv + h[:, None]) * HEAD_DIM + offs[None, :]
-        tl.store(dst, (x1 * cos - x2 * sin).to(KR.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(KR.dtype.element_ty), mask=ok)
+        tl.store(dst, round_to(x1 * cos - x2 * sin, KR.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, round_to(x2 * cos + x1 * sin, KR.dtype.element_ty), mask=ok)

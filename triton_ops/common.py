@@ -1,10 +1,16 @@
-"""Triton helpers shared by the simsd kernels: the mask-rule mirror, RoPE angles and the tile dot.
+"""Triton helpers shared by the simsd kernels: the mask-rule mirror, RoPE angles, rounding and the tile
+dot.
 
 :func:`allowed` mirrors :func:`simsd_kernels.mask_rule.allowed` operator for operator;
 ``tests/kernels/test_mask_mirror.py`` checks the two agree on every label combination.
 """
+import os
+
 import triton
 import triton.language as tl
+
+#: kernels defined under the Triton interpreter (``TRITON_INTERPRET=1`` before import)
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # mirrors simsd_kernels.mask_rule (kinds and MaskMode values)
 KIND_KNOWN = tl.constexpr(0)
@@ -56,13 +62,30 @@ def rope_inv_freq(HALF: tl.constexpr, HEAD_DIM: tl.constexpr, log2_theta_hi, log
 
 
 @triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE``, to nearest even (the GPU's ``cvt.rn``).
+
+    The interpreter's float32 -> bfloat16 cast truncates (it drops the low 16 bits: a bias of half
+    a unit in the last place toward zero, which shrinks q, k, the softmax weights and the output
+    alike and looks like a wrong softmax scale to the self-check); there the rounding is done first
+    in integer arithmetic, so the cast that follows is exact. Compiled code is a plain cast.
+    """
+    if INTERPRETER:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def to_dot(x, ELT: tl.constexpr, UPCAST: tl.constexpr):
     """Round ``x`` to the input dtype ``ELT`` for ``tl.dot``; back to fp32 under the interpreter.
 
     The interpreter computes bf16/fp16 arithmetic on raw bits, so there the operands are kept in
-    fp32 after the rounding (the rounding itself is emulated faithfully).
+    fp32 after the rounding (to nearest even, as on the GPU: :func:`round_to`).
     """
-    x = x.to(ELT)
+    x = round_to(x, ELT)
     if UPCAST:
         x = x.to(tl.float32)
     return x

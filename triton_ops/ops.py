@@ -12,6 +12,7 @@ No autotuning: one config per query tile (:data:`TILE_CONFIGS`), the same under 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import triton
@@ -29,6 +30,14 @@ BLOCK_MS = (16, 32, 64)
 TILE_CONFIGS = {16: (4, 5), 32: (4, 5), 64: (8, 3)}
 #: fp32 (a test path: ieee dots run on FMA units and are register-bound): 16 rows, 8 warps, 2 stages
 FP32_CONFIG = (16, 8, 2)
+#: the Triton in use; TILE_CONFIGS are free of register spills at sm_90 from 3.9 on. Before (3.6,
+#: the H200 image's, compiled by .ci/triton_compile_check.sh) the D128 kernels spill with 32 rows
+#: and 4 warps (16 bytes, GQA group 2) and with 64 rows at every launchable warp count (48-56
+#: bytes): there a 32-row tile runs 8 warps and a 64-row tile runs as two 32-row programs
+#: (:func:`tile_config`; rows are independent: the same math, the MMA shape may round dot products
+#: otherwise, within the tolerance).
+TRITON_VERSION = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+OLD_TRITON_D128 = TRITON_VERSION < (3, 9)
 #: an explicit register cap: without it ptxas stops at 168 registers and spills for some groups
 MAXNREG = 255
 #: True when ``TRITON_INTERPRET=1`` was set before the kernels were defined
@@ -44,6 +53,15 @@ def _split_f64(x: float):
 def block_m_for(rows: int) -> int:
     """Tile of packed (token, q-head) rows: the next power of two in [16, 64]."""
     return min(64, max(16, triton.next_power_of_2(max(rows, 1))))
+
+
+def tile_config(block_m: int, head_dim: int, fp32: bool) -> tuple:
+    """``(block_m, num_warps, num_stages)`` launched for a plan's query tile ``block_m``."""
+    if fp32 and not INTERPRETED:  # the row tile changes no result (rows are independent)
+        return FP32_CONFIG
+    if OLD_TRITON_D128 and head_dim == 128 and block_m >= 32:
+        return 32, 8, TILE_CONFIGS[32][1]
+    return (block_m, *TILE_CONFIGS[block_m])
 
 
 def _check_backend_args(q):
@@ -105,9 +123,7 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
     else:  # never written (a single split writes out); any valid pointer will do
         o_part, lse_part = out, out
     fp32 = q.dtype == torch.float32
-    warps, stages = TILE_CONFIGS[block_m]
-    if fp32 and not INTERPRETED:  # the row tile changes no result (rows are independent)
-        block_m, warps, stages = FP32_CONFIG
+    block_m, warps, stages = tile_config(block_m, D, fp32)
     grid = (triton.cdiv(rows, block_m), B * Hkv, num_splits)
     temporal_attn_fwd_kernel[grid](
         q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, out, o_part, lse_part,

@@ -34,7 +34,7 @@ import torch
 
 from ..decoding.choices import at_most, opt
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
-from ..decoding.vanilla import vanilla_program, vanilla_stats
+from ..decoding.vanilla import VanillaRow
 from ..engine.batching import BatchEngine, round_capacity
 from ..engine.memory import fmt_bytes, parameter_count
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
@@ -194,8 +194,9 @@ class LLM:
             request before any weight loads).
 
     Attributes: ``config`` (the :class:`EngineArgs` the engine was built with, defaults
-    resolved), ``diagnostics`` (None, or a dict into which paper-mode requests add the agreement
-    of their verification with exact mode's: ``simsd bench``; extra untimed target forwards).
+    resolved), ``verifier_class`` (None, or the verifier of paper/exact requests instead of the
+    mode's, :mod:`simsd.speculative.verifiers`: ``simsd bench`` installs one that compares paper
+    verification with exact mode's, with extra untimed target forwards).
 
     Warns (:class:`~simsd.entrypoints.errors.SimsdWarning`, once): a block length other than the
     target's ``block_size``, a draft trained for another block length, a draft larger than the
@@ -243,7 +244,7 @@ class LLM:
         #: stop ids of prompts that went through the chat template (its role markers)
         self.template_stop_ids = template_stop_ids(self.tokenizer, self.target.mask_token_id)
         self.default_params = default_params if default_params is not None else SamplingParams()
-        self.diagnostics = None
+        self.verifier_class = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._drive_lock = threading.Lock()
@@ -269,9 +270,10 @@ class LLM:
         return ckpt
 
     def _make_engine(self, batch_size: int, kv_cache_memory, cuda_graphs: bool) -> None:
-        B, L = self.block_length, self.max_model_len
-        capacity = round_capacity(-(-L // B) * B + B)
-        margin = 2 * B if self.mode == "vanilla" else ((self.config.max_gamma or B) + 2) * B  # the longest query
+        block_length, L = self.block_length, self.max_model_len
+        capacity = round_capacity(-(-L // block_length) * block_length + block_length)
+        gamma = self.config.max_gamma or block_length
+        margin = (2 if self.mode == "vanilla" else gamma + 2) * block_length  # the longest query
         per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)
         rows = batch_size
         if kv_cache_memory is not None:
@@ -285,7 +287,7 @@ class LLM:
         if self.draft is not None:
             engine_models["draft"] = self.draft.model
         try:
-            self.engine = BatchEngine(engine_models, B, rows, capacity, margin, cuda_graphs=cuda_graphs)
+            self.engine = BatchEngine(engine_models, block_length, rows, capacity, margin, cuda_graphs=cuda_graphs)
         except RuntimeError as exc:  # torch.OutOfMemoryError among them
             if "out of memory" not in str(exc).lower():
                 raise
@@ -384,20 +386,20 @@ class LLM:
         stream = TextStream(self.tokenizer, stop_ids, params.stop, params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, rid, prompt, ids, seed, stream, listener)
-        mask_id = self.target.mask_token_id
         if spec is None:
-            def program(row, tail):
-                handle._row = row
-                return vanilla_program(row, tail, cfg, mask_id, stop_ids, seed, handle._on_block)
-            handle._stats = vanilla_stats
+            def new_program(row):
+                return VanillaRow(row, cfg, self.target.mask_token_id, stop_ids, seed)
         else:
             dec = SpeculativeDecoder(self.target, self.draft, cfg, spec, check=False)
-            dec.diagnostics = self.diagnostics
+            if self.verifier_class is not None:
+                dec.verifier_class = self.verifier_class
 
-            def program(row, tail):
-                handle._row = dec.new_row(row, seed, stop_ids)
-                return handle._row.program(tail, handle._on_block)
-            handle._stats = dec.row_stats
+            def new_program(row):
+                return dec.new_row(row, seed, stop_ids)
+
+        def program(row, tail):
+            handle._program = new_program(row)
+            return handle._program.program(tail, handle._on_block)
         handle._request = Request(ids, program, capacity, on_finish=handle._on_finish, request_id=rid)
         return handle
 
@@ -434,14 +436,14 @@ class LLM:
             t["requests"][outcome] += 1
             t["prompt_tokens"] += len(handle.prompt_token_ids)
             t["generation_tokens"] += len(handle.stream.token_ids)
-            r = handle._row
-            if r is not None:
-                row = getattr(r, "row", r)
-                t["target_forwards"] += row.forwards.get("target", 0)
-                t["draft_forwards"] += row.forwards.get("draft", 0)
-                if hasattr(r, "stats"):
-                    t["proposed"] += r.stats.proposed
-                    t["accepted"] += r.stats.accepted
+            prog = handle._program
+            if prog is not None:
+                t["target_forwards"] += prog.row.forwards.get("target", 0)
+                t["draft_forwards"] += prog.row.forwards.get("draft", 0)
+                counters = getattr(prog, "stats", None)  # SimSD rows count proposals
+                if counters is not None:
+                    t["proposed"] += counters.proposed
+                    t["accepted"] += counters.accepted
 
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the

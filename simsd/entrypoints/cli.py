@@ -284,6 +284,29 @@ def check_options(args, modes: list) -> None:
     if single and args.batch_size > 1:
         raise ParamError("batch_size", f"{opt('batch_size')} {args.batch_size} with a single prompt: batches need "
                                        f"{opt('prompts_file')} or {opt('prompt_set')}")
+    if args.engine.tp > 1:  # last: it loads torch (unless the device is the CPU)
+        check_tp_devices(args.engine.device, args.engine.tp)
+
+
+def check_tp_devices(device, tp: int) -> None:
+    """Tensor parallelism on CUDA runs one rank per GPU (``cuda:<local rank>``, simsd.engine.tp):
+    :class:`ParamError` when the ranks of this machine (``tp``, or torchrun's ``LOCAL_WORLD_SIZE``)
+    outnumber the visible GPUs, before any rank starts or weights load. On the CPU the ranks are
+    processes (gloo): any number. ``device``: the ``--device`` option (None: cuda if available)."""
+    if device is not None and str(device).split(":")[0] != "cuda":
+        return  # the CPU (the device check refuses other device types)
+    import os
+
+    import torch
+    if device is None and not torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    visible = torch.cuda.device_count()
+    if local > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ParamError("tp", f"{opt('tp')} {tp}: {local} ranks on this machine need {local} GPUs (one rank per "
+                               f"GPU), {visible} visible"
+                               + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
 
 
 

@@ -1,7 +1,13 @@
-"""The device script's helpers: test-shard outcomes, the final table's verdicts, the benchmark's
-backend filter. (The script itself runs in CI as ``SIMSD_DEVICE_DRY_RUN=1 bash bench/device_run.sh``.)"""
+"""The device script and its helpers: test-shard outcomes and restarts, the final table's verdicts,
+the benchmark's backend filter, and the script itself on the CPU with an injected failure in one
+e2e case and one test group. (The whole script runs in CI as
+``SIMSD_DEVICE_DRY_RUN=1 bash bench/device_run.sh``.)"""
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +41,16 @@ def test_shard_outcomes_and_counts():
     assert g["not_run_ids"] == ["tests/b.py::test_never"] and "tests/a.py::test_y" in g["failures"]
 
 
+def test_the_test_a_crash_killed_and_the_shards_of_each_group():
+    dt = load("device_tests")
+    log = "tests/a.py::test_x PASSED   [ 50%]\ntests/a.py::test_y Fatal Python error: Aborted\n\nThread 0x1 ..."
+    assert dt.crashed_test(log, ["tests/a.py::test_y", "tests/a.py::test_z"]) == "tests/a.py::test_y"
+    assert dt.crashed_test("collecting ...", ["tests/a.py::test_z"]) == "tests/a.py::test_z"
+    shards = dt.deal({"big": [f"b{i}" for i in range(9)], "small": ["s0"], "empty": []}, 4)
+    assert sorted(g for g, _ in shards) == ["big", "big", "big", "small"], "groups never share a shard"
+    assert sorted(x for g, ids in shards if g == "big" for x in ids) == sorted(f"b{i}" for i in range(9))
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -42,7 +58,8 @@ def _write(path, rows):
 def test_summary_verdicts(tmp_path):
     ds = load("device_summary")
     (tmp_path / "env.txt").write_text("NVIDIA H200\n")
-    (tmp_path / "steps.txt").write_text("install 0 60 150\nimport-check 0 3 60\ncheck 0 20 60\nbench-e2e skip 0 90\n")
+    (tmp_path / "steps.txt").write_text("install 0 60 150\nimport-check 0 3 60\ncheck 0 20 60\ntests 124 150 150\n"
+                                        "bench-attention 1 9 70\nbench-e2e skip 0 90\n")
     (tmp_path / "install.log").write_text('BUILD_INFO {"cuda_extension": true, "archs": [90], "nvcc": "12.8"}\n')
     row = dict(dtype="bfloat16", head_dim=128, mask_mode="paper", cache="split", group=4, max_err=0.01, tol=0.03)
     _write(tmp_path / "check.jsonl", [dict(row, backend="cuda", status="pass"),
@@ -58,6 +75,11 @@ def test_summary_verdicts(tmp_path):
         dict(case, provider="simsd-triton", ms=0.05, valid=False, frac_4tbs=0.2),
         dict(case, provider="flex", error="RuntimeError: not run: flex time budget of 25 s spent")])
     (tmp_path / "e2e.log").write_text("x.py:1: GraphCheckWarning: simsd: CUDA graph on cuda:0: the first replay ...\n")
+    tps = dict(kind="tokens_per_second", pair="random-8b/1.7b", prompts=2, tokens_per_second=10.0)
+    _write(tmp_path / "e2e.jsonl", [dict(tps, mode="vanilla+graphs", identical_to_vanilla=2, case="tokens/s:v"),
+                                    dict(tps, mode="exact+graphs", identical_to_vanilla=1, case="tokens/s:e"),
+                                    dict(kind="error", pair="random-8b/1.7b", case="latency:verify_paper:graphs",
+                                         error="RuntimeError: capture failed")])
     text, ok = ds.summary(str(tmp_path))
     verdict = {line[:44].strip(): line[45:53].strip() for line in text.splitlines()
                if line.startswith(("build:", "check:", "tests:", "bench:", "e2e", "self-checks"))}
@@ -66,8 +88,14 @@ def test_summary_verdicts(tmp_path):
     assert verdict["tests: CUDA kernels"] == "correct"
     assert verdict["tests: engine (graphs == eager, host reads)"] == "wrong", "tests left unrun are not a pass"
     assert verdict["bench: simsd-cuda"] == "correct" and verdict["bench: simsd-triton"] == "wrong"
-    assert verdict["bench: flex"] == "not run" and verdict["e2e"] == "not run"
+    assert verdict["bench: flex"] == "not run"
+    assert verdict["e2e: exact == vanilla tokens (info)"] == "info", "not promised on a GPU: information"
+    assert "1/2 prompts identical" in text
+    assert verdict["e2e: benchmark cases"] == "failed" and "latency:verify_paper:graphs" in text
     assert verdict["self-checks during the benchmarks"] == "wrong"
+    status = {line.split()[0]: line.split()[1] for line in text.splitlines()[4:10] if line.strip()}
+    assert status == {"install": "passed", "import-check": "passed", "check": "passed", "tests": "timed",
+                      "bench-attention": "failed", "bench-e2e": "not"}
     assert "time simsd-cuda / sdpa-nomask: median 1.50" in text
     assert "simsd-triton / sdpa-nomask" not in text, "an INVALID row gives no ratio"
     assert not ok and "NOT OK" in text
@@ -78,6 +106,17 @@ def test_summary_of_an_empty_run(tmp_path):
     text, ok = ds.summary(str(tmp_path))
     assert "not run" in text and ok
     assert ds.main([str(tmp_path / "missing")]) == 2
+
+
+def test_exact_differing_from_vanilla_is_information_not_a_failure(tmp_path):
+    """README: on a GPU the verify and denoise forwards run other tiles and GEMM kernels, so near-ties
+    may flip; the count is reported, the correctness verdicts come from the checks and tests."""
+    ds = load("device_summary")
+    _write(tmp_path / "e2e.jsonl", [dict(kind="tokens_per_second", pair="p", mode=m, prompts=8, case=m,
+                                         tokens_per_second=1.0, identical_to_vanilla=n)
+                                    for m, n in (("vanilla", 8), ("exact", 5), ("exact+graphs", 6))])
+    text, ok = ds.summary(str(tmp_path))
+    assert ok and "11/16 prompts identical" in text and "NOT OK" not in text
 
 
 def test_bench_skips_backends_that_failed_the_check(tmp_path):
@@ -91,3 +130,54 @@ def test_bench_skips_backends_that_failed_the_check(tmp_path):
     providers = ba.build_providers("simsd-triton", bad)
     with pytest.raises(RuntimeError, match="failed simsd check"):
         providers["simsd-triton"]({})
+
+
+@pytest.mark.timeout(1500)  # two steps of the dry run: ~2 min alone on 2 cores, much more under load
+def test_the_script_keeps_every_other_row_after_an_injected_failure(tmp_path):
+    """The script itself (dry run, two steps): one e2e case raises and the first test of one group
+    crashes its process; the other e2e rows, the other groups' results, the group's other tests and
+    the summary survive, and at most 8 files come back, the logs with the tracebacks in the tarball.
+    Also bench_e2e.py's CPU smoke rows (its code paths; test_bench_e2e.py has the no-CUDA path)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), SIMSD_DEVICE_DRY_RUN="1", PY=sys.executable, TMPDIR=str(tmp_path),
+               SIMSD_DEVICE_STEPS="tests bench-e2e", SIMSD_ATTENTION_BACKEND="torch",
+               SIMSD_DEVICE_INJECT="e2e:latency:verify_paper:graphs tests:triton-kernels")
+    proc = subprocess.run(["bash", str(BENCH / "device_run.sh")], env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["e2e.jsonl", "logs.tar.gz", "summary.txt", "tests.json"], files
+    summary = (out / "summary.txt").read_text()
+    assert proc.stdout.rstrip().endswith(summary.splitlines()[-1]) or summary.splitlines()[-1] in proc.stdout
+    # e2e: the injected case failed, every other case has its rows
+    rows = [json.loads(x) for x in (out / "e2e.jsonl").read_text().splitlines()]
+    failed = [r for r in rows if r["kind"] == "error"]
+    assert [r["case"] for r in failed] == ["latency:verify_paper:graphs"]
+    latency = {(r["forward"], r["mode"]) for r in rows if r["kind"] == "latency"}
+    assert len(latency) == 11 and ("verify_paper", "eager") in latency
+    assert {r["mode"] for r in rows if r["kind"] == "tokens_per_second" and r["pair"] != "bundled-tiny"} == \
+        {"vanilla", "vanilla+graphs", "paper", "paper+graphs", "exact", "exact+graphs"}
+    assert {r["mode"] for r in rows if r["kind"] == "modelled"} >= {"vanilla/graphs", "exact/graphs", "paper/eager"}
+    assert all(r["git_sha"] is not None and "torch" in r for r in rows)
+    assert all(r["modelled"] for r in rows if r["kind"] == "modelled")
+    for pair in ("random-8b/1.7b", "bundled-tiny"):
+        measured = {r["mode"]: r for r in rows if r["kind"] == "tokens_per_second" and r["pair"] == pair}
+        assert len(measured) == 6 and measured["exact"]["identical_to_vanilla"] == measured["exact"]["prompts"]
+        assert all(measured[m + "+graphs"]["graphs_equal_eager"] for m in ("vanilla", "paper", "exact"))
+    # tests: the crashed test is an error of its group, the group's other tests and the other groups ran
+    groups = json.loads((out / "tests.json").read_text())["groups"]
+    triton = groups["triton-kernels"]
+    assert triton["error"] == 1 and triton["failures"][0].endswith("(crashed)") and triton["not_run"] == 0
+    assert triton["passed"] == triton["collected"] - 1 >= 2, triton
+    assert groups["engine"]["passed"] >= 1 and not groups["engine"]["failures"]
+    # the summary says what ran, what failed and why
+    assert "tests: Triton kernels (GPU-compiled), ops    wrong" in summary
+    assert "tests: engine (graphs == eager, host reads)  correct" in summary
+    assert "e2e: benchmark cases" in summary and "failed" in summary and "NOT OK" in summary
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+        assert {"env.txt", "steps.txt", "tests.log", "e2e.log"} <= names
+        e2e_log = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("e2e.log"))).read().decode()
+        tests_log = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("tests.log"))).read().decode()
+    assert "Traceback" in e2e_log and "injected failure" in e2e_log and "goal" in e2e_log
+    assert "CRASHED" in tests_log

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import simsd_kernels as sk
-from simsd_kernels import backends
+from simsd_kernels import backends, selfcheck
 from simsd_kernels.backends import Backend, BackendCheckError, BackendCheckWarning, OpConfig
 from simsd_kernels.reference import append_kv_torch, temporal_attention_torch
 from tests.kernels.helpers import make_inputs
@@ -108,10 +108,11 @@ def test_a_correct_configuration_of_the_same_backend_is_used(register):
     register(backend)
     args = make_inputs(2, 2, 9, 4, 2, 64, [6, 3])
     _, caught = _recorded(lambda: _attention(args, "bidirectional"))
-    assert not caught and calls["attention"] == 2  # the check, then the call itself
+    n_cases = len(selfcheck.CASES)
+    assert not caught and calls["attention"] == n_cases + 1  # the check's cases, then the call itself
     _, caught = _recorded(lambda: _attention(args, "paper"))
     assert len(caught) == 1 and "mask_mode=paper" in str(caught[0].message)
-    assert calls["attention"] == 3  # only the check ran the failing configuration
+    assert calls["attention"] == n_cases + 2  # only the check ran the failing configuration (its first case)
 
 
 def test_explicit_request_of_a_wrong_backend_raises(register, monkeypatch):
@@ -184,6 +185,29 @@ def test_wrong_append_kv_falls_back(register):
     assert "other slots" in msgs[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift", [-0.5, 0.5])
+def test_an_output_off_by_a_constant_fails_either_sign(register, shift, dtype):
+    """The check bounds the size of the error: a backend whose attention output, or whose rotated
+    k in append_kv, is the reference plus or minus 0.5 fails it (explicit requests raise), in
+    float32 and in bfloat16 (the loosest error floor, 1.6e-2)."""
+    def attention(*a):
+        return temporal_attention_torch(*a) + shift
+
+    def append(k, v, positions, kc, vc, lens, theta, n):
+        append_kv_torch(k, v, positions, kc, vc, lens, theta, n)
+        for b, c in enumerate(lens.tolist()):
+            kc[b, c:c + n] += shift
+    register(_wrapping("shifted", attention, append)[0], auto_rank=None)
+    to = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    args = [to(a) for a in make_inputs(8, 2, 6, 4, 2, 64, [5, 0])]
+    with pytest.raises(BackendCheckError, match=r"'shifted' failed its self-check .*max error 0\.5"):
+        _attention(args, "exact", backend="shifted")
+    _, k, v, kc, vc, lens, _, pos = [to(a) for a in make_inputs(8, 2, 4, 4, 2, 64, [3, 0], lmax=12)]
+    with pytest.raises(BackendCheckError, match=r"'shifted' failed its self-check .*rotated k error 0\.5"):
+        sk.append_kv(k, v, pos, kc, vc, lens, rope_theta=1e4, backend="shifted")
+
+
 def test_trust_env_skips_the_checks(register, monkeypatch):
     backend, calls = _wrapping("wrong", _scaled_softmax)
     register(backend)
@@ -242,7 +266,7 @@ def test_resolution_is_cached(register):
     for _ in range(4):
         _attention(args, "exact")
     assert calls["available"] == 1
-    assert calls["attention"] == 1 + 4  # one check, four calls
+    assert calls["attention"] == len(selfcheck.CASES) + 4  # one check (a call per case), four calls
     cfg = OpConfig("attention", torch.float32, 64, 2, 2)
     assert backends.resolve_backend("auto", CPU, cfg) is backend
     assert backends.resolve_backend("counted", CPU, cfg) is backend
@@ -274,3 +298,118 @@ def test_on_the_gpu_auto_uses_a_checked_fused_backend_and_skips_a_wrong_one(regi
     assert len(caught) == 1 and "'wrong'" in str(caught[0].message) and "cuda" in str(caught[0].message)
     assert backends.resolve_backend("auto", dev, cfg).name == fused.name
     torch.testing.assert_close(out, fused.attention(*args, 3, 1e4, 128 ** -0.5), atol=0, rtol=0)
+
+
+# ---- what the self-check covers, and the errors its tolerance must catch in bfloat16 ----------
+
+def _rotate(x, positions, theta, angle_factor=1.0):
+    """RoPE as the fused kernels apply it: in float32, rounded once to x's dtype; the angles
+    times ``angle_factor`` (1.001: a 0.1% angle error)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.cat([positions.to(torch.float64)[..., None] * inv_freq * angle_factor] * 2, -1)
+    cos, sin = ang.cos().float()[:, :, None], ang.sin().float()[:, :, None]
+    x1, x2 = x.float().chunk(2, -1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def _fused_numerics(angle_factor=1.0, scale_factor=1.0, p_in_dtype=False):
+    """The reference with the fused kernels' rounding (q, k rotated once in float32), optionally
+    with a wrong softmax scale or RoPE angle, or with the softmax weights rounded to the input dtype
+    per 64-key tile before the PV product (as the tensor-core kernels do)."""
+    def attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
+        qr, kr = _rotate(q, pos, theta, angle_factor), _rotate(k, pos, theta, angle_factor)
+        if not p_in_dtype:
+            return temporal_attention_torch(qr, kr, v, kc, vc, lens, labels, torch.zeros_like(pos), mode, theta,
+                                            scale * scale_factor)
+        from simsd_kernels.reference import full_mask
+        used = int(lens.max())
+        g = q.shape[2] // k.shape[2]
+        keys = torch.cat([kc[:, :used], kr], 1).float().nan_to_num(0.0).repeat_interleave(g, 2).transpose(1, 2)
+        vals = torch.cat([vc[:, :used], v], 1).float().nan_to_num(0.0).repeat_interleave(g, 2).transpose(1, 2)
+        s = torch.einsum("bqhd,bhkd->bhqk", qr.float(), keys) * scale
+        s = s.masked_fill(~full_mask(lens, labels, mode, used)[:, None], float("-inf"))
+        m = torch.full(s.shape[:-1], float("-inf"))
+        acc, total = torch.zeros(*s.shape[:-1], q.shape[3]), torch.zeros(s.shape[:-1])
+        for t in range(0, s.shape[-1], 64):  # online softmax over 64-key tiles
+            m_new = torch.maximum(m, s[..., t:t + 64].amax(-1))
+            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, p = torch.exp(m - m_safe), torch.exp(s[..., t:t + 64] - m_safe[..., None])
+            total = total * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p.to(q.dtype).float() @ vals[:, :, t:t + 64]
+            m = m_new
+        return (acc / torch.where(total > 0, total, 1.0)[..., None]).transpose(1, 2).to(q.dtype)
+    return Backend("fused-numerics", attention, append_kv_torch, lambda device: (True, ""), auto_devices=("cpu",))
+
+
+#: SDAR's head size and GQA groups (1.7B: 2, 8B: 4) in every mask mode, and one D64 G1 configuration
+SDAR_CONFIGS = [OpConfig("attention", torch.bfloat16, 128, g, m) for g in (2, 4) for m in range(4)] + \
+    [OpConfig("attention", torch.bfloat16, 64, 1, 3)]
+
+
+@pytest.mark.parametrize("mutant", ["softmax scale 1% off", "RoPE angles 0.1% off"])
+def test_the_tolerance_catches_small_systematic_errors_in_bfloat16(mutant):
+    """bfloat16 rounds the largest outputs by ~0.8% of their size: a max-error bound alone passes a
+    softmax scale 1% off. The self-check also bounds the mean error, and fails both mutants in
+    every configuration, while the same numerics without the error pass."""
+    wrong = _fused_numerics(scale_factor=1.01) if "scale" in mutant else _fused_numerics(angle_factor=1.001)
+    for config in SDAR_CONFIGS:
+        res = selfcheck.run_check(wrong, CPU, config)
+        assert not res.ok, (config.describe(), res.detail)
+        assert "error" in res.detail
+
+
+@pytest.mark.parametrize("backend", ["fused numerics", "P in bfloat16 per tile", "torch"])
+def test_correct_numerics_pass_the_tolerance_in_bfloat16(backend):
+    impl = {"fused numerics": _fused_numerics(), "P in bfloat16 per tile": _fused_numerics(p_in_dtype=True),
+            "torch": backends.get_backend("torch")}[backend]
+    for config in SDAR_CONFIGS:
+        res = selfcheck.run_check(impl, CPU, config)
+        assert res.ok, (config.describe(), res.detail)
+
+
+def test_the_cases_reach_split_merge_the_largest_tile_the_invariant_plan_and_a_skipped_tile():
+    """Per configuration the self-check runs a forced multi-split plan (split-KV + merge) for every
+    GQA group, the 64-row query tile, the shape-invariant plan, more than 64 new tokens and a
+    new-key tile that a query tile skips (every mask mode but bidirectional, where all is seen)."""
+    from simsd_kernels.split_plan import BLOCK_MS, TRITON_FIGURES, active_splits, plan_for
+    seen = []
+
+    def recording(*args, **plan):
+        seen.append((args, plan))
+        return temporal_attention_torch(*args)
+    backend = Backend("recording", recording, append_kv_torch, lambda device: (True, ""), plan_options=True)
+    for group in (1, 2, 4, 8):
+        for mode in range(4):
+            seen.clear()
+            assert selfcheck.run_check(backend, CPU, OpConfig("attention", torch.float32, 64, group, mode)).ok
+            plans = [p for _, p in seen]
+            assert {"num_splits": 3} in plans and {"shape_invariant": True} in plans
+            for args, plan in seen:
+                q, k, kc, lens, labels = args[0], args[1], args[3], args[5], args[6]
+                assert q.shape[2] == group * k.shape[2]
+                p = plan_for(q, k, kc, figures=TRITON_FIGURES, num_splits=plan.get("num_splits", 0),
+                             invariant=plan.get("shape_invariant", False))
+                if plan.get("num_splits"):  # split-KV + merge for the long row, one split for the empty one
+                    assert active_splits(p.num_splits, p.min_tiles, p.invariant, int(lens.max()), q.shape[1]) == 3
+                    assert active_splits(p.num_splits, p.min_tiles, p.invariant, int(lens.min()), q.shape[1]) == 1
+                if q.shape[1] > 64:
+                    assert p.invariant and p.block_m == BLOCK_MS[-1]
+                    skipped = selfcheck.skipped_tiles(labels, mode, group, BLOCK_MS[-1])
+                    assert (skipped > 0) == (mode != 0), (group, mode, skipped)
+            assert any(a[0].shape[1] > 64 for a, _ in seen)
+    # a backend without plan options runs each case once, with its own plan
+    counted, calls = _wrapping("counted")
+    assert selfcheck.run_check(counted, CPU, OpConfig("attention", torch.float32, 64, 2, 3)).ok
+    assert calls["attention"] == len(selfcheck.CASES)
+
+
+def test_the_triton_kernels_pass_the_selfcheck_in_bfloat16():
+    pytest.importorskip("triton")
+    try:
+        triton = backends.resolve_backend("triton", CPU)
+    except ValueError as exc:
+        pytest.skip(f"triton backend unavailable here: {exc}")
+    for config in (OpConfig("attention", torch.bfloat16, 128, 4, 3), OpConfig("attention", torch.bfloat16, 128, 2, 2)):
+        res = selfcheck.run_check(triton, CPU, config)
+        assert res.ok, (config.describe(), res.detail)

@@ -384,3 +384,26 @@ def test_more_threads_than_cores_and_mismatched_draft_blocks_warn(capsys, ck, tm
         "other)",
         "simsd: warning: the draft's block_size 8 differs from the target's 4; the draft denoises blocks of the "
         "run's block length (SDAR checkpoints are trained for one block length)"]
+
+
+def test_tp_above_the_visible_gpus_is_refused_before_loading(capsys, no_loading, monkeypatch):
+    """On CUDA one rank runs per GPU: ``--tp 4`` with 2 visible GPUs is one line, before any rank
+    starts or weight loads; on the CPU the ranks are processes and any ``--tp`` goes on."""
+    import torch
+
+    import simsd.entrypoints.cli as cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    launched = []
+    monkeypatch.setattr(cli, "launch_tp", lambda args, argv: launched.append(args.tp) or 0)
+    err = error_of(capsys, "generate", "--prompt-ids", "1,2", "--tp", "4", "--device", "cuda")
+    assert "--tp 4: 4 ranks on this machine need 4 GPUs (one rank per GPU), 2 visible (CUDA_VISIBLE_DEVICES=0,1)" \
+        in err and not launched
+    assert "--tp 3" in error_of(capsys, "generate", "--prompt-ids", "1,2", "--tp", "3")  # default device: cuda
+    assert run(capsys, "generate", "--prompt-ids", "1,2", "--tp", "2", "--device", "cuda")[0] == 0
+    assert run(capsys, "generate", "--prompt-ids", "1,2", "--tp", "4", "--device", "cpu")[0] == 0
+    assert launched == [2, 4]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun over two machines of 2 GPUs each
+    assert run(capsys, "generate", "--prompt-ids", "1,2", "--tp", "4", "--device", "cuda")[0] == 0

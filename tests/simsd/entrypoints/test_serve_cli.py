@@ -138,6 +138,8 @@ def test_serve_exits_promptly_after_sigterm(server_process):
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no position for a prompt in the 2048"),
     (["--max-model-len", "5"], "--max-tokens 128 leaves no position for a prompt in the 5 positions of a request "
                                "(--max-model-len;"),
+    (["--max-model-len", "128"], "--max-tokens 128 leaves no position for a prompt in the 128 positions of a "
+                                 "request (--max-model-len;"),
     (["--invariant", "--cuda-graphs"], "--invariant is not available with --cuda-graphs"),
     (["--strategy", "foo"], "--strategy: unknown strategy 'foo'"),
     (["--draft-strategy", "foo"], "--draft-strategy: unknown strategy 'foo'"),
