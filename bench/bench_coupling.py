@@ -36,9 +36,10 @@ from simsd import DecodeConfig, SamplingParams, load_checkpoint  # noqa: E402
 from simsd.decoding.noise import (  # noqa: E402
     ACCEPT,
     RESIDUAL,
+    step_noise,  # noqa: E402
     uniform,  # noqa: E402
 )
-from simsd.decoding.step import denoise_step, step_noise, without_mask_token_  # noqa: E402
+from simsd.decoding.step import denoise_step, without_mask_token_  # noqa: E402
 from simsd.decoding.vanilla import vanilla_generate_batch  # noqa: E402
 from simsd.entrypoints.bench import git_sha  # noqa: E402
 from simsd.entrypoints.prompts import load_prompts  # noqa: E402

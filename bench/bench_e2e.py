@@ -304,8 +304,7 @@ def bundled_pair(args):
     d = load_checkpoint(DEFAULT_DRAFT, dtype=DTYPE, device=DEV)
     lines = HELDOUT_PROMPTS.read_text().splitlines() if HELDOUT_PROMPTS.is_file() else []
     texts = [json.loads(x)["prompt"] for x in lines if x.strip()][: args.prompts] or ["def add(a, b):"]
-    prompts = [encode_prompt([{"role": "user", "content": x}], t.tokenizer, t.config.vocab_size,
-                             t.mask_token_id)[0] for x in texts]
+    prompts = [encode_prompt([{"role": "user", "content": x}], t.tokenizer, t.mask_token_id)[0] for x in texts]
     return t, d, prompts
 
 

@@ -82,7 +82,7 @@ def check_prompt_ids(prompt_ids, config, mask_id: int | None = None) -> None:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
     if bad:
-        raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {config.vocab_size})")
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     mask = mask_id if mask_id is not None else config.mask_token_id
     ids = [int(t) for t in prompt_ids]
     if mask is not None and int(mask) in ids:

@@ -43,7 +43,7 @@ from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
 from .encoding import encode_prompt, is_ids, is_messages, template_stop_ids
 from .errors import ParamError, SimsdWarning
-from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure, run_decode_seconds  # noqa: F401  (re-exported)
+from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401  (re-exported)
 from .settings import EngineArgs, SamplingParams, resolve
 
 
@@ -324,10 +324,7 @@ class LLM:
         return self._encode(prompt)[0]
 
     def _encode(self, prompt) -> tuple:
-        ids, templated = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size,
-                                       self.target.mask_token_id)
-        if not ids:
-            raise ParamError("prompt", "the prompt encodes to no tokens")
+        ids, templated = encode_prompt(prompt, self.tokenizer, self.target.mask_token_id)
         try:
             check_prompt_ids(ids, self.target.config, self.target.mask_token_id)
         except ValueError as exc:
@@ -450,7 +447,7 @@ class LLM:
         forms) with ``params`` (one :class:`SamplingParams` for all, or a list, one per prompt;
         None: ``default_params``); returns one :class:`RequestOutput` per prompt, in order.
         The requests are batched continuously (at most ``batch_size`` at a time);
-        :func:`~simsd.entrypoints.outputs.run_decode_seconds` of the outputs is the run's
+        :func:`~simsd.engine.scheduler.decode_span` of the outputs is the run's
         decode time.
 
         Raises:

@@ -19,7 +19,7 @@ measured in a separate untimed pass.
 Each mode runs through one :class:`~simsd.entrypoints.api.LLM` (the checkpoints shared, the
 engines side by side), as ``simsd generate`` does: a pass of a mode is one ``generate`` call
 over the prompt set, continuously batched in ``--batch-size`` rows, and its decode seconds are
-the run's (:func:`~simsd.entrypoints.outputs.run_decode_seconds`).
+the run's (:func:`~simsd.engine.scheduler.decode_span`).
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ import torch
 from ..decoding.choices import ParamError, opt
 from ..decoding.step import without_mask_token_
 from ..engine.batching import Fwd
+from ..engine.scheduler import decode_span
 from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
 from .commands import build_llm, prepare
-from .outputs import run_decode_seconds
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable
 UNSTABLE_SPREAD = 0.10
@@ -141,9 +141,6 @@ def bench_modes(args, modes: list) -> int:
         llms[mode] = build_llm(run, mode, loaded)
     target, draft = loaded["target"], loaded.get("draft")
     n = llms[modes[0]].batch_size  # the batch size that runs (recorded as such)
-    if n < args.batch_size:
-        print(f"simsd: {args.typed.get('batch_size', '--batch-size')} {args.batch_size} > {len(prompts)} prompts: "
-              f"batches of {n}", file=sys.stderr)
     requests = [p.request for p in prompts]
     params = {m: run.params_of(m) for m in modes}
     warm = requests[: args.warmup]
@@ -166,7 +163,7 @@ def bench_modes(args, modes: list) -> int:
             if mode in results and ids != [x.token_ids for x in results[mode]]:
                 raise RuntimeError(f"{mode}: pass {r + 1} decoded other tokens than pass 1")
             results.setdefault(mode, out)
-            seconds[mode].append(run_decode_seconds(out))  # the rows share the run's decode time
+            seconds[mode].append(decode_span(out))  # the rows share the run's decode time
             tokens[mode].append(sum(x.stats["new_tokens"] for x in out))
     bar.close()
     tps = {m: [t / s if s else float("nan") for t, s in zip(tokens[m], seconds[m])] for m in modes}

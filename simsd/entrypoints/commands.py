@@ -89,7 +89,7 @@ def read_prompts(args) -> list:
     return prompts
 
 
-def encode_prompts(prompts: list, args, tokenizer, vocab_size: int, mask_id: int) -> list:
+def encode_prompts(prompts: list, args, tokenizer, mask_id: int) -> list:
     """``prompts`` with ``ids`` and ``request`` (the form given to the API, :func:`request_form`)
     set: texts get the chat template unless ``--raw``, encoded by
     :func:`simsd.entrypoints.encoding.encode_prompt` (a text that spells the mask token is
@@ -98,7 +98,7 @@ def encode_prompts(prompts: list, args, tokenizer, vocab_size: int, mask_id: int
     for i, p in enumerate(prompts):
         p.request = request_form(p, tokenizer, args.raw)
         try:
-            p.ids, _ = encode_prompt(p.request, tokenizer, vocab_size, mask_id)
+            p.ids, _ = encode_prompt(p.request, tokenizer, mask_id)
         except ChatTemplateError as exc:
             raise ParamError("raw", f"{exc}; pass {opt('raw')} to use the text as it is") from exc
         except ParamError as exc:
@@ -161,7 +161,7 @@ def prepare(args, modes: list) -> Run:
               f"(oversubscribed threads wait for each other)", file=sys.stderr)
     apply_threads([c.config for c in infos.values()], threads)
     cfg = resolve(args.params, config, target.config.vocab_size)[0]
-    encode_prompts(prompts, args, target.tokenizer, target.config.vocab_size, target.mask_token_id)
+    encode_prompts(prompts, args, target.tokenizer, target.mask_token_id)
     check_prompts(prompts, list(infos.values()), cfg, target.mask_token_id)
     tok = target.tokenizer
     if any(p.text is not None for p in prompts) and not args.raw and not getattr(tok, "chat_template", None):
@@ -172,6 +172,9 @@ def prepare(args, modes: list) -> Run:
         if role in infos:
             dense = resolve_backend(config.attention_backend or "auto", device).name == "torch"
             models[role] = (infos[role].config, config.dtype, str(device), dense)
+    if len(prompts) < config.batch_size:
+        print(f"simsd: {args.typed.get('batch_size', '--batch-size')} {config.batch_size} > {len(prompts)} "
+              f"prompts: batches of {len(prompts)}", file=sys.stderr)
     check_run_memory(RunShape(models, [len(p.ids) for p in prompts], cfg.max_new_tokens, cfg.block_length,
                               args.params.gamma, min(config.batch_size, len(prompts)), modes))
     return Run(args, modes, config, target, draft, cfg, prompts, args.params)
@@ -225,13 +228,10 @@ def summary_line(stats: dict) -> str:
 
 
 def run_generate(args) -> int:
-    from .outputs import run_decode_seconds
+    from ..engine.scheduler import decode_span
     run = prepare(args, [args.mode])
     llm = build_llm(run, args.mode)
     prompts, n = run.prompts, llm.batch_size
-    if n < args.batch_size:
-        print(f"simsd: {args.typed.get('batch_size', '--batch-size')} {args.batch_size} > {len(prompts)} prompts: "
-              f"batches of {n}", file=sys.stderr)
     outs = []
     for prompt, out in zip(prompts, llm.generate_iter([p.request for p in prompts], run.params_of(args.mode),
                                                       use_tqdm=len(prompts) > n)):
@@ -246,7 +246,7 @@ def run_generate(args) -> int:
             print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
             print(summary_line(out.stats), flush=True)
     if n > 1 and not args.json:  # the run as a whole: its tokens over its decode time
-        tokens, seconds = sum(len(o.token_ids) for o in outs), run_decode_seconds(outs)
+        tokens, seconds = sum(len(o.token_ids) for o in outs), decode_span(outs)
         print(f"[{len(prompts)} prompts, batch size {n}] {tokens} tokens in {seconds:.3f} s "
               f"({tokens / seconds if seconds > 0 else float('nan'):.1f} tokens/s)", flush=True)
     return 0

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.scheduler import Request, decode_span
+from ..engine.scheduler import Request
 from .detokenize import TextStream
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class RequestOutput:
     ``accepted_per_round``, ``fallback_steps``, ...) plus ``batch_size`` (the engine's rows),
     ``queue_seconds`` (submission to the end of the prefill) and ``time_to_first_token``
     (seconds from submission to the first finished block). ``decode_interval``: ``(start,
-    end)`` on the scheduler's decode clock (:func:`run_decode_seconds` of a run's outputs).
+    end)`` on the scheduler's decode clock; :func:`simsd.engine.scheduler.decode_span` of a run's
+    outputs is the run's decode time (the first admission to the last end; prefills excluded).
     """
     request_id: str
     prompt: object
@@ -65,14 +66,6 @@ class RequestOutput:
     seed: int
     stats: dict = field(default_factory=dict)
     decode_interval: tuple | None = None
-
-
-def run_decode_seconds(outputs) -> float:
-    """The decode time of a run of requests of one :class:`~simsd.entrypoints.api.LLM` (e.g. one
-    ``generate`` call): the span of the scheduler's decode clock from the first request's
-    admission to the last one's end; prefills excluded (README, "Statistics";
-    :func:`simsd.engine.scheduler.decode_span`)."""
-    return decode_span(outputs)
 
 
 class RequestHandle:

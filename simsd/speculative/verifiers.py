@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 
 from ..decoding.config import DecodeConfig
-from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, uniform
-from ..decoding.step import Step, step_noise, without_mask_token_
+from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, step_noise, uniform
+from ..decoding.step import Step, without_mask_token_
 from ..engine.batching import Fwd, Row
 from .verification import accept_in_order, exact_layout, exact_step_verdict, paper_layout, token_verdicts
 

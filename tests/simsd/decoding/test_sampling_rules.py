@@ -16,9 +16,9 @@ import torch
 from scipy.stats import chisquare
 
 from simsd.decoding.config import DecodeConfig
-from simsd.decoding.noise import NoiseKey
+from simsd.decoding.noise import NoiseKey, step_noise
 from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
-from simsd.decoding.step import denoise_step, step_noise
+from simsd.decoding.step import denoise_step
 from tests.reference_decoder import filtered, step_outcomes
 
 P4 = [0.5, 0.25, 0.15, 0.1]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from simsd import LLM, ParamError, SamplingParams
-from simsd.entrypoints.outputs import run_decode_seconds
+from simsd.engine.scheduler import decode_span
 from simsd.speculative import SpecConfig, SpeculativeDecoder
 from tests.simsd.entrypoints.serving import single
 
@@ -58,7 +58,7 @@ def test_calling_thread_runs_the_same_rounds_every_time(exact):
 
 
 def test_decode_seconds_leave_out_every_prefill(exact, monkeypatch):
-    """A run's decode time (the outputs' ``run_decode_seconds``) and each request's
+    """A run's decode time (the outputs' ``decode_span``) and each request's
     ``decode_seconds`` exclude the prefills, also those that happen while others decode."""
     prefill = exact.engine.prefill
 
@@ -69,7 +69,7 @@ def test_decode_seconds_leave_out_every_prefill(exact, monkeypatch):
     start = time.perf_counter()
     outs = exact.generate(PROMPTS, params())
     wall = time.perf_counter() - start
-    span = run_decode_seconds(outs)
+    span = decode_span(outs)
     assert 0 < span <= wall - 5 * 0.25
     for o in outs:
         a, b = o.decode_interval
