@@ -38,10 +38,8 @@ block step than the last, and every proposal judged in a round is committed, so 
 reused); acceptance uniforms drawn from the ``SAMPLE`` stream are independent of paper mode's
 draft (it samples from ``PAPER_DRAFT``); an API ``max_tokens + 1`` is cut by the request's text
 stream at ``max_tokens`` before it shows; the invariant plan's natural tile equals
-``INVARIANT_BLOCK_M`` for GQA groups >= 4; ``encode_prompt``'s vocabulary bound off by one is
-caught by ``check_prompt_ids`` right after it (the API and the decoders check again); dropping
-the query heads from the tensor-parallel check changes nothing (they are a multiple of the KV
-heads, which are checked).
+``INVARIANT_BLOCK_M`` for GQA groups >= 4; dropping the query heads from the tensor-parallel
+check changes nothing (they are a multiple of the KV heads, which are checked).
 """
 from __future__ import annotations
 

@@ -427,7 +427,7 @@ class LLM:
                 if not self.scheduler.step() and not until():
                     raise RuntimeError("the scheduler ran out of requests before the awaited event")
 
-    def _count(self, handle: RequestHandle, outcome: str, req: Request) -> None:
+    def _count(self, handle: RequestHandle, outcome: str) -> None:
         with self._lock:
             t = self.totals
             t["requests"][outcome] += 1

@@ -157,21 +157,21 @@ class RequestHandle:
     def _on_finish(self, req: Request) -> None:
         if req.cancelled:
             self.cancelled = True
-            self.llm._count(self, "cancelled", req)
+            self.llm._count(self, "cancelled")
             self._emit("cancelled", None)
         elif req.error is not None:
             self.error = req.error
-            self.llm._count(self, "error", req)
+            self.llm._count(self, "error")
             self._emit("error", req.error)
         else:
             try:
                 self.output = self._output(req)
             except Exception as exc:  # a fault in the bookkeeping stays with this request too
                 self.error = exc
-                self.llm._count(self, "error", req)
+                self.llm._count(self, "error")
                 self._emit("error", exc)
             else:
-                self.llm._count(self, self.output.finish_reason, req)
+                self.llm._count(self, self.output.finish_reason)
                 self._emit("done", self.output)
         self._done.set()
 

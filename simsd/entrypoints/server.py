@@ -226,12 +226,10 @@ def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        body.check_unsupported()
         return await run(request, body, body.prompts(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        body.check_unsupported()
         return await run(request, body, [body.chat()], chat=True)
 
     return app

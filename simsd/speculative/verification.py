@@ -21,7 +21,7 @@ from ..engine.host_sync import to_device
 
 
 def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.Tensor,
-                 start: int, mask_id: int, rope_copy: bool = True):
+                 start: int, rope_copy: bool = True):
     """Query tokens of the paper's verification forward for one block.
 
     Args:

@@ -125,7 +125,7 @@ class PaperVerifier(Verifier):
         d = rnd.draft
         known = [t != self.mask_id for t in rnd.host]
         ids, positions, labels, taus, m_index = paper_layout(rnd.block, known, d.final, d.tau, row.cached["target"],
-                                                             self.mask_id, self.spec.rope_copy)
+                                                             self.spec.rope_copy)
         rnd.layout = m_index
         return Fwd("target", ids, positions, labels, "paper", tau=taus)
 
