@@ -40,6 +40,7 @@ from ..engine.scheduler import decode_span
 from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
 from .commands import build_llm, prepare
+from .outputs import json_safe
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable
 UNSTABLE_SPREAD = 0.10
@@ -201,10 +202,7 @@ def bench_modes(args, modes: list) -> int:
                              if k not in ("json_file", "command") and isinstance(v, simple)}
         meta["settings"]["batch_size"] = n
         meta["prompts"] = [p.id for p in prompts]
-        clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (strict JSON: no NaN)
-        rows_out = [{k: ([clean(x) for x in v] if isinstance(v, list) else clean(v)) for k, v in r.items()}
-                    for r in rows]
-        args.json_file.write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
+        args.json_file.write_text(json.dumps({"meta": meta, "rows": json_safe(rows)}, indent=2))
     return 0
 
 

@@ -3,6 +3,7 @@ of a submitted request (events, result, cancellation) and the errors of a reques
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -21,6 +22,17 @@ class RequestError(RuntimeError):
 
 class RequestCancelled(RuntimeError):
     """The request was cancelled before it finished."""
+
+
+def json_safe(x):
+    """``x`` for strict JSON: NaN and infinities become null (in dicts and lists too)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def request_failure(request_id: str, error: BaseException | None) -> RuntimeError:

@@ -36,7 +36,7 @@ from ..engine.scheduler import QueueFull, SchedulerClosed
 from .api import LLM
 from .errors import ParamError
 from .metrics import Metrics
-from .outputs import RequestError, request_failure
+from .outputs import RequestError, json_safe, request_failure
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -45,17 +45,6 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     """OpenAI's error body."""
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
                         status_code=status, headers=headers)
-
-
-def _clean(x):
-    """JSON-safe: NaN and infinities become null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 class ServerState:
@@ -123,7 +112,7 @@ def _usage(outs) -> dict:
 
 
 def _extension(o) -> dict:
-    return _clean({"seed": o.seed, "stop_reason": o.stop_reason, "stats": o.stats})
+    return json_safe({"seed": o.seed, "stop_reason": o.stop_reason, "stats": o.stats})
 
 
 def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True) -> FastAPI:
