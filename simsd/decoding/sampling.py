@@ -57,29 +57,20 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(scores, dim=-1)
 
 
-def exponential_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``Exp(1)`` draws (float32, on ``device`` with ``generator`` there) for :func:`draw`."""
-    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
-
-
-def draw(weights: torch.Tensor, generator: torch.Generator | None = None,
-         noise: torch.Tensor | None = None) -> torch.Tensor:
+def draw(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One index per row of ``weights (..., V)`` (non-negative, not all zero), drawn with
     probability proportional to the weight, on the weights' device and without host reads:
     ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. (the exponential race; the index of the first
     of independent exponential clocks with rates ``w`` is distributed as ``w / sum(w)``).
-    ``noise``: the ``E`` (:func:`exponential_noise`), else drawn from ``generator`` (on the
-    weights' device). Returns int64 ``(...)``."""
-    if noise is None:
-        noise = exponential_noise(weights.shape, weights.device, generator)
+    ``noise``: the ``E``, float32 ``(..., V)`` on the weights' device (keyed:
+    :func:`simsd.decoding.noise.step_noise`). Returns int64 ``(...)``."""
     return (weights.float() / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           noise: torch.Tensor | None = None, with_probs: bool = True, with_entropy: bool = True,
-           with_confidence: bool = True):
-    """Draw one token per row of ``logits (..., V)`` on their device (no host reads; the
-    generator, or the precomputed ``noise`` of :func:`draw`, lives on that device).
+def sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None,
+           with_probs: bool = True, with_entropy: bool = True, with_confidence: bool = True):
+    """Draw one token per row of ``logits (..., V)`` on their device (no host reads; ``noise``:
+    the ``Exp(1)`` draws of :func:`draw` on that device, needed when sampling, unused when greedy).
 
     Returns ``(tokens (...) int64, confidence (...) float32, entropy (...) float32, probs (..., V))``
     where ``probs`` is the filtered distribution the token was drawn from (used by rejection
@@ -95,7 +86,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             probs = filtered_probs(logits, params)
     else:
         probs = filtered_probs(logits, params)
-        tokens = draw(probs, generator, noise)
+        tokens = draw(probs, noise)
     base = scaled_probs(logits, params) if with_confidence or with_entropy else None
     confidence = None
     if with_confidence and params.greedy:

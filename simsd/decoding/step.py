@@ -63,7 +63,7 @@ def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: D
         raise ValueError("a sampling step needs its noise tensor (simsd.decoding.noise.step_noise)")
     masked = block == mask_id
     logits = without_mask_token_(logits, mask_id)
-    tokens, conf, ent, probs = sample(logits, cfg.sampling, None, noise, with_probs=False,
+    tokens, conf, ent, probs = sample(logits, cfg.sampling, noise, with_probs=False,
                                       with_entropy=cfg.strategy == "entropy",
                                       with_confidence=cfg.strategy in ("static", "dynamic"))
     revealed = select_positions(cfg.strategy, masked, conf, ent, tokens_to_reveal(cfg, step, logits.device),

@@ -9,7 +9,7 @@ from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
 from simsd.speculative.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
 from simsd_kernels import TAU_INF
-from tests.helpers import layout_tensors, random_checkpoint
+from tests.helpers import layout_tensors, random_checkpoint, rejection_rng
 
 V = 96
 
@@ -208,7 +208,7 @@ def test_token_verdicts_keep_target_distribution():
     N = 20000
     x = torch.multinomial(p_d, N, replacement=True, generator=g)
     logits = p_t.log().expand(N, 5)
-    ok, repl = token_verdicts(logits, x, p_d.expand(N, 5), SamplingParams(temperature=1.0), g)
+    ok, repl = token_verdicts(logits, x, p_d.expand(N, 5), SamplingParams(temperature=1.0), rejection_rng(N, 5, g))
     committed = torch.where(ok, x, repl)
     counts = torch.bincount(committed, minlength=5).double()
     assert counts[4] == 0
