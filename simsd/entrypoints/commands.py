@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from ..decoding.choices import ParamError, opt
 from ..decoding.config import DecodeConfig
 from ..models.loading import CheckpointInfo
 from .api import LLM, check_engine
+from .errors import SimsdWarning
 from .settings import SEED_MAX, EngineArgs, SamplingParams, resolve
 
 
@@ -157,8 +159,8 @@ def prepare(args, modes: list) -> Run:
     target, draft = infos["target"], infos.get("draft")
     threads = config.threads
     if threads is not None and threads > (os.cpu_count() or 1):
-        print(f"simsd: warning: --threads {threads} exceeds this machine's {os.cpu_count()} CPU cores "
-              f"(oversubscribed threads wait for each other)", file=sys.stderr)
+        warnings.warn(f"{args.typed.get('threads', '--threads')} {threads} exceeds this machine's "
+                      f"{os.cpu_count()} CPU cores (oversubscribed threads wait for each other)", SimsdWarning)
     apply_threads([c.config for c in infos.values()], threads)
     cfg = resolve(args.params, config, target.config.vocab_size)[0]
     encode_prompts(prompts, args, target.tokenizer, target.mask_token_id)
