@@ -25,6 +25,15 @@ from .common import dot, round_to, upcast
 
 
 @triton.jit
+def _tile(SORTED, tile, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N):
+    """The tile's pairs ``(BLOCK_M,)`` (int64), which of them are real, this program's ``BLOCK_N``
+    output offsets and which of them lie below ``N``."""
+    pairs = tl.load(SORTED + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs.to(tl.int64), pairs < num_pairs, offs_n, offs_n < N
+
+
+@triton.jit
 def moe_gate_up_kernel(X, W, SORTED, EXPERT_OF_TILE, ACT, num_pairs, top_k, H, I,
                        sxt, swe, swn, sat,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -33,11 +42,8 @@ def moe_gate_up_kernel(X, W, SORTED, EXPERT_OF_TILE, ACT, num_pairs, top_k, H, I
     e = tl.load(EXPERT_OF_TILE + tile)
     if e < 0:
         return
-    pairs = tl.load(SORTED + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    ok_m = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok_n = offs_n < I
+    pairs, ok_m, offs_n, ok_n = _tile(SORTED, tile, num_pairs, BLOCK_M, BLOCK_N, I)
+    tokens = pairs // top_k
     offs_k = tl.arange(0, BLOCK_K)
     w_base = W + e.to(tl.int64) * swe
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -53,7 +59,7 @@ def moe_gate_up_kernel(X, W, SORTED, EXPERT_OF_TILE, ACT, num_pairs, top_k, H, I
         gate += dot(x, wg, UPCAST, DOT_PREC)
         up += dot(x, wu, UPCAST, DOT_PREC)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(ACT + pairs.to(tl.int64)[:, None] * sat + offs_n[None, :], round_to(act, ACT.dtype.element_ty),
+    tl.store(ACT + pairs[:, None] * sat + offs_n[None, :], round_to(act, ACT.dtype.element_ty),
              mask=ok_m[:, None] & ok_n[None, :])
 
 
@@ -61,16 +67,12 @@ def moe_gate_up_kernel(X, W, SORTED, EXPERT_OF_TILE, ACT, num_pairs, top_k, H, I
 def moe_down_kernel(ACT, W, SORTED, EXPERT_OF_TILE, TOPK_W, Y, num_pairs, H, I,
                     sat, swe, swn, syt,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.load(EXPERT_OF_TILE + tile)
     if e < 0:
         return
-    pairs = tl.load(SORTED + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    ok_m = pairs < num_pairs
-    rows = pairs.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok_n = offs_n < H
+    rows, ok_m, offs_n, ok_n = _tile(SORTED, tile, num_pairs, BLOCK_M, BLOCK_N, H)
     offs_k = tl.arange(0, BLOCK_K)
     w_base = W + e.to(tl.int64) * swe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

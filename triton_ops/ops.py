@@ -195,7 +195,8 @@ def align_by_expert(topk_ids, num_experts: int, block_m: int):
     flat = topk_ids.reshape(-1).to(torch.int64)
     P, dev = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     first_sorted = torch.cumsum(counts, 0) - counts

@@ -23,9 +23,10 @@ def ckpt_path(name="tp-target", layers=2, seed=0):
                              intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
-def _rank(path, draft_path, out):
+def _join_and_load(path, draft_path):
+    """In a spawned rank: join the gloo group; ``(rank, world, sharded float64 target, draft)``."""
     import torch.distributed as dist
-    from simsd.engine.tp import shard_model, shutdown
+    from simsd.engine.tp import shard_model
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -35,6 +36,12 @@ def _rank(path, draft_path, out):
     shard_model(t.model, rank, world)
     d = load_checkpoint(draft_path, dtype="float64", with_tokenizer=False)
     d.model.attention_backend = "torch"
+    return rank, world, t, d
+
+
+def _rank(path, draft_path, out):
+    from simsd.engine.tp import shutdown
+    rank, world, t, d = _join_and_load(path, draft_path)
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
     res = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
@@ -85,15 +92,8 @@ def _moe_logits_and_tokens(model, prompt):
 
 
 def _moe_rank(path, draft_path, out):
-    import torch.distributed as dist
-    from simsd.engine.tp import shard_model, shutdown
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t = load_checkpoint(path, dtype="float64", with_tokenizer=False)
-    t.model.attention_backend = "torch"
-    shard_model(t.model, rank, world)
-    d = load_checkpoint(draft_path, dtype="float64", with_tokenizer=False)
+    from simsd.engine.tp import shutdown
+    rank, world, t, d = _join_and_load(path, draft_path)
     experts = t.model.model.layers[0].mlp.inner.experts
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
     res = {"logits": _moe_logits_and_tokens(t.model, list(range(1, 14))),
