@@ -45,6 +45,7 @@ CHECK_CASES = ((37, 96, 80, 8, 3), (70, 128, 64, 16, 2))
 MAX_ERR_FACTOR, MEAN_ERR_FACTOR = 1.5, 1.25
 _VERDICTS: dict = {}  # (device, dtype) -> CheckResult
 _WARNED: set = set()
+_RESOLVED: dict = {}  # (requested, device, dtype, trusted) -> "triton" | "torch" (a lookup per call)
 
 
 def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
@@ -182,9 +183,16 @@ def resolve_moe_backend(requested: str, device, dtype) -> str:
         ValueError: an unknown name; ``triton`` unavailable on the device or for the dtype.
         BackendCheckError: ``triton`` failed its self-check.
     """
+    key = (requested, device, dtype, trusted())
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        hit = _RESOLVED[key] = _resolve(requested, torch.device(device), dtype)
+    return hit
+
+
+def _resolve(requested: str, device: torch.device, dtype) -> str:
     if requested not in MOE_BACKENDS:
         raise ValueError(f"fused_moe: backend must be one of {MOE_BACKENDS}, got {requested!r}")
-    device = torch.device(device)
     if requested == "torch" or (requested == "auto" and device.type != "cuda"):
         return "torch"
     ok, why = triton_availability(device)

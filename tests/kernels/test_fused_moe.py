@@ -116,6 +116,7 @@ def test_self_check_passes_the_kernels_and_fails_wrong_ones(dtype):
 
 def test_backend_choice(monkeypatch):
     monkeypatch.setenv("SIMSD_TRUST_BACKENDS", "1")  # the self-check would call the kernels too
+    monkeypatch.setattr(moe, "_RESOLVED", {})
     calls = []
     monkeypatch.setattr(moe, "fused_moe_triton", lambda *a: calls.append("triton") or moe.fused_moe_torch(*a))
     x, wgu, wd, w, ids, _ = case(5, 64, 32, 4, 2, torch.float32)
@@ -135,6 +136,7 @@ def test_auto_trusts_triton_on_cuda_only_after_its_check(monkeypatch):
     monkeypatch.setattr(moe, "triton_availability", lambda device: (True, ""))
     monkeypatch.setattr(moe, "_VERDICTS", {})
     monkeypatch.setattr(moe, "_WARNED", set())
+    monkeypatch.setattr(moe, "_RESOLVED", {})
     checked = []
 
     def verdict(ok):
@@ -148,6 +150,7 @@ def test_auto_trusts_triton_on_cuda_only_after_its_check(monkeypatch):
     assert moe.resolve_moe_backend("auto", cuda, torch.bfloat16) == "triton"
     assert checked == [(cuda, torch.bfloat16)]  # once per device and dtype
     monkeypatch.setattr(moe, "check_fused_moe", verdict(False))
+    moe._RESOLVED.clear()  # the cached choices (a lookup per call) hold the passed verdict
     with pytest.warns(BackendCheckWarning, match="max error 0.5"):
         assert moe.resolve_moe_backend("auto", cuda, torch.float16) == "torch"
     with warnings.catch_warnings():
@@ -158,6 +161,7 @@ def test_auto_trusts_triton_on_cuda_only_after_its_check(monkeypatch):
     monkeypatch.setenv("SIMSD_TRUST_BACKENDS", "1")
     assert moe.resolve_moe_backend("auto", cuda, torch.float16) == "triton"
     monkeypatch.setattr(moe, "triton_availability", lambda device: (False, "no triton"))
+    moe._RESOLVED.clear()
     with pytest.raises(ValueError, match="cannot run on cuda:0: no triton"):
         moe.resolve_moe_backend("triton", cuda, torch.float16)
 
