@@ -10,7 +10,9 @@
    cache length, one tiny kernel). Median of ``triton.testing.do_bench``. ``gpu_ms`` is the sum
    of the kernels' device time from the profiler (the "pure GPU time" of one forward).
    Models: ``--target/--draft`` checkpoints, or random weights with the SDAR-8B / SDAR-1.7B
-   shapes built directly on the GPU (nothing written to disk).
+   shapes built directly on the GPU (nothing written to disk); ``--target-shape 30b-a3b``: a
+   random target of SDAR-30B-A3B's shape (128 experts, 8 routed, width 768, hidden 2048) with its
+   48 layers cut to 12 to fit the device script's time (the per-layer costs are the model's).
 2. **Modelled tokens/s** from those latencies at a stated acceptance ``a`` (tokens committed
    per verify round; the paper: 3.61 of 4), block length B, gamma = B, static strategy:
    vanilla ``B / (B * t_vanilla_step + t_commit)``;
@@ -50,10 +52,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "e2e.jsonl")
 #: (hidden, intermediate, layers, q heads, kv heads) of the SDAR checkpoints (head_dim 128, vocab 151936)
-SHAPES = {"8b": (4096, 12288, 36, 32, 8), "1.7b": (2048, 6144, 28, 16, 8)}
+SHAPES = {"8b": (4096, 12288, 36, 32, 8), "1.7b": (2048, 6144, 28, 16, 8), "30b-a3b": (2048, 6144, 12, 32, 4)}
+#: the mixture-of-experts fields of a shape (SDAR-30B-A3B's: Qwen3-30B-A3B's config)
+MOE = {"30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)}
 #: ``--cpu-smoke``: tiny shapes, float32 on the CPU, CUDA capture replaced by eager replay and
 #: do_bench by a wall-clock median: it only checks that this script's code paths run
-SMOKE = {"8b": (64, 128, 2, 4, 2), "1.7b": (64, 128, 1, 4, 2)}
+SMOKE = {"8b": (64, 128, 2, 4, 2), "1.7b": (64, 128, 1, 4, 2), "30b-a3b": (64, 128, 2, 4, 2)}
+SMOKE_MOE = {"30b-a3b": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)}
 DEV, DTYPE = "cuda", "bfloat16"
 
 
@@ -62,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (device script)")
     p.add_argument("--target", default=None, help="target checkpoint directory (default: random SDAR-8B shapes)")
     p.add_argument("--draft", default=None, help="draft checkpoint directory (default: random SDAR-1.7B shapes)")
+    p.add_argument("--target-shape", choices=("8b", "30b-a3b"), default="8b",
+                   help="the random target's shape without --target (30b-a3b: 12 of its layers)")
     p.add_argument("--block-length", type=int, default=4)
     p.add_argument("--cache-len", type=int, default=1024, help="cached tokens for the latency rows")
     p.add_argument("--acceptance", type=float, default=3.61, help="tokens per verify round for the modelled rows")
@@ -102,14 +109,14 @@ def random_model(shape: str, block_length: int):
 
     from simsd.models.config import ModelConfig
     from simsd.models.model import SDARForCausalLM
-    from simsd.testing import config_dict
+    from simsd.testing import config_dict, moe_config_dict
     smoke = DEV == "cpu"
     H, inter, layers, hq, hkv = (SMOKE if smoke else SHAPES)[shape]
-    cfg = ModelConfig.from_dict(config_dict(vocab_size=151936, hidden_size=H, intermediate_size=inter,
-                                            num_hidden_layers=layers, num_attention_heads=hq,
-                                            num_key_value_heads=hkv, head_dim=64 if smoke else 128,
-                                            block_size=block_length, mask_token_id=151669,
-                                            max_position_embeddings=40960))
+    raw = config_dict(vocab_size=151936, hidden_size=H, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=64 if smoke else 128,
+                      block_size=block_length, mask_token_id=151669, max_position_embeddings=40960)
+    moe = (SMOKE_MOE if smoke else MOE).get(shape)
+    cfg = ModelConfig.from_dict(moe_config_dict(raw, **moe) if moe else raw)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, DTYPE))
     try:
@@ -441,7 +448,7 @@ def main(argv=None) -> int:
     B = args.block_length
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     run_case = Cases(args.out, env, args.case_timeout, args.inject_failure)
-    pair = os.path.basename(os.path.normpath(args.target)) if args.target else "random-8b/1.7b"
+    pair = os.path.basename(os.path.normpath(args.target)) if args.target else f"random-{args.target_shape}/1.7b"
     models = {}
 
     def load():
@@ -454,7 +461,8 @@ def main(argv=None) -> int:
 
             from simsd.models.loading import Checkpoint
             stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
-            models["t"] = Checkpoint(Path("random-8b"), random_model("8b", B), None, 151669, stops)
+            models["t"] = Checkpoint(Path(f"random-{args.target_shape}"), random_model(args.target_shape, B), None,
+                                     151669, stops)
             models["d"] = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
         return []
     run_case("load", pair, load)

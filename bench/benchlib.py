@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from simsd import load_checkpoint  # noqa: E402
 from simsd.assets import DEFAULT_DRAFT, DEFAULT_TARGET, HELDOUT_PROMPTS  # noqa: E402
 from simsd.entrypoints.bench import git_sha  # noqa: E402
-from simsd.testing import config_dict, random_state_dict, save_checkpoint  # noqa: E402
+from simsd.testing import config_dict, moe_config_dict, random_state_dict, save_checkpoint  # noqa: E402
 
 #: the random checkpoints' shapes (the bundled tokenizer's vocabulary of 6144 ids)
 RANDOM_SHAPES = {
@@ -38,6 +38,12 @@ RANDOM_SHAPES = {
                          num_key_value_heads=4, head_dim=128),
     "h1024-l8-d128": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=4, head_dim=128),
+    # a mixture-of-experts target of the bundled target's attention shape: 64 experts of width 128,
+    # 8 routed per token (the 30B-A3B ratios: 128 experts, 8 routed, expert width 3/8 of hidden)
+    "moe-h256-l4-e64": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64,
+                            moe=dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=96,
+                                     norm_topk_prob=True)),
     # a draft for the speculative modes on a random target (5M parameters)
     "h256-l2-d128": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=128),
@@ -55,7 +61,8 @@ def bundled_pair(dtype: str = "float32"):
 
 
 def random_checkpoint(path, shape: str, seed: int = 0, logit_scale: float = 0.15) -> Path:
-    """Write a random SDAR checkpoint of ``RANDOM_SHAPES[shape]`` to ``path`` with the bundled
+    """Write a random SDAR (or SDAR-MoE: a shape with ``moe`` fields) checkpoint of
+    ``RANDOM_SHAPES[shape]`` to ``path`` with the bundled
     target's tokenizer, vocabulary, mask id, stop ids and block size; float32 weights
     (:func:`simsd.testing.random_state_dict`, seed ``seed``). ``logit_scale`` multiplies
     ``lm_head`` (whose random rows have std 1) so that the logits are spread like a trained
@@ -63,8 +70,12 @@ def random_checkpoint(path, shape: str, seed: int = 0, logit_scale: float = 0.15
     src = json.loads((DEFAULT_TARGET / "config.json").read_text())
     tok = load_checkpoint(DEFAULT_TARGET, with_tokenizer=True).tokenizer
     stops = json.loads((DEFAULT_TARGET / "generation_config.json").read_text()).get("eos_token_id")
+    shape = dict(RANDOM_SHAPES[shape])
+    moe = shape.pop("moe", None)
     cfg = config_dict(vocab_size=src["vocab_size"], block_size=src["block_size"], mask_token_id=src["mask_token_id"],
-                      eos_token_id=src["eos_token_id"], **RANDOM_SHAPES[shape])
+                      eos_token_id=src["eos_token_id"], **shape)
+    if moe is not None:
+        cfg = moe_config_dict(cfg, **moe)
     sd = random_state_dict(cfg, seed=seed, std=0.05)
     sd["lm_head.weight"] = sd["lm_head.weight"] * logit_scale
     return save_checkpoint(path, cfg, sd, tok, stop_ids=stops if isinstance(stops, list) else [stops])

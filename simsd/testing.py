@@ -1,7 +1,8 @@
 """Helpers that build small SDAR-format checkpoints on disk (tests, examples, benchmarks).
 
 The files are exactly what a real SDAR checkpoint holds: ``config.json`` (model_type
-``sdar``), safetensors weights (single file or sharded with an index), tokenizer files that
+``sdar``, or ``sdar_moe`` with :func:`moe_config_dict`: per-expert weight names as the SDAR-MoE
+checkpoints store them), safetensors weights (single file or sharded with an index), tokenizer files that
 transformers' ``AutoTokenizer`` loads, ``generation_config.json``.
 """
 from __future__ import annotations
@@ -67,8 +68,22 @@ def config_dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidde
     }
 
 
+def moe_config_dict(cfg: dict, num_experts: int = 8, num_experts_per_tok: int = 2, moe_intermediate_size: int = 32,
+                    norm_topk_prob: bool = True, decoder_sparse_step: int = 1, mlp_only_layers=()) -> dict:
+    """``cfg`` (a :func:`config_dict`) as an SDAR-MoE ``config.json`` (model_type ``sdar_moe``,
+    ``SDARMoeForCausalLM``, Qwen3-MoE field names)."""
+    return {**cfg, "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe", "num_experts": num_experts,
+            "num_experts_per_tok": num_experts_per_tok, "moe_intermediate_size": moe_intermediate_size,
+            "norm_topk_prob": norm_topk_prob, "decoder_sparse_step": decoder_sparse_step,
+            "mlp_only_layers": list(mlp_only_layers)}
+
+
 def random_state_dict(cfg: dict, seed: int = 0, std: float = 0.2) -> dict:
-    """Random weights with Qwen3 names for ``cfg``; norms near 1 (not exactly, to test them)."""
+    """Random weights with Qwen3 (Qwen3-MoE: per-expert) names for ``cfg``; norms near 1 (not
+    exactly, to test them)."""
+    from simsd.models.config import ModelConfig
+
+    is_moe = ModelConfig.from_dict(cfg).is_moe_layer
     g = torch.Generator().manual_seed(seed)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     Hq, Hkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -90,9 +105,17 @@ def random_state_dict(cfg: dict, seed: int = 0, std: float = 0.2) -> dict:
         sd[p + "self_attn.k_norm.weight"] = norm(D)
         sd[p + "input_layernorm.weight"] = norm(H)
         sd[p + "post_attention_layernorm.weight"] = norm(H)
-        sd[p + "mlp.gate_proj.weight"] = w(I, H)
-        sd[p + "mlp.up_proj.weight"] = w(I, H)
-        sd[p + "mlp.down_proj.weight"] = w(H, I)
+        if not is_moe(i):
+            sd[p + "mlp.gate_proj.weight"] = w(I, H)
+            sd[p + "mlp.up_proj.weight"] = w(I, H)
+            sd[p + "mlp.down_proj.weight"] = w(H, I)
+            continue
+        E, Ie = cfg["num_experts"], cfg["moe_intermediate_size"]
+        sd[p + "mlp.gate.weight"] = w(E, H, scale=1.0)  # routers with clear preferences
+        for e in range(E):
+            sd[p + f"mlp.experts.{e}.gate_proj.weight"] = w(Ie, H)
+            sd[p + f"mlp.experts.{e}.up_proj.weight"] = w(Ie, H)
+            sd[p + f"mlp.experts.{e}.down_proj.weight"] = w(H, Ie)
     if not cfg.get("tie_word_embeddings"):
         sd["lm_head.weight"] = w(V, H, scale=1.0)
     return sd
@@ -137,8 +160,11 @@ SAMPLE_TEXT = [
 def make_random_checkpoint(path, *, vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=4, seed=0,
                            tokenizer=True, tie_word_embeddings=False, shards=1, dtype=torch.float32,
-                           max_position_embeddings=2048, std=0.5) -> Path:
+                           max_position_embeddings=2048, std=0.5, moe: tuple = ()) -> Path:
     """A random-weight SDAR checkpoint with a small trained BPE tokenizer (or none).
+
+    ``moe``: ``(name, value)`` pairs of :func:`moe_config_dict` for an SDAR-MoE checkpoint
+    (``(("num_experts", 8),)``; a tuple, so that the argument is hashable), empty for a dense one.
 
     Without a tokenizer, ``vocab_size`` defaults to 256 and ``mask_token_id`` to
     ``vocab_size - 1``, stop id ``vocab_size - 2``.
@@ -156,5 +182,7 @@ def make_random_checkpoint(path, *, vocab_size=None, hidden_size=64, intermediat
                       num_key_value_heads=num_key_value_heads, head_dim=head_dim, block_size=block_size,
                       mask_token_id=mask_id, tie_word_embeddings=tie_word_embeddings,
                       max_position_embeddings=max_position_embeddings, eos_token_id=stops)
+    if moe:
+        cfg = moe_config_dict(cfg, **dict(moe))
     return save_checkpoint(path, cfg, random_state_dict(cfg, seed, std), tok, shards=shards, dtype=dtype,
                            stop_ids=stops)

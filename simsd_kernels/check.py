@@ -25,6 +25,11 @@ to. ``--json``: one JSON object per row on stdout, written as each row is produc
 then goes to stderr (``--quiet``: only the per-backend summary and the failures). Exit status 1
 when a row fails.
 
+The fused MoE experts (:mod:`simsd_kernels.moe`) follow as ``# fused MoE`` lines: for ``triton``
+(when chosen and available) and ``auto``, per chosen dtype, the op's self-check on the device
+(two small cases against float64) and the backend ``auto`` resolves to; a failure makes the exit
+status 1. They are not ``--json`` rows.
+
 A user with a GPU runs this first; ``bench/device_run.sh`` runs the full matrix.
 """
 from __future__ import annotations
@@ -325,7 +330,33 @@ def run(args) -> int:
                              list(CACHES).index(r["cache"])))
     summary(rows, out=info)
     print(f"# {len(rows)} rows in {time.time() - t0:.1f} s", file=info)
-    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+    dtypes = _csv(args.dtypes, DTYPES, "dtypes") if args.dtypes else list(DTYPES)
+    moe_ok = run_moe(device, chosen, dtypes, info)
+    return 1 if any(r["status"] == "FAIL" for r in rows) or not moe_ok else 0
+
+
+def run_moe(device, chosen: list, dtypes: list, out) -> bool:
+    """The ``# fused MoE`` lines (module doc); False when a check failed."""
+    import torch
+
+    from . import moe
+    ok = True
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name in [n for n in ("triton", "auto") if n in chosen]:
+            if name == "triton" and not moe.triton_availability(device)[0]:
+                continue
+            resolved = "triton"
+            if name == "auto":
+                with warnings.catch_warnings(record=True):  # a failed check is this line's FAIL, not a warning
+                    warnings.simplefilter("always")
+                    resolved = moe.resolve_moe_backend("auto", device, dtype)
+            res = moe.check_fused_moe(moe.fused_moe_triton if resolved == "triton" else moe.fused_moe_torch, device,
+                                      dtype)
+            ok = ok and res.ok
+            print(f"# fused MoE {name:6} -> {resolved:6} {dtype_name:9} {'pass' if res.ok else 'FAIL':4} {res.detail}",
+                  file=out, flush=True)
+    return ok
 
 
 def main(argv=None) -> int:

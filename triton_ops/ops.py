@@ -19,6 +19,7 @@ import triton
 
 from .append_kv import append_kv_kernel
 from .attention import merge_splits_kernel, rope_qk_kernel, temporal_attn_fwd_kernel
+from .fused_moe import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -167,3 +168,80 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *_split_f64(math.log2(rope_theta)),
         HEAD_DIM=D, BLOCK_T=block_t, num_warps=2,
     )
+
+
+#: fused MoE tiles: BLOCK_N channels per program; BLOCK_K of the reduction (fp32: half, register-bound)
+MOE_BLOCK_N = 64
+MOE_BLOCK_K = {True: 32, False: 64}
+#: warps and pipeline stages of the grouped GEMMs (free of spills at sm_90 with MAXNREG: tests/kernels/sm90_compile.py)
+MOE_WARPS, MOE_STAGES = 4, 2
+MOE_BLOCK_H = 256
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows of a fused-MoE tile: the next power of two in [16, 64] of the mean pairs per expert."""
+    return min(64, max(16, triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))))
+
+
+def align_by_expert(topk_ids, num_experts: int, block_m: int):
+    """The (token, slot) pairs ``p = t * k + j`` sorted by expert into tiles of ``block_m`` pairs of
+    one expert (torch ops on the ids' device, no host synchronisation).
+
+    Returns ``(sorted_pairs (tiles * block_m,) int32, expert_of_tile (tiles,) int32)``: an expert's
+    pairs in token order, its last tile padded with ``T * k``; tiles past the last expert's are
+    ``-1`` (the kernels return at once). ``tiles`` is the bound ``cdiv(P + min(E, P) * (block_m - 1),
+    block_m)`` for ``P = T * k`` pairs, known from the shapes alone.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    P, dev = flat.numel(), flat.device
+    order = torch.argsort(flat, stable=True)
+    # not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    first_sorted = torch.cumsum(counts, 0) - counts
+    experts = flat[order]
+    dest = (ends - padded)[experts] + torch.arange(P, device=dev) - first_sorted[experts]
+    tiles = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m)
+    sorted_pairs = torch.full((tiles * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    tile_start = torch.arange(tiles, device=dev) * block_m
+    expert_of_tile = torch.searchsorted(ends, tile_start, right=True)
+    expert_of_tile = torch.where(expert_of_tile < num_experts, expert_of_tile, -1).to(torch.int32)
+    return sorted_pairs, expert_of_tile
+
+
+def fused_moe_fwd(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """The experts of :func:`simsd_kernels.moe.fused_moe` (arguments checked there): sort by expert,
+    grouped gate/up GEMM with SiLU-and-mul, grouped down GEMM times the routing weight, combine
+    (triton_ops.fused_moe). ``(T, H)`` in x's dtype."""
+    T, H = x.shape
+    E, I = w_down.shape[0], w_down.shape[2]
+    K = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    P = T * K
+    block_m = moe_block_m(P, E)
+    sorted_pairs, expert_of_tile = align_by_expert(topk_ids, E, block_m)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    fp32 = x.dtype == torch.float32
+    block_k = MOE_BLOCK_K[fp32]
+    prec = "ieee" if (fp32 or INTERPRETED) else "tf32"
+    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    tiles = expert_of_tile.shape[0]
+    moe_gate_up_kernel[(tiles, triton.cdiv(I, MOE_BLOCK_N))](
+        x, w_gate_up, sorted_pairs, expert_of_tile, act, P, K, H, I,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=MOE_BLOCK_N, BLOCK_K=block_k, UPCAST=INTERPRETED, DOT_PREC=prec,
+        num_warps=MOE_WARPS, num_stages=MOE_STAGES, maxnreg=MAXNREG)
+    moe_down_kernel[(tiles, triton.cdiv(H, MOE_BLOCK_N))](
+        act, w_down, sorted_pairs, expert_of_tile, weights, y, P, H, I,
+        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=MOE_BLOCK_N, BLOCK_K=block_k, UPCAST=INTERPRETED, DOT_PREC=prec,
+        num_warps=MOE_WARPS, num_stages=MOE_STAGES, maxnreg=MAXNREG)
+    moe_combine_kernel[(T, triton.cdiv(H, MOE_BLOCK_H))](
+        y, out, H, y.stride(0), out.stride(0), TOP_K=K, BLOCK_H=MOE_BLOCK_H, num_warps=4)
+    return out

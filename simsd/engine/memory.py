@@ -3,15 +3,17 @@ that it fits the device.
 
 Parts (bytes, per device):
 
-* **weights**: every parameter of the model (``lm_head`` counted once when tied) x dtype size;
+* **weights**: every parameter of the model (``lm_head`` counted once when tied; every expert
+  of a mixture-of-experts layer and its router) x dtype size;
 * **KV caches**: ``layers x 2 x batch x (capacity + margin) x kv_heads x head_dim x dtype size``
   per model, exactly what :class:`simsd.models.cache.KVCache` allocates; ``capacity`` is the
   longest prompt plus ``max_new_tokens`` rounded up to whole blocks plus one block, ``margin``
   the longest query a forward may carry (``(gamma + 2) x block_length`` for SimSD, ``2 x block_length`` vanilla);
 * **workspace** of the largest forward (``margin`` query tokens per row): hidden states and
-  MLP activations, float32 logits and the sampling step's copies of them, and for the torch
-  reference attention (the CPU path) the dense mask, the scores and the key/value copies
-  expanded to every query head over ``capacity + margin`` keys.
+  MLP activations (a MoE layer: the top-k experts' activations and outputs of every token, the
+  float32 router probabilities and weighted sum), float32 logits and the sampling step's copies
+  of them, and for the torch reference attention (the CPU path) the dense mask, the scores and
+  the key/value copies expanded to every query head over ``capacity + margin`` keys.
 
 The check adds ``MARGIN`` (10 %) and ``RESERVE_BYTES`` for the runtime itself and compares
 with the free memory of the device: ``MemAvailable`` of ``/proc/meminfo`` on the CPU (no check
@@ -40,8 +42,9 @@ def parameter_count(config) -> int:
     c = config
     H, I, V, D = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     attn = H * c.num_attention_heads * D * 2 + H * c.num_key_value_heads * D * 2 + 2 * D
-    layer = attn + 3 * H * I + 2 * H
-    return V * H * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * layer + H
+    moe = c.num_experts * (3 * H * c.moe_intermediate_size + H)  # experts and router
+    mlps = sum(moe if c.is_moe_layer(i) else 3 * H * I for i in range(c.num_hidden_layers))
+    return V * H * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * (attn + 2 * H) + mlps + H
 
 
 def weight_bytes(config, dtype) -> int:
@@ -62,7 +65,13 @@ def workspace_bytes(config, dtype, batch_size: int, query_tokens: int, key_token
     rows, Lq = batch_size, query_tokens
     b = dtype_bytes(dtype)
     width = max(c.hidden_size, c.num_attention_heads * c.head_dim)
-    hidden = 8 * rows * Lq * width * b + 3 * rows * Lq * c.intermediate_size * b
+    layers = range(c.num_hidden_layers)
+    mlp = 3 * c.intermediate_size * b if not all(map(c.is_moe_layer, layers)) else 0  # per token
+    if any(map(c.is_moe_layer, layers)):  # k experts' gate/up/act and outputs; float32 probs, outputs, sum
+        K = c.num_experts_per_tok
+        moe = K * (3 * c.moe_intermediate_size + c.hidden_size) * b + (2 * c.num_experts + K * c.hidden_size) * 4
+        mlp = max(mlp, moe)
+    hidden = 8 * rows * Lq * width * b + rows * Lq * mlp
     logits = 5 * rows * Lq * c.vocab_size * 4  # float32 logits, masked copy, softmax, filtered probs, noise
     attn = 0
     if dense_attention:

@@ -4,6 +4,10 @@ Megatron-style sharding of the SDAR decoder across ``world`` ranks: each rank ke
 ``Hq / world`` query heads and ``Hkv / world`` kv heads (their q/k/v projection rows and
 ``o_proj`` columns) and ``intermediate / world`` MLP channels (``gate/up`` rows, ``down``
 columns); ``o_proj`` and ``down_proj`` outputs are summed with one all-reduce each per layer.
+A mixture-of-experts layer (:class:`simsd.models.moe.SparseMoeBlock`) keeps its router whole and
+``moe_intermediate_size / world`` channels of every expert (as vLLM's fused MoE shards them):
+every rank routes every token to the same experts, and the block's output is summed with one
+all-reduce.
 Embedding, norms and ``lm_head`` are replicated, so every rank ends a forward with the same
 logits and runs the same decoding program (SPMD): identical seeds give identical decisions
 without any further communication. Each rank's KV cache holds its own kv heads.
@@ -22,20 +26,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from simsd.models.moe import SparseMoeBlock
 
-class AllReduceLinear(nn.Module):
-    """A row-parallel linear: the local matmul, then the sum over the tensor-parallel group."""
 
-    def __init__(self, linear: nn.Linear, group=None):
+class AllReduce(nn.Module):
+    """A row-parallel module (a linear with a slice of its input columns, or the experts with a
+    slice of their channels): the local computation, then the sum over the tensor-parallel group."""
+
+    def __init__(self, inner: nn.Module, group=None):
         super().__init__()
-        self.linear, self.group = linear, group
+        self.inner, self.group = inner, group
 
     @property
     def weight(self):
-        return self.linear.weight
+        return self.inner.weight
 
     def forward(self, x):
-        y = self.linear(x)
+        y = self.inner(x)
         dist.all_reduce(y, group=self.group)
         return y
 
@@ -55,12 +62,25 @@ def _cols(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
 
 
 def check_tp(config, world: int) -> None:
-    """Raise ``ValueError`` unless heads and MLP channels divide by ``world``."""
+    """Raise ``ValueError`` unless heads, MLP channels and expert channels divide by ``world``."""
     c = config
-    for name, n in (("num_attention_heads", c.num_attention_heads), ("num_key_value_heads", c.num_key_value_heads),
-                    ("intermediate_size", c.intermediate_size)):
+    sizes = [("num_attention_heads", c.num_attention_heads), ("num_key_value_heads", c.num_key_value_heads),
+             ("intermediate_size", c.intermediate_size)]
+    if any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+        sizes.append(("moe_intermediate_size", c.moe_intermediate_size))
+    for name, n in sizes:
         if n % world:
             raise ValueError(f"--tp {world}: {name} = {n} is not a multiple of {world}")
+
+
+def _shard_experts(experts, rank: int, world: int) -> None:
+    """Keep channels ``[rank * i, (rank + 1) * i)`` of every expert (``i = I / world``): those rows
+    of the gate and of the up half of ``gate_up_proj (E, 2I, H)``, those columns of ``down_proj``."""
+    I = experts.down_proj.shape[2]
+    i = I // world
+    keep = torch.cat([torch.arange(rank * i, (rank + 1) * i), I + torch.arange(rank * i, (rank + 1) * i)])
+    experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.data[:, keep.to(experts.gate_up_proj.device)].clone())
+    experts.down_proj = nn.Parameter(experts.down_proj.data[:, :, rank * i:(rank + 1) * i].contiguous())
 
 
 def shard_model(model, rank: int, world: int, group=None):
@@ -79,13 +99,17 @@ def shard_model(model, rank: int, world: int, group=None):
         att.q_proj = _rows(att.q_proj, rank * hq * D, (rank + 1) * hq * D)
         att.k_proj = _rows(att.k_proj, rank * hkv * D, (rank + 1) * hkv * D)
         att.v_proj = _rows(att.v_proj, rank * hkv * D, (rank + 1) * hkv * D)
-        att.o_proj = AllReduceLinear(_cols(att.o_proj, rank * hq * D, (rank + 1) * hq * D), group)
+        att.o_proj = AllReduce(_cols(att.o_proj, rank * hq * D, (rank + 1) * hq * D), group)
         att.num_heads, att.num_kv_heads = hq, hkv
         mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            _shard_experts(mlp.experts, rank, world)
+            layer.mlp = AllReduce(mlp, group)
+            continue
         i = mlp.gate_proj.weight.shape[0] // world
         mlp.gate_proj = _rows(mlp.gate_proj, rank * i, (rank + 1) * i)
         mlp.up_proj = _rows(mlp.up_proj, rank * i, (rank + 1) * i)
-        mlp.down_proj = AllReduceLinear(_cols(mlp.down_proj, rank * i, (rank + 1) * i), group)
+        mlp.down_proj = AllReduce(_cols(mlp.down_proj, rank * i, (rank + 1) * i), group)
     model.num_local_kv_heads = model.config.num_key_value_heads // world
     model.tp = (rank, world)
     return model

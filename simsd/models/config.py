@@ -5,6 +5,12 @@ compute exactly as transformers' Qwen3 would is refused), then parsed by transfo
 ``Qwen3Config`` for its defaults (SDAR uses Qwen3's field names); simsd adds the SDAR fields
 ``block_size`` and ``mask_token_id``. The checkpoint's own remote code is never executed.
 
+The mixture-of-experts models (model_type ``sdar_moe``, architecture ``SDARMoeForCausalLM``, as
+lmdeploy's SDAR support names them; ``qwen3_moe``) use the field names of transformers'
+``Qwen3MoeConfig``: ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``; a dense config has
+``num_experts == 0``.
+
 ``block_size`` says that a checkpoint is a block-diffusion model and for which block length it
 was trained: model_type ``sdar`` without it means SDAR's default, 4; a ``qwen3`` config without
 it (a plain autoregressive Qwen3, as far as the file says) has none, and
@@ -19,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .validation import check_config
+from .validation import MOE_MODEL_TYPES, check_config
 
-SUPPORTED_MODEL_TYPES = ("sdar", "qwen3")
+SUPPORTED_MODEL_TYPES = ("sdar", "qwen3") + MOE_MODEL_TYPES
 #: the block length of a model_type ``sdar`` checkpoint whose config.json gives none (SDAR's default)
 SDAR_BLOCK_SIZE = 4
 __all__ = ["CheckpointError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "read_json"]
@@ -43,12 +49,12 @@ def read_json(path: Path, what: str = "file"):
 
 
 def _block_size(raw: dict, model_type: str) -> int | None:
-    """``block_size`` (or ``block_length``) of a config dict; absent: 4 for model_type sdar, None
-    for qwen3 (the module doc)."""
+    """``block_size`` (or ``block_length``) of a config dict; absent: 4 for model_type sdar and
+    sdar_moe, None for qwen3 and qwen3_moe (the module doc)."""
     block = raw.get("block_size", raw.get("block_length"))
     if block is not None:
         return int(block)
-    return SDAR_BLOCK_SIZE if model_type == "sdar" else None
+    return SDAR_BLOCK_SIZE if model_type.startswith("sdar") else None
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,22 @@ class ModelConfig:
     block_size: int | None = SDAR_BLOCK_SIZE
     mask_token_id: int | None = None
     model_type: str = "sdar"
+    #: routed experts per MoE layer; 0: a dense model (every layer a SwiGLU MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    #: the intermediate size of one expert (the dense layers use ``intermediate_size``)
+    moe_intermediate_size: int = 0
+    #: renormalise the top-k router probabilities to sum 1
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    #: layers that keep a dense MLP in a MoE model
+    mlp_only_layers: tuple = ()
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` holds a sparse MoE block (transformers' Qwen3-MoE rule: experts
+        exist, the layer is not in ``mlp_only_layers`` and ``(layer_idx + 1) % decoder_sparse_step == 0``)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dir(cls, path) -> "ModelConfig":
@@ -100,7 +122,9 @@ class ModelConfig:
                 f"{source}: unknown model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         check_config(raw, source)
-        from transformers import Qwen3Config
+        from transformers import Qwen3Config, Qwen3MoeConfig
+
+        moe = model_type in MOE_MODEL_TYPES
 
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "auto_map")}
         if fields.get("head_dim", 0) is None:  # null: hidden_size / heads (checked above)
@@ -109,9 +133,10 @@ class ModelConfig:
         # Qwen3Config only reads the fields it knows; the SDAR extras are read from `raw`.
         logging.getLogger("transformers.configuration_utils").setLevel(logging.ERROR)
         try:
-            hf = Qwen3Config(**fields)
+            hf = (Qwen3MoeConfig if moe else Qwen3Config)(**fields)
         except Exception as exc:  # transformers' own validation (a field check_config does not know)
-            raise CheckpointError(f"{source}: not a valid Qwen3 config ({' '.join(str(exc).split())})") from exc
+            raise CheckpointError(f"{source}: not a valid {'Qwen3-MoE' if moe else 'Qwen3'} config "
+                                  f"({' '.join(str(exc).split())})") from exc
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         rope_theta = raw.get("rope_theta")
         if rope_theta is None:
@@ -134,4 +159,8 @@ class ModelConfig:
             block_size=_block_size(raw, model_type),
             mask_token_id=raw.get("mask_token_id"),
             model_type=model_type,
+            **(dict(num_experts=int(hf.num_experts), num_experts_per_tok=int(hf.num_experts_per_tok),
+                    moe_intermediate_size=int(hf.moe_intermediate_size), norm_topk_prob=bool(hf.norm_topk_prob),
+                    decoder_sparse_step=int(hf.decoder_sparse_step),
+                    mlp_only_layers=tuple(int(i) for i in hf.mlp_only_layers)) if moe else {}),
         )

@@ -35,6 +35,7 @@ from simsd_kernels import KIND_KNOWN
 
 from .cache import KVCache
 from .config import ModelConfig
+from .moe import SparseMoeBlock
 
 
 def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> torch.Tensor:
@@ -140,7 +141,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

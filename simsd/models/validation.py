@@ -30,6 +30,19 @@ mask_token_id (SDAR)                       int in [0, vocab_size), or null
 bos/eos/pad_token_id                       int (eos: or a list of ints), or null
 =========================================  ==================================================
 
+Model types ``sdar_moe`` / ``qwen3_moe`` (transformers' ``Qwen3MoeForCausalLM`` the reference)
+add the mixture-of-experts fields (absent: ``Qwen3MoeConfig``'s defaults):
+
+=========================================  ==================================================
+num_experts                                int >= 0 (0: every layer dense)
+num_experts_per_tok                        int in [1, num_experts]
+moe_intermediate_size                      int >= 1
+norm_topk_prob                             bool (renormalise the top-k probabilities)
+decoder_sparse_step                        int >= 1
+mlp_only_layers                            list of distinct layer indices in
+                                           [0, num_hidden_layers), or null
+=========================================  ==================================================
+
 Fields outside this schema are not read (as transformers' Qwen3 does not read them either).
 """
 from __future__ import annotations
@@ -38,6 +51,8 @@ import math
 
 from .errors import CheckpointError
 
+#: the mixture-of-experts model types (Qwen3-MoE layout; the second table)
+MOE_MODEL_TYPES = ("sdar_moe", "qwen3_moe")
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "max_position_embeddings")
 ACTIVATIONS = ("silu", "swish")
@@ -113,6 +128,30 @@ def _check_sliding(raw: dict, source: str, layers: int, max_pos: int) -> None:
                    f"not supported: simsd attends the whole context")
 
 
+def _check_moe(raw: dict, source: str, layers: int) -> None:
+    """The mixture-of-experts fields (second table of the module doc); defaults are Qwen3MoeConfig's."""
+    experts = raw.get("num_experts", 128)
+    if not (_is_int(experts) and experts >= 0):
+        raise _bad(source, "num_experts", experts, "must be an int >= 0")
+    top_k = raw.get("num_experts_per_tok", 8)
+    if experts and not (_is_int(top_k) and 1 <= top_k <= experts):
+        raise _bad(source, "num_experts_per_tok", top_k, f"must be an int in [1, num_experts = {experts}]")
+    size = raw.get("moe_intermediate_size", 768)
+    if not (_is_int(size) and size >= 1):
+        raise _bad(source, "moe_intermediate_size", size, "must be an int >= 1")
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise _bad(source, "norm_topk_prob", norm, "must be true or false")
+    step = raw.get("decoder_sparse_step", 1)
+    if not (_is_int(step) and step >= 1):
+        raise _bad(source, "decoder_sparse_step", step, "must be an int >= 1")
+    only = raw.get("mlp_only_layers")
+    if only is not None and not (isinstance(only, list) and all(_is_int(i) and 0 <= i < layers for i in only)
+                                 and len(set(only)) == len(only)):
+        raise _bad(source, "mlp_only_layers", only,
+                   f"must be a list of distinct layer indices in [0, num_hidden_layers = {layers}), or null")
+
+
 def check_config(raw, source: str = "config") -> None:
     """Refuse a ``config.json`` dict that simsd cannot run exactly as transformers' Qwen3 would.
 
@@ -172,3 +211,5 @@ def check_config(raw, source: str = "config") -> None:
         if not ok:
             ids = " or a list of ids" if field == "eos_token_id" else ""
             raise _bad(source, field, v, "must be a token id" + ids)
+    if raw.get("model_type") in MOE_MODEL_TYPES:
+        _check_moe(raw, source, raw.get("num_hidden_layers", 32))

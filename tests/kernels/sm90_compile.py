@@ -97,6 +97,38 @@ def append_source(dtype, head_dim):
     return triton.compiler.ASTSource(fn, signature=sig, constexprs=consts)
 
 
+def moe_gemm_source(kernel, dtype, block_m):
+    """A fused-MoE grouped GEMM (``gate_up`` or ``down``) as :func:`triton_ops.ops.fused_moe_fwd`
+    launches it: one variant per (dtype, BLOCK_M); sizes and strides are runtime arguments."""
+    import triton
+
+    from triton_ops import fused_moe
+    from triton_ops.ops import MOE_BLOCK_K, MOE_BLOCK_N
+
+    fn = fused_moe.moe_gate_up_kernel if kernel == "gate_up" else fused_moe.moe_down_kernel
+    ptr = ELT[dtype]
+    sig = dict(X=ptr, ACT=ptr, W=ptr, SORTED="*i32", EXPERT_OF_TILE="*i32", TOPK_W="*fp32", Y="*fp32")
+    for n in fn.arg_names:
+        sig.setdefault(n, "i32")
+    consts = dict(BLOCK_M=block_m, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K[dtype == "fp32"], UPCAST=False,
+                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in fn.arg_names}
+    aligned = [n for n in ("X", "ACT", "W", "SORTED", "Y", "TOPK_W", "sxt", "swe", "swn", "sat", "syt")
+               if n in fn.arg_names]
+    return triton.compiler.ASTSource(fn, signature=sig, constexprs=consts, attrs=_attrs(fn, aligned))
+
+
+def moe_combine_source(dtype, top_k):
+    import triton
+
+    from triton_ops.fused_moe import moe_combine_kernel as fn
+    from triton_ops.ops import MOE_BLOCK_H
+
+    sig = dict(Y="*fp32", OUT=ELT[dtype], H="i32", syt="i32", sot="i32", TOP_K="constexpr", BLOCK_H="constexpr")
+    return triton.compiler.ASTSource(fn, signature=sig, constexprs=dict(TOP_K=top_k, BLOCK_H=MOE_BLOCK_H))
+
+
 def variants(full=False):
     """(name, source factory, num_warps, num_stages) of the kernel variants the launcher uses.
 
@@ -119,6 +151,14 @@ def variants(full=False):
         ("merge bf16 D128", lambda: merge_source("bf16", 128), 4, 1),
         ("append bf16 D128", lambda: append_source("bf16", 128), 2, 1),
     ]
+    from triton_ops.ops import MOE_STAGES, MOE_WARPS
+
+    def moe(kernel, dtype, bm):
+        return (f"moe_{kernel} {dtype} BM{bm}", lambda: moe_gemm_source(kernel, dtype, bm), MOE_WARPS, MOE_STAGES)
+
+    out += [moe(k, "bf16", bm) for k in ("gate_up", "down") for bm in (16, 32, 64)]
+    out += [moe(k, dt, bm) for k in ("gate_up", "down") for dt, bm in (("fp16", 64), ("fp32", 16))]
+    out += [("moe_combine bf16 K8", lambda: moe_combine_source("bf16", 8), 4, 1)]
     if full:
         out += [fwd("bf16", 128, g, bm) for g in (1, 2) for bm in (16, 32, 64)] + [fwd("fp32", 64, 2, 16)]
         out += [("merge fp32 D64", lambda: merge_source("fp32", 64), 2, 1),
@@ -162,7 +202,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         try:
             options = {"num_warps": warps, "num_stages": stages}
-            if name.startswith("fwd"):
+            if name.startswith(("fwd", "moe_gate_up", "moe_down")):
                 options["maxnreg"] = MAXNREG
             kernel = triton.compile(make(), target=target, options=options)
             meta = kernel.metadata

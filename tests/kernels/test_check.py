@@ -54,6 +54,10 @@ def test_quick_default_set_torch_triton_auto(capsys):
     assert f"# torch: {len(check.QUICK)} pass, 0 FAIL, 0 refused (of {len(check.QUICK)})" in err
     assert f"rows, the quick set (--full: the full matrix, {check.FULL_ROWS * len(names)} rows)" in err
     assert "backend  ->" in err  # the table went to stderr
+    for dtype in check.DTYPES:  # the fused MoE op's self-check lines (auto: torch on the CPU)
+        assert f"# fused MoE auto   -> torch  {dtype:9} pass" in err
+        if "triton" in names:
+            assert f"# fused MoE triton -> triton {dtype:9} pass" in err
 
 
 def test_axis_options_run_their_product(capsys):

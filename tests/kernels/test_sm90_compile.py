@@ -43,6 +43,8 @@ def test_all_kernel_variants_compile_for_sm90(rows):
     fwd = [r for r in rows if r["name"].startswith("fwd")]
     assert {int(re.search(r"BM(\d+)", r["name"]).group(1)) for r in fwd} == {16, 32, 64}
     assert all(r["shared"] <= 227 * 1024 for r in fwd)  # fits an H100/H200 SM
+    moe = {r["name"] for r in rows if r["name"].startswith("moe")}  # the fused-MoE kernels, every tile
+    assert {f"moe_{k} bf16 BM{bm}" for k in ("gate_up", "down") for bm in (16, 32, 64)} | {"moe_combine bf16 K8"} <= moe
     assert not any(r["approx_trig"] for r in rows)  # RoPE angles need precise sin/cos
     assert not any("sin." in r["name"] for r in rows)
 

@@ -12,21 +12,36 @@ from simsd.engine.threads import SMALL_MODEL_PARAMS, choose_threads, default_thr
 from simsd.entrypoints.cli import main
 from simsd.models.config import ModelConfig
 from simsd.models.model import SDARForCausalLM
-from simsd.testing import config_dict
+from simsd.testing import config_dict, moe_config_dict
 from tests.helpers import random_checkpoint
 
 
+@pytest.mark.parametrize("moe", [None, dict(mlp_only_layers=[1]), dict(decoder_sparse_step=1)])
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_bytes_are_the_parameters(tie, dtype):
-    cfg = ModelConfig.from_dict(config_dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                            tie_word_embeddings=tie, mask_token_id=96))
+def test_weight_bytes_are_the_parameters(tie, dtype, moe):
+    raw = config_dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, tie_word_embeddings=tie, mask_token_id=96)
+    cfg = ModelConfig.from_dict(raw if moe is None else moe_config_dict(raw, **moe))
     model = SDARForCausalLM(cfg).to(dtype)
+    assert (moe is None) == (cfg.num_experts == 0)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # shared ones once
     assert memory.weight_bytes(cfg, dtype) == sum(params.values())
+
+
+def test_a_30b_a3b_shaped_config_has_30_5b_parameters():
+    """Qwen3-30B-A3B's published shape (SDAR-30B-A3B's): 30.5B parameters in all, 61 GB in bfloat16;
+    the experts are most of them, so a dense-only count would be off by 29B."""
+    raw = moe_config_dict(config_dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                      num_attention_heads=32, num_key_value_heads=4, head_dim=128),
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    n = memory.parameter_count(ModelConfig.from_dict(raw))
+    assert 30.4e9 < n < 30.6e9, n
+    assert memory.weight_bytes(ModelConfig.from_dict(raw), torch.bfloat16) == 2 * n
+    work = memory.workspace_bytes(ModelConfig.from_dict(raw), torch.bfloat16, 4, 24, 1000, dense_attention=False)
+    assert work >= 4 * 24 * 8 * 3 * 768 * 2  # at least the 8 chosen experts' activations of every token
 
 
 def test_kv_cache_bytes_are_what_the_engine_allocates():

@@ -1,4 +1,5 @@
 """Tensor-parallel target on CPU (gloo): the sharded model and TP decoding equal the unsharded ones."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,10 +23,11 @@ def ckpt_path(name="tp-target", layers=2, seed=0):
                              intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
-def _rank(path, draft_path, out):
+def _join_and_load(path, draft_path):
+    """In a spawned rank: join the gloo group; ``(rank, world, sharded float64 target, draft)``."""
     import torch.distributed as dist
 
-    from simsd.engine.tp import shard_model, shutdown
+    from simsd.engine.tp import shard_model
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -35,6 +37,12 @@ def _rank(path, draft_path, out):
     shard_model(t.model, rank, world)
     d = load_checkpoint(draft_path, dtype="float64", with_tokenizer=False)
     d.model.attention_backend = "torch"
+    return rank, world, t, d
+
+
+def _rank(path, draft_path, out):
+    from simsd.engine.tp import shutdown
+    rank, world, t, d = _join_and_load(path, draft_path)
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
     res = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
@@ -64,6 +72,84 @@ def test_tp2_decoding_equals_single_process(tmp_path):
         got = json.loads((tmp_path / f"res.{rank}").read_text())
         assert got["kv_heads"] == 1  # each rank caches its own kv head
         assert {k: got[k] for k in want} == want
+
+
+MOE = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32), ("mlp_only_layers", (1,)))
+
+
+def moe_ckpt_path():
+    """A MoE target whose layer 0 is sparse and layer 1 dense (both shard paths)."""
+    return random_checkpoint("tp-moe", tokenizer=False, vocab_size=V, num_hidden_layers=2, seed=2, std=0.2,
+                             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, moe=MOE)
+
+
+def _moe_logits_and_tokens(model, prompt):
+    from simsd.models.model import labels_for
+    L = len(prompt)
+    pos = torch.arange(L)[None]
+    logits = model(torch.tensor([prompt]), pos, labels_for(L, "cpu", grp=pos // 4), "block_causal",
+                   model.new_cache(1, L))
+    return logits[0].tolist()
+
+
+def _moe_rank(path, draft_path, out):
+    from simsd.engine.tp import shutdown
+    rank, world, t, d = _join_and_load(path, draft_path)
+    experts = t.model.model.layers[0].mlp.inner.experts
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
+    res = {"logits": _moe_logits_and_tokens(t.model, list(range(1, 14))),
+           "vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
+           "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
+           "expert_shapes": [list(experts.gate_up_proj.shape), list(experts.down_proj.shape)]}
+    Path(f"{out}.{rank}").write_text(json.dumps(res))
+    shutdown()
+
+
+def test_tp2_moe_equals_single_process(tmp_path):
+    """Each rank holds half of every expert's channels (and of the dense layer's); logits equal
+    the unsharded model's to float64 rounding, and the tokens of vanilla and exact decoding are
+    the same."""
+    path, draft = moe_ckpt_path(), ckpt_path("tp-draft", layers=1, seed=3)
+    t = load_checkpoint(path, dtype="float64", with_tokenizer=False)
+    d = load_checkpoint(draft, dtype="float64", with_tokenizer=False)
+    cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
+    logits = torch.tensor(_moe_logits_and_tokens(t.model, list(range(1, 14))), dtype=torch.float64)
+    want = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
+            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids}
+    spawn(_moe_rank, 2, str(path), str(draft), str(tmp_path / "res"))
+    for rank in range(2):
+        got = json.loads((tmp_path / f"res.{rank}").read_text())
+        assert got["expert_shapes"] == [[8, 32, 64], [8, 64, 16]]
+        err = (torch.tensor(got["logits"], dtype=torch.float64) - logits).abs().max().item()
+        assert err < 1e-10, err
+        assert {k: got[k] for k in want} == want
+
+
+def test_moe_expert_shards_sum_to_the_whole_block():
+    """In one process: the two halves of every expert's channels, each run as a rank would,
+    sum to the unsharded block's output (what the all-reduce adds)."""
+    import copy
+
+    from simsd.engine.tp import _shard_experts
+    from simsd.models.moe import SparseMoeBlock
+    t = load_checkpoint(moe_ckpt_path(), dtype="float64", with_tokenizer=False)
+    block = t.model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = torch.randn(2, 11, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    halves = []
+    for rank in range(2):
+        part = copy.deepcopy(block)
+        _shard_experts(part.experts, rank, 2)
+        halves.append(part(x))
+    torch.testing.assert_close(halves[0] + halves[1], block(x), rtol=0, atol=1e-12)
+    assert (halves[0] - block(x)).abs().max() > 1e-3  # a half alone is not the whole
+
+
+def test_tp_refuses_odd_expert_channels():
+    cfg = dataclasses.replace(load_checkpoint(moe_ckpt_path(), with_tokenizer=False).config, moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="--tp 2: moe_intermediate_size = 33 is not a multiple of 2"):
+        check_tp(cfg, 2)
+    check_tp(dataclasses.replace(cfg, num_experts=0), 2)  # a dense config does not use the field
 
 
 def test_cli_tp2_spawns_ranks():

@@ -21,8 +21,9 @@ THRESHOLD = {"dynamic": 0.7, "entropy": 1.0}  # both multi- and single-token ste
 PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 8, 13)]
 
 
-def ckpt(name, layers=2, seed=0, std=0.2, dtype="float32"):
-    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=std)
+def ckpt(name, layers=2, seed=0, std=0.2, dtype="float32", moe=()):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=std,
+                             moe=moe)
     c = load_checkpoint(path, dtype=dtype, with_tokenizer=False)
     c.model.invariant = True
     return dataclasses.replace(c, stop_ids=[])
@@ -34,6 +35,15 @@ def models():
     # projection weights scaled by 1.1 (agrees often: accepted steps, rejections and bonus steps occur)
     return {"target": ckpt("target"), "tiny": ckpt("poor-draft", layers=1, seed=11),
             "near": ckpt("target", std=0.22)}
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def arch_models(request, models):
+    """``models`` (dense), and their mixture-of-experts twins (tests/simsd/speculative/test_moe_modes.py)."""
+    if request.param == "dense":
+        return models
+    from tests.simsd.speculative.test_moe_modes import MOE
+    return {"target": ckpt("moe-target", moe=MOE), "near": ckpt("moe-target", std=0.22, moe=MOE)}
 
 
 def cfg_for(strategy, T, seed=0, **kw):
@@ -78,11 +88,11 @@ def test_self_draft_accepts_every_step_under_sampling(models, strategy):
 
 
 @pytest.mark.parametrize("variant", ["gamma2", "fallback", "fold", "optimistic", "b8_steps4", "draft_strategy"])
-def test_exact_sampling_paths(models, variant):
+def test_exact_sampling_paths(arch_models, variant):
     """Rounds that start mid-block (gamma 2), the target finishing a block (fallback), folded
     commits, optimistic drafting, multi-token steps (B = 8 in 4 steps) and a draft with its own
-    strategy: still vanilla's tokens."""
-    target, draft = models["target"], models["near"]
+    strategy: still vanilla's tokens (dense and MoE models)."""
+    target, draft = arch_models["target"], arch_models["near"]
     kw, spec = {}, {}
     if variant == "gamma2":
         spec["gamma"] = 2
