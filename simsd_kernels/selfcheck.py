@@ -32,7 +32,8 @@ from typing import NamedTuple
 import torch
 
 from .mask_rule import KIND_DRAFT, KIND_KNOWN, KIND_MASK, SHARED_GRP, TAU_INF, MaskMode, dense_new_token_mask
-from .reference import temporal_attention_naive, temporal_attention_torch
+from .reference import temporal_attention_naive
+from .torch_backend import temporal_attention_torch
 from .rope import apply_rope
 
 #: max-error floor per dtype, added to 2x the max error of plain PyTorch at the same dtype

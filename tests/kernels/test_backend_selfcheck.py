@@ -15,7 +15,7 @@ import torch
 import simsd_kernels as sk
 from simsd_kernels import backends, selfcheck
 from simsd_kernels.backends import Backend, BackendCheckError, BackendCheckWarning, OpConfig
-from simsd_kernels.reference import append_kv_torch, temporal_attention_torch
+from simsd_kernels.torch_backend import append_kv_torch, temporal_attention_torch
 from tests.kernels.helpers import make_inputs
 
 CPU = torch.device("cpu")
