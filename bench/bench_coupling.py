@@ -34,41 +34,45 @@ import torch  # noqa: E402
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint  # noqa: E402
 from simsd.decoding.noise import ACCEPT, RESIDUAL  # noqa: E402
-from simsd.decoding.step import denoise_step, step_noise, without_mask_token  # noqa: E402
+from simsd.decoding.step import denoise_step, step_noise, without_mask_token_  # noqa: E402
 from simsd.decoding.noise import uniform  # noqa: E402
 from simsd.decoding.vanilla import vanilla_generate_batch  # noqa: E402
 from simsd.entrypoints.bench import git_sha  # noqa: E402
 from simsd.entrypoints.prompts import load_prompts  # noqa: E402
 from simsd.speculative.decoder import SpecConfig, SpeculativeDecoder  # noqa: E402
-from simsd.speculative.spec_row import SpecRow  # noqa: E402
 from simsd.speculative.verification import accept_in_order, token_verdicts  # noqa: E402
+from simsd.speculative.verifiers import ExactVerifier, Verdict  # noqa: E402
 
 
-class RejectionRow(SpecRow):
+class RejectionVerifier(ExactVerifier):
     """Exact verify forward, per-token rejection sampling (the pre-§4.2 rule, for comparison)."""
+    rejection_sampling = True
 
-    @property
-    def rejection_sampling(self) -> bool:
-        return True
+    def request(self, row, rnd):
+        fwd = super().request(row, rnd)
+        fwd.step = None  # the judge reads the copies' logits
+        return fwd
 
-    def judge_exact(self, draft, logits, block_step: int, start: int):
+    def judge(self, rnd, logits):
+        draft = rnd.draft
+        chain = rnd.layout
         bonus = draft.remaining > 0
-        states = torch.stack(draft.states)
-        C, L = states.shape[0] + int(bonus), states.shape[1]
+        C, L = chain.shape[0] - 1 + int(bonus), chain.shape[1]
         logits = logits.view(C, L, -1)
         at = logits[(draft.tau - 1).clamp(0, draft.n - 1), torch.arange(L, device=logits.device)]
-        at = without_mask_token(at, self.mask_id)
-        r = self.round_index
-        rng = (uniform([self.key(start, ACCEPT, r)], 0, L, 1, at.device)[0, :, 0],
-               step_noise([self.key(start, RESIDUAL, r)], 0, L, at.shape[-1], at.device)[0])
+        at = without_mask_token_(at, self.mask_id)
+        r = rnd.index
+        rng = (uniform([self.key(rnd.start, ACCEPT, r)], 0, L, 1, at.device)[0, :, 0],
+               step_noise([self.key(rnd.start, RESIDUAL, r)], 0, L, at.shape[-1], at.device)[0])
         ok, repl = token_verdicts(at, draft.final, draft.probs, self.cfg.sampling, rng)
-        new, rejected, taken, acc, prop = accept_in_order(states[0], draft.final, draft.tau, draft.n, ok, repl)
+        new, rejected, taken, acc = accept_in_order(chain[0], draft.final, draft.tau, draft.n, ok, repl)
         if bonus:
-            noise = step_noise([self.key(start)], block_step + draft.n, L, logits.shape[-1], logits.device)[0]
-            mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg, block_step + draft.n, noise)
+            step = rnd.step + draft.n
+            noise = step_noise([self.key(rnd.start)], step, L, logits.shape[-1], logits.device)[0]
+            mine, _, _ = denoise_step(logits[draft.n], draft.final, self.mask_id, self.cfg, step, noise)
             new = torch.where(rejected, new, mine)
             taken = torch.where(rejected, taken, draft.n + 1)
-        return new, taken, acc, prop
+        return Verdict(new, taken, acc)
 
 
 def run(target, draft, prompts, cfg, method):
@@ -76,7 +80,7 @@ def run(target, draft, prompts, cfg, method):
         return vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id, target.stop_ids).results
     dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode="paper" if method == "paper" else "exact"))
     if method == "exact_rs":
-        dec.row_class = RejectionRow
+        dec.verifier_class = RejectionVerifier
     return dec.generate_batch(prompts).results
 
 

@@ -183,6 +183,7 @@ def bench_fn():
 def latency_row(models: dict, B: int, L: int, env: dict, pair: str, name: str, kind: str) -> list:
     """The row of forward ``name`` (:func:`forward_cases`) run ``kind`` = ``eager`` or ``graphs``."""
     import torch
+    from simsd.engine.forward import model_forward
     from simsd.engine.graphs import GraphRunner, eager_capture
     role, mode, labels, nw, want = forward_cases(B, L)[name]
     model = models[role]
@@ -193,18 +194,17 @@ def latency_row(models: dict, B: int, L: int, env: dict, pair: str, name: str, k
     cache.seqlens.fill_(L)
     ids = torch.randint(0, model.config.vocab_size - 1, (1, Lq), device=DEV)
     pos = (L + torch.arange(Lq, device=DEV) % B)[None]
-    sl = slice(None) if want else None
+    nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
     if kind == "eager":
-        def fn():
-            model(ids, pos, labels, mode, cache, nw, sl)
+        def fn():  # the engine's forward, as a graph captures it
+            model_forward(model, cache, ids, pos, labels, mode, nw_t, want, B)
             if nw:
                 cache.seqlens.fill_(L)
     else:
-        nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
-        runner = GraphRunner(model, cache, capture=None if DEV == "cuda" else eager_capture)
+        runner = GraphRunner(model, cache, B, capture=None if DEV == "cuda" else eager_capture)
 
         def fn():
-            runner(ids, pos, labels, mode, nw_t if nw else 0, want)
+            runner(ids, pos, labels, mode, nw_t, want)
             if nw:
                 cache.seqlens.fill_(L)
     ms = bench_fn()(fn, warmup=10, rep=60, return_mode="median")
@@ -243,18 +243,28 @@ def measured_row(target, draft, prompts: list, args, env: dict, pair: str, mode:
                  outputs: dict) -> list:
     """Tokens/s of one engine variant on ``prompts`` (lists of ids) after one warm-up prompt; its
     tokens go to ``outputs[label]`` for the comparisons of later variants (None where the variant
-    compared with failed)."""
+    compared with failed). The variant keeps one engine for its prompts (captured graphs are
+    replayed, not captured again)."""
     from simsd import DecodeConfig
-    from simsd.decoding.vanilla import vanilla_generate_batch
-    from simsd.speculative import SpecConfig, speculative_generate_batch
-    cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens)
+    from simsd.decoding.config import check_prompt
+    from simsd.decoding.program import generate_batch
+    from simsd.decoding.vanilla import VanillaRow
+    from simsd.engine.batching import BatchEngine, round_capacity
+    from simsd.speculative import SpecConfig
+    from simsd.speculative.decoder import SpeculativeDecoder
+    block_length = args.block_length
+    cfg = DecodeConfig(block_length=block_length, strategy="static", max_new_tokens=args.max_new_tokens)
+    caps = [check_prompt(p, target.config, cfg.max_new_tokens, block_length) for p in prompts]
+    models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+    engine = BatchEngine(models, block_length, 1, round_capacity(max(caps)),
+                         (2 if mode == "vanilla" else block_length + 2) * block_length, cuda_graphs=graphs)
+    dec = None if mode == "vanilla" else SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode))
 
     def run(p, i):
-        if mode == "vanilla":
-            return vanilla_generate_batch(target.model, [p], cfg, target.mask_token_id, target.stop_ids,
-                                          i, cuda_graphs=graphs).results[0]
-        return speculative_generate_batch(target, draft, [p], cfg, SpecConfig(mode=mode), i,
-                                          cuda_graphs=graphs).results[0]
+        seed = cfg.seed + i
+        new = (lambda row, _: VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, seed)) \
+            if dec is None else (lambda row, _: dec.new_row(row, seed))
+        return generate_batch(engine, [p], [caps[i]], new).results[0]
     run(prompts[0], 0)
     res = [run(p, i) for i, p in enumerate(prompts)]
     tok = sum(r.stats["new_tokens"] for r in res)
@@ -457,8 +467,6 @@ def main(argv=None) -> int:
         run_case("modelled", pair, lambda: modelled_rows(lat, B, args.acceptance, env, pair))
         prompts = [list(range(100, 100 + n)) for n in (37, 64, 91, 120)][: args.prompts]
         measured_cases(t, d, prompts, args, env, pair, run_case)
-        import simsd.engine.batching
-        simsd.engine.batching._POOL.clear()  # pooled graph engines hold the models
         del t, d, roles
         models.clear()
         _release_device()

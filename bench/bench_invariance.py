@@ -44,8 +44,10 @@ def rates(model, B: int, copies: int, trials: int, vocab: int, mask_id: int, dev
         for _ in range(copies):
             s = torch.randint(0, vocab, (B,), generator=g)
             states.append(torch.where(torch.rand(B, generator=g) < 0.5, mask_id, s).to(device))
-        ids, p, lab = exact_layout(states, P)
-        verify = model(ids, p, lab, "exact", cache, unit=B)[0].view(copies, B, -1)
+        ids, positions, labels = exact_layout(states, P)
+        p = torch.tensor([positions], device=device)
+        lab = torch.tensor([labels], dtype=torch.int32, device=device)
+        verify = model(ids[None], p, lab, "exact", cache, unit=B)[0].view(copies, B, -1)
         for c, s in enumerate(states):
             alone = model(s[None], p[:, :B], labels_for(B, device), "bidirectional", cache, unit=B)[0]
             total += 1

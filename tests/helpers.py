@@ -62,6 +62,17 @@ def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
     return Checkpoint(None, model, None, mask_id, [])
 
 
+def layout_tensors(ids, positions, labels, taus=None) -> tuple:
+    """A verification layout (:func:`simsd.speculative.verification.exact_layout` or
+    ``paper_layout``: device ids, host positions and labels, device tau labels) as the inputs of
+    a direct model call: ``ids, positions (1, L)`` and ``labels (1, L, 3)`` int32."""
+    import torch
+    lab = torch.tensor([labels], dtype=torch.int32, device=ids.device)
+    if taus is not None:
+        lab[0, :, 1] += taus
+    return ids[None], torch.tensor([list(positions)], device=ids.device), lab
+
+
 def load_bench_script(name: str):
     """``bench/<name>.py`` imported as a module (its neighbour ``bench/benchlib.py`` importable
     while it loads)."""

@@ -24,7 +24,8 @@ def mutate():
 #: the kinds of blind spot of issue 13 and of the code merged since: each keeps mutants that apply
 KINDS = {"verdict", "schedule", "strategy", "confidence", "sampling", "reveal step", "rejection", "stop ids",
          "mask rule (all mirrors)", "mask rule (one mirror)", "mask padding", "cache commit", "layout", "user path",
-         "hang", "counters", "noise", "split plan", "backend self-check", "graph self-check"}
+         "hang", "counters", "noise", "split plan", "backend self-check", "graph self-check", "batch retry",
+         "api counters", "protocol", "prompt bounds", "tp check", "admission", "memory", "stop-id bounds"}
 
 
 def test_the_mutant_list_is_usable(mutate):

@@ -25,12 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from simsd.engine.batching import engine_for  # noqa: E402
+from simsd.engine.batching import BatchEngine, round_capacity  # noqa: E402
+from simsd.engine.scheduler import Request, run_requests  # noqa: E402
 from simsd.decoding.config import DecodeConfig, check_prompt  # noqa: E402
 from simsd.decoding.step import denoise_step  # noqa: E402
 from simsd.models.loading import load_checkpoint  # noqa: E402
 from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
-from simsd.decoding.vanilla import new_block, vanilla_generate  # noqa: E402
+from simsd.decoding.vanilla import vanilla_generate  # noqa: E402
 
 ASSETS = ROOT / "simsd" / "assets"
 
@@ -59,25 +60,24 @@ def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
 def agreement(target, draft, prompt_ids: list, cfg: DecodeConfig) -> dict:
     """Greedy vanilla target decoding; compare the draft's argmax on the same block states (one
     :mod:`simsd.engine.batching` row holding both models' caches of the same committed tokens)."""
-    B = cfg.block_length
-    cap = check_prompt(prompt_ids, target.model.config, cfg.max_new_tokens, B)
-    engine = engine_for({"target": target.model, "draft": draft.model}, B, 1, cap, 2 * B)
-    tail = engine.prefill(0, prompt_ids)
+    block_length = cfg.block_length
+    cap = check_prompt(prompt_ids, target.model.config, cfg.max_new_tokens, block_length)
+    engine = BatchEngine({"target": target.model, "draft": draft.model}, block_length, 1, round_capacity(cap),
+                         2 * block_length)
     mask_id, stops = target.mask_token_id, set(target.stop_ids)
     c = {"same": 0, "total": 0, "same_all_masked": 0, "total_all_masked": 0}
 
-    def program(row):
-        nonlocal tail
+    def program(row, tail):
         generated = []
         while True:
-            block = new_block(tail, B, mask_id, target.model.device)
+            block = torch.tensor(list(tail) + [mask_id] * (block_length - len(tail)), device=target.model.device)
             first, tail, step = len(block) - int((block == mask_id).sum()), [], 0
             while bool((block == mask_id).any()):
                 t_logits = yield row.denoise("target", block)
                 d_logits = yield row.denoise("draft", block)
                 masked = block == mask_id
-                block, revealed, _ = denoise_step(t_logits, block, mask_id, cfg, step, None)
                 d_arg, t_arg = d_logits.argmax(-1), t_logits.argmax(-1)
+                block, revealed, _ = denoise_step(t_logits, block, mask_id, cfg, step, None)
                 c["same"] += int((d_arg[revealed] == block[revealed]).sum())
                 c["total"] += int(revealed.sum())
                 c["same_all_masked"] += int((d_arg[masked] == t_arg[masked]).sum())
@@ -90,8 +90,9 @@ def agreement(target, draft, prompt_ids: list, cfg: DecodeConfig) -> dict:
             yield row.commit("target", block)
             yield row.commit("draft", block)
 
-    generated = engine.run([program(engine.rows[0])])[0]
-    return dict(c, tokens=generated)
+    req = Request(prompt_ids, program, cap)
+    run_requests(engine, [req])
+    return dict(c, tokens=req.result)
 
 
 def main(argv=None) -> dict:

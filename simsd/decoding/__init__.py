@@ -1,12 +1,13 @@
 """Decoding: SDAR block decoding with one model (the baseline, docs/design.md §3).
 
-Holds the decode configuration and prompt checks (``config``), sampling (``sampling``:
-temperature, top-k, top-p, confidences, the exponential race), the keyed sampling noise
-shared by vanilla decoding, the draft and exact verification (``noise``), the remasking strategies
-(``strategies``: sequential, static, dynamic, entropy; the transfer schedule), one denoising
-step and its batched request form (``step``) and vanilla decoding as an engine program
-(``vanilla``); the strategies' names and ranges and the smallest temperature, torch-free
-(``choices``).
+Holds the decode configuration, prompt checks and results (``config``), sampling
+(``sampling``: temperature, top-k, top-p, confidences, the exponential race), the keyed
+sampling noise shared by vanilla decoding, the draft and exact verification (``noise``), the
+remasking strategies (``strategies``: sequential, static, dynamic, entropy; the transfer
+schedule), one denoising step and its batched request form (``step``), a request's block
+decoding as an engine program with its statistics and the batch decoders' driver
+(``program``) and vanilla decoding (``vanilla``); the strategies' names and ranges and the
+smallest temperature, torch-free (``choices``).
 
 May import: :mod:`simsd.engine`, :mod:`simsd.models`, :mod:`simsd_kernels`, torch. Never
 :mod:`simsd.speculative` or :mod:`simsd.entrypoints`.
@@ -15,9 +16,9 @@ from importlib import import_module
 
 #: the re-exports and their modules, imported on first use (PEP 562), so that the torch-free
 #: ``choices`` loads without torch (the command line checks its options before torch loads)
-EXPORTS = {"DecodeConfig": "config", "GenerationResult": "config", "check_prompt": "config",
-           "SamplingParams": "sampling", "Step": "step", "denoise_step": "step", "vanilla_generate": "vanilla",
-           "vanilla_generate_batch": "vanilla"}
+EXPORTS = {"BatchResult": "config", "DecodeConfig": "config", "GenerationResult": "config", "check_prompt": "config",
+           "RowProgram": "program", "SamplingParams": "sampling", "Step": "step", "denoise_step": "step",
+           "VanillaRow": "vanilla", "vanilla_generate": "vanilla", "vanilla_generate_batch": "vanilla"}
 __all__ = list(EXPORTS)
 
 

@@ -1,4 +1,4 @@
-"""Decoding configuration, prompt checks, results and the decode timer.
+"""Decoding configuration, prompt checks and results.
 
 Semantics follow SDAR's reference decoding (docs/design.md §3): blocks aligned to absolute
 position 0, block-causal prefill of the aligned prompt part, the unaligned prompt tail inside
@@ -7,12 +7,8 @@ the first decode block, a read-only cache while denoising, a commit forward per 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
-import torch
-
-from ..engine.host_sync import to_device
 from .choices import parse_strategy, threshold_range
 from .sampling import SamplingParams
 from .strategies import transfer_schedule
@@ -34,7 +30,6 @@ class DecodeConfig:
     max_new_tokens: int = 128
     seed: int = 0
     fold_commit: bool = False
-    _schedules: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.block_length < 1:
@@ -54,15 +49,9 @@ class DecodeConfig:
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
-    def tokens_for_step(self, step):
-        """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats):
-        an int for an int step, a tensor for a tensor of steps (on its device, no host read)."""
-        if not isinstance(step, torch.Tensor):
-            return self.schedule[min(step, len(self.schedule) - 1)]
-        table = self._schedules.get(step.device)
-        if table is None:
-            table = self._schedules[step.device] = to_device(self.schedule, step.device)
-        return table[step.clamp(max=len(self.schedule) - 1)]
+    def tokens_for_step(self, step: int) -> int:
+        """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats)."""
+        return self.schedule[min(step, len(self.schedule) - 1)]
 
 
 @dataclass
@@ -73,9 +62,13 @@ class GenerationResult:
     text: str | None = None
 
 
-def synchronize(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass
+class BatchResult:
+    """``results[i]``: the :class:`GenerationResult` of prompt ``i``; ``stats``: ``batch_size,
+    new_tokens, decode_seconds, tokens_per_second`` (all rows' tokens over the batch's decode
+    time, prefill excluded) and ``batched_forwards`` per model."""
+    results: list
+    stats: dict
 
 
 def finish(generated: list, stop_ids, max_new_tokens: int) -> list:
@@ -125,27 +118,8 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mas
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's maximum length {limit}")
-    B = block_length
-    total = -(-(len(prompt_ids) + max_new_tokens) // B) * B
+    total = -(-(len(prompt_ids) + max_new_tokens) // block_length) * block_length
     if total > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) rounded up to whole "
-                         f"blocks of {B} is {total} positions, past the model's maximum length {limit}")
-    return total + B
-
-
-class Timer:
-    """Wall-clock decode timer, CUDA-synchronised at start and stop."""
-
-    def __init__(self, device):
-        self.device = device
-        self.start = None
-        self.seconds = 0.0
-
-    def __enter__(self):
-        synchronize(self.device)
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        synchronize(self.device)
-        self.seconds = time.perf_counter() - self.start
+                         f"blocks of {block_length} is {total} positions, past the model's maximum length {limit}")
+    return total + block_length

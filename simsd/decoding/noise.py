@@ -21,11 +21,17 @@ The generator is SplitMix64 (Steele, Lea & Flood 2014; the finaliser is Stafford
 with a state derived from the key: ``state = mix(mix(base + position * G) + step * G)`` with
 ``base = mix(mix(mix(seed) + stream * G) + round * G)`` (computed on the host), and the word of
 token ``t`` is ``mix(state + (t + 1) * G)``, the ``t``-th output of SplitMix64 from ``state``
-(``G = 0x9E3779B97F4A7C15``). Its top 24 bits give a uniform in ``(0, 1)`` (``(w + 0.5) /
-2**24``, exact in float32, never 0 or 1). Everything runs on the device with int64 torch ops
+(``G = 0x9E3779B97F4A7C15``). Its top 23 bits ``k`` give the uniform ``(k + 0.5) / 2**23``
+(:func:`word_uniform`): the odd multiples of ``2**-24``, from ``2**-24`` (word 0) to ``1 - 2**-24``
+(the all-ones word), every one exact in float32 (24 significant bits), so a uniform is never
+0 or 1 and ``-log(u)`` is a positive ``Exp(1)`` draw. (A 24-bit grid ``(w + 0.5) / 2**24`` needs 25
+significant bits: float32 rounds its upper half to even and its top word to exactly 1.0, whose
+``Exp(1)`` draw 0 wins the exponential race for any token of nonzero probability.) Everything
+runs on the device with int64 torch ops
 (wrapping multiplication, masked shifts for the logical right shift): no host reads, nothing
-that a CUDA graph could not hold. ``tests/simsd/decoding/test_noise.py`` checks the words
-against a pure-Python implementation and the uniforms for bias.
+that a CUDA graph could not hold. ``tests/simsd/decoding/test_noise.py`` checks the words and
+the uniforms against a pure-Python implementation, every grid value of the uniform, the
+uniforms for bias, and that a token of tiny probability is (almost) never drawn.
 """
 from __future__ import annotations
 
@@ -48,7 +54,8 @@ _MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 _C1 = 0xBF58476D1CE4E5B9
 _C2 = 0x94D049BB133111EB
-_BITS = 24
+#: bits of a word that make its uniform: float32's 24 significant bits hold ``k + 0.5`` for ``k < 2**23``
+_BITS = 23
 
 
 def _signed(x: int) -> int:
@@ -132,11 +139,16 @@ def words(keys, steps, length: int, vocab: int, device) -> torch.Tensor:
     return mix64_(state[:, :, None] + _token_words(vocab, device))
 
 
+def word_uniform(w: torch.Tensor) -> torch.Tensor:
+    """The uniform of int64 words ``w`` (any shape): ``(k + 0.5) * 2**-23`` with ``k`` the top 23
+    bits of the word, float32, exact: the odd multiples of ``2**-24`` in ``[2**-24, 1 - 2**-24]``."""
+    return _shr(w, 64 - _BITS).to(torch.float32).add_(0.5).mul_(2.0 ** -_BITS)
+
+
 def uniform(keys, steps, length: int, vocab: int, device) -> torch.Tensor:
-    """Uniforms in ``(0, 1)`` (float32, multiples of ``2**-24`` plus ``2**-25``), shape
+    """Uniforms in ``(0, 1)`` (float32, :func:`word_uniform` of :func:`words`), shape
     ``(R, length, vocab)``; arguments as :func:`words`."""
-    w = _shr(words(keys, steps, length, vocab, device), 64 - _BITS).to(torch.float32)
-    return w.add_(0.5).mul_(2.0 ** -_BITS)
+    return word_uniform(words(keys, steps, length, vocab, device))
 
 
 def exponential(keys, steps, length: int, vocab: int, device) -> torch.Tensor:

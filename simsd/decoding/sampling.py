@@ -44,8 +44,11 @@ class SamplingParams:
 
 def scaled_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits (..., V) / temperature`` in float32 without overflow: below temperature 1 the
-    row maximum is subtracted first (softmax is unchanged by it); a huge temperature is capped."""
+    row maximum is subtracted first (softmax is unchanged by it); a huge temperature is capped.
+    At temperature 1 the logits themselves (dividing by 1 changes no bit)."""
     x = logits.float()
+    if temperature == 1.0:
+        return x
     if temperature < 1.0:
         return (x - x.amax(-1, keepdim=True)) / temperature
     return x / min(temperature, _MAX_TEMPERATURE)
@@ -98,17 +101,18 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None = None,
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           noise: torch.Tensor | None = None, with_probs: bool = True, with_entropy: bool = True):
+           noise: torch.Tensor | None = None, with_probs: bool = True, with_entropy: bool = True,
+           with_confidence: bool = True):
     """Draw one token per row of ``logits (..., V)`` on their device (no host reads; the
     generator, or the precomputed ``noise`` of :func:`draw`, lives on that device).
 
     Returns ``(tokens (...) int64, confidence (...) float32, entropy (...) float32, probs (..., V))``
     where ``probs`` is the filtered distribution the token was drawn from (used by rejection
     sampling) and confidence/entropy come from the unfiltered temperature-scaled distribution.
-    ``with_probs`` / ``with_entropy`` False: None in their place for greedy decoding (nothing
-    to compute) and the entropy (only the ``entropy`` strategy reads it).
+    ``with_probs`` / ``with_entropy`` / ``with_confidence`` False: None in their place for
+    greedy decoding (nothing to compute), the entropy (only the ``entropy`` strategy reads it)
+    and the confidence (the ``sequential`` and ``entropy`` strategies do not read it).
     """
-    base = scaled_probs(logits, params)
     probs = None
     if params.greedy:
         tokens = logits.argmax(-1)
@@ -117,6 +121,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     else:
         probs = filtered_probs(logits, params)
         tokens = draw(probs, generator, noise)
-    confidence = base.gather(-1, tokens[..., None]).squeeze(-1)
+    base = scaled_probs(logits, params) if with_confidence or with_entropy else None
+    confidence = None
+    if with_confidence and params.greedy:
+        # the argmax's probability is the largest one: softmax is exp(x - max) / sum, exactly
+        # 1 / sum at the argmax and at most that elsewhere (the same value as a gather)
+        confidence = base.amax(-1)
+    elif with_confidence:
+        confidence = base.gather(-1, tokens[..., None]).squeeze(-1)
     entropy = -(base * torch.log(base.clamp_min(1e-30))).sum(-1) if with_entropy else None
     return tokens, confidence, entropy, probs

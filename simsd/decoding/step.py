@@ -7,6 +7,9 @@ with no host read. Its sampling noise is keyed (:mod:`simsd.decoding.noise`): th
 (vanilla decoding, the draft, exact verification). :class:`Step` is the request form the batch engine
 (:mod:`simsd.engine.batching`) carries with a forward: the engine hands all steps of one
 forward to :meth:`Step.run_batch`, which applies them as one batched step per configuration.
+
+A step computes only what its settings read: a greedy step no probabilities and no noise, the
+entropy only for the ``entropy`` strategy, the confidence only for ``static`` and ``dynamic``.
 """
 from __future__ import annotations
 
@@ -20,24 +23,38 @@ from .noise import NoiseKey, exponential
 from .sampling import sample
 from .strategies import select_positions
 
+_MASK_INDEX: dict = {}
 
-def without_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """``logits (..., V)`` with the MASK token made impossible (a step never "reveals" MASK)."""
-    out = logits.clone()
-    out[..., mask_id] = float("-inf")
-    return out
+
+def without_mask_token_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``logits (..., V)`` with the MASK token made impossible (a step never "reveals" MASK),
+    in place (the logits of a forward are read once); returns ``logits``."""
+    key = (mask_id, logits.device)
+    index = _MASK_INDEX.get(key)
+    if index is None:
+        index = _MASK_INDEX[key] = torch.tensor([mask_id], device=logits.device)
+    return logits.index_fill_(-1, index, float("-inf"))
+
+
+def tokens_to_reveal(cfg: DecodeConfig, step, device):
+    """Tokens the schedule asks for at ``step`` (an int, or host ints, one per block): an int
+    when they all ask the same, else a ``(C,)`` tensor on ``device`` (one copy)."""
+    if isinstance(step, int):
+        return cfg.tokens_for_step(step)
+    ks = [cfg.tokens_for_step(int(s)) for s in step]
+    return ks[0] if len(set(ks)) == 1 else to_device(ks, device)
 
 
 def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step,
                  noise: torch.Tensor | None = None):
     """One denoising step on ``block (L,)`` from ``logits (L, V)``, or on a batch of blocks
-    ``(C, L)`` from ``(C, L, V)`` with ``step`` an int or a ``(C,)`` tensor of their 0-based steps.
+    ``(C, L)`` from ``(C, L, V)`` with ``step`` an int or ``C`` host ints (their 0-based steps).
 
-    The MASK token is excluded from sampling. ``noise``: the ``Exp(1)`` draws of the exponential
-    race, ``(..., L, V)`` float32 on the logits' device (:func:`step_noise`); needed when sampling,
-    unused when greedy. Runs on the logits' device without host reads. Returns ``(new_block,
-    revealed bool, probs (..., L, V) or None)``: ``probs`` is the distribution each position's
-    token was drawn from (None when greedy).
+    The MASK token is excluded from sampling (``logits`` are changed in place). ``noise``: the
+    ``Exp(1)`` draws of the exponential race, ``(..., L, V)`` float32 on the logits' device
+    (:func:`step_noise`); needed when sampling, unused when greedy. Runs on the logits' device
+    without host reads. Returns ``(new_block, revealed bool, probs (..., L, V) or None)``:
+    ``probs`` is the distribution each position's token was drawn from (None when greedy).
 
     Raises:
         ValueError: sampling without ``noise``.
@@ -45,10 +62,12 @@ def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: D
     if not cfg.sampling.greedy and not isinstance(noise, torch.Tensor):
         raise ValueError("a sampling step needs its noise tensor (simsd.decoding.step.step_noise)")
     masked = block == mask_id
-    logits = without_mask_token(logits, mask_id)
+    logits = without_mask_token_(logits, mask_id)
     tokens, conf, ent, probs = sample(logits, cfg.sampling, None, noise, with_probs=False,
-                                      with_entropy=cfg.strategy == "entropy")
-    revealed = select_positions(cfg.strategy, masked, conf, ent, cfg.tokens_for_step(step), cfg.threshold)
+                                      with_entropy=cfg.strategy == "entropy",
+                                      with_confidence=cfg.strategy in ("static", "dynamic"))
+    revealed = select_positions(cfg.strategy, masked, conf, ent, tokens_to_reveal(cfg, step, logits.device),
+                                cfg.threshold)
     return torch.where(revealed, tokens, block), revealed, probs
 
 
@@ -66,19 +85,37 @@ class Step:
     row ``(new_block, revealed, probs)`` instead of the logits. ``index``: the step within the
     block (0-based, from the block's first step); ``key``: the row's noise key for this block
     (:class:`~simsd.decoding.noise.NoiseKey`; needed when sampling). A row's noise depends on
-    its key and step only, so a row decodes exactly as it would alone."""
+    its key and step only, so a row decodes exactly as it would alone.
+
+    ``block``: ``(L,)``, or ``(C, L)``: C states of the block at steps ``index .. index + C - 1``
+    (exact verification's copies, one step each; their logits are the request's ``C * L``
+    tokens and the results have a leading ``C``)."""
     block: torch.Tensor
     index: int
     cfg: DecodeConfig
     mask_id: int
     key: NoiseKey | None = None
 
+    @property
+    def states(self) -> int:
+        """Block states the step covers (1 for an ``(L,)`` block)."""
+        return 1 if self.block.dim() == 1 else self.block.shape[0]
+
     @staticmethod
-    def run_batch(steps: list, logits: list) -> list:
-        """Apply ``steps[j]`` to ``logits[j] (L, V)``; returns ``(new_block, revealed, probs)``
-        per step, in order. Steps with equal step settings (block length, steps, strategy, threshold,
-        sampling) and ``mask_id`` run as one batched :func:`denoise_step`; each row's noise depends
-        on its own key only, so a row decodes exactly as it would alone."""
+    def run_batch(steps: list, logits: torch.Tensor) -> list:
+        """Apply the steps to their logits: ``logits`` holds every step's states in order, as
+        ``(N, L, V)`` or any shape that views as it (``N``: the steps' states; changed in place).
+        Returns ``(new_block, revealed, probs)`` per step, in order. Steps with equal step
+        settings (block length, steps, strategy, threshold, sampling) and ``mask_id`` run as one
+        batched :func:`denoise_step`; each row's noise depends on its own key only, so a row
+        decodes exactly as it would alone."""
+        sizes = [s.states for s in steps]
+        L = steps[0].block.shape[-1]
+        if logits.shape[:2] != (sum(sizes), L):
+            logits = logits.reshape(sum(sizes), L, -1)
+        first_state = [0]
+        for n in sizes:
+            first_state.append(first_state[-1] + n)
         groups: dict = {}
         for j, s in enumerate(steps):
             c = s.cfg  # the settings a step reads: requests with equal settings share one batched step
@@ -87,16 +124,36 @@ class Step:
         out = [None] * len(steps)
         for rows in groups.values():
             first = steps[rows[0]]
-            batch = torch.stack([logits[j] for j in rows])
-            blocks = torch.stack([steps[j].block for j in rows])
-            index = [steps[j].index for j in rows]
-            step = index[0] if len(set(index)) == 1 else to_device(index, batch.device)
+            batch = logits
+            if len(rows) < len(steps):
+                index = [i for j in rows for i in range(first_state[j], first_state[j + 1])]
+                batch = logits.index_select(0, to_device(index, logits.device))
+            blocks = [steps[j].block for j in rows]
+            blocks = torch.stack(blocks) if all(b.dim() == 1 for b in blocks) else \
+                torch.cat([b.view(-1, L) for b in blocks])
+            index = [steps[j].index + c for j in rows for c in range(sizes[j])]
             noise = None
             if not first.cfg.sampling.greedy:
                 if any(steps[j].key is None for j in rows):
                     raise ValueError("a sampling Step needs its noise key")
-                noise = step_noise([steps[j].key for j in rows], index, batch.shape[1], batch.shape[2], batch.device)
-            new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, step, noise)
-            for k, j in enumerate(rows):
-                out[j] = (new[k], revealed[k], None if probs is None else probs[k])
+                keys = [steps[j].key for j in rows for _ in range(sizes[j])]
+                noise = step_noise(keys, index, L, batch.shape[2], batch.device)
+            new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, index, noise)
+            for j, result in zip(rows, _per_step([steps[j] for j in rows], new, revealed, probs)):
+                out[j] = result
         return out
+
+
+def _per_step(steps: list, *batched) -> list:
+    """The batched results ``(N, ...)`` cut per step: ``(...)`` for an ``(L,)`` step, ``(C, ...)``
+    for a chain of C states (one op per tensor)."""
+    sizes = [s.states for s in steps]
+    parts = []
+    for x in batched:
+        if x is None:
+            parts.append([None] * len(steps))
+        elif all(s.block.dim() == 1 for s in steps):
+            parts.append(x.unbind(0))
+        else:
+            parts.append([p if s.block.dim() == 2 else p[0] for s, p in zip(steps, x.split(sizes))])
+    return list(zip(*parts))

@@ -26,10 +26,9 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
 
 def stable_rank(scores: torch.Tensor, descending: bool) -> torch.Tensor:
     """Rank of each entry of ``scores (..., L)`` in a stable sort along the last dim (ties keep
-    the lower index first)."""
+    the lower index first): the inverse of the sorting permutation (its argsort)."""
     order = torch.sort(scores, dim=-1, descending=descending, stable=True).indices
-    ar = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, ar)
+    return order.argsort(dim=-1)
 
 
 def select_positions(strategy: str, masked: torch.Tensor, confidence: torch.Tensor,
@@ -43,7 +42,7 @@ def select_positions(strategy: str, masked: torch.Tensor, confidence: torch.Tens
         confidence: ``(..., L)`` probability of each position's sampled token.
         entropy: ``(..., L)`` entropy (nats) of each position's distribution.
         k: tokens the schedule asks for in this step: an int or a ``(...)`` int tensor per block
-            (clipped to ``[1, masked count]``).
+            (at least 1; a block reveals at most its masked positions).
         threshold: confidence threshold (``dynamic``, strict ``>``) or entropy bound
             (``entropy``); defaults from ``DEFAULT_THRESHOLD``.
 
@@ -58,15 +57,16 @@ def select_positions(strategy: str, masked: torch.Tensor, confidence: torch.Tens
         raise ValueError(f"unknown strategy {strategy!r}")
     if threshold is None:
         threshold = DEFAULT_THRESHOLD.get(strategy)
-    n_masked = masked.sum(-1, keepdim=True)
+    # k above the masked count reveals every masked position (all of them rank first): no clip
     if isinstance(k, torch.Tensor):
-        k = torch.minimum(k.reshape(n_masked.shape).clamp_min(1), n_masked)
+        k = k.reshape(*masked.shape[:-1], 1).clamp_min(1)
     else:  # a host int: no host-to-device copy
-        k = n_masked.clamp(max=max(1, int(k)))
+        k = max(1, int(k))
     if strategy == "sequential":
-        return masked & (masked.long().cumsum(-1) <= k)
+        return masked & (masked.cumsum(-1) <= k)
     if strategy in ("static", "dynamic"):
-        top = masked & (stable_rank(confidence.double().masked_fill(~masked, float("-inf")), True) < k)
+        # masked positions rank before every unmasked one (-inf), by confidence, ties to the lower index
+        top = masked & (stable_rank(confidence.masked_fill(~masked, float("-inf")), True) < k)
         if strategy == "static":
             return top
         above = masked & (confidence > threshold)

@@ -2,10 +2,11 @@
 
 Each request (batch row) runs its decoding logic as a Python generator (a *program*) that
 yields :class:`Fwd` requests — "run these query tokens of mine through model X over my cache"
-— and receives the logits back. :class:`BatchEngine` collects the pending requests of all
-rows, runs the requests that can share a forward as **one batched forward** over a static
-cache with per-row lengths, and sends each row its own logits. A single run is the same
-program driven by a one-row engine, so a row's tokens never depend on its neighbours.
+— and receives the logits back. The :class:`~simsd.engine.scheduler.Scheduler` drives the
+programs (every way of decoding goes through it); :class:`BatchEngine` runs the requests that
+can share a forward as **one batched forward** over a static cache with per-row lengths and
+hands each row its own logits. A single run is the same program on a one-row engine, so a
+row's tokens never depend on its neighbours.
 
 Requests of different lengths share a forward through padding slots that no real token can
 see under the forward's mask mode (``mask_rule.allowed``):
@@ -21,12 +22,19 @@ see under the forward's mask mode (``mask_rule.allowed``):
 
 Rows that have no request in a forward but sit between rows that do get a dummy read-only
 query; the forward covers the contiguous row range of its requests (a view of the cache).
-Per-row cache writes use ``num_write`` as a ``(B,)`` tensor (see :meth:`simsd.models.model.SDARForCausalLM.forward`),
-so the caches have a margin of the longest query past their capacity.
+Cache writes are per row: ``num_write`` is always a ``(B,)`` int32 tensor (see
+:meth:`simsd.models.model.SDARForCausalLM.forward`), so every row of a forward writes all its
+query tokens past its length and keeps its own count; the caches have a margin of the longest
+query past their capacity.
+
+A forward's inputs are built with few device operations: positions, labels and write counts
+are host values (one copy each), the ids one concatenation, padding from constant tensors made
+once per engine; the steps of all rows run as one batched step on the forward's logits.
 
 ``static_shapes`` (implied by ``cuda_graphs``): every forward covers all rows and query lengths
 are rounded up to a multiple of the block length, so a few shapes serve a whole run; with
-``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.engine.graphs`).
+``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.engine.graphs`). Every
+model forward of the engine goes through :func:`simsd.engine.forward.model_forward`.
 
 The engine knows forwards, caches and rows, not decoding rules: a request's denoising step is
 an object with a ``run_batch(steps, logits)`` static method (:class:`simsd.decoding.step.Step`)
@@ -35,17 +43,20 @@ that the engine calls once per forward for the requests that carry one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from simsd_kernels import KIND_MASK, SHARED_GRP
+from simsd_kernels import KIND_KNOWN, KIND_MASK, SHARED_GRP
 
-from ..models.model import labels_for
+from .forward import model_forward
 from .host_sync import to_device
 from .memory import check_engine_memory
 
 #: cache capacities are rounded up to a multiple of this (eager and graph engines alike)
 CAPACITY_QUANTUM = 256
+#: distinct forward labels / write counts an engine keeps on its devices (:meth:`BatchEngine._constant`)
+CONSTANTS = 256
 
 
 def round_capacity(capacity: int) -> int:
@@ -57,30 +68,40 @@ def round_capacity(capacity: int) -> int:
     return -(-capacity // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
 
 
+#: the labels ``(kind, tau, grp)`` of a padding slot per mask mode (seen by no real token)
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
+#: the label of a known token that sees every token of its forward (denoise, commit)
+KNOWN = (KIND_KNOWN, 0, 0)
 
 
 @dataclass
 class Fwd:
     """One row's forward request.
 
-    ``ids, positions (L,) int64``, ``labels (L, 3) int32`` (see :mod:`simsd_kernels.mask_rule`),
-    ``mask_mode``; the first ``num_write`` tokens are written to the row's cache. ``logits``: which
-    tokens' logits to return (a slice, or None for none). ``count``: counted as a forward of the
-    row (diagnostic forwards are not). ``step``: a denoising step
-    to apply to the logits, whose result the row receives instead (an object with a static
-    ``run_batch(steps, logits) -> results``, e.g. :class:`simsd.decoding.step.Step`).
+    ``ids (L,)`` int64 on the model's device; ``positions``: ``L`` host ints (RoPE positions);
+    ``labels``: ``L`` host ``(kind, tau, grp)`` triples (see :mod:`simsd_kernels.mask_rule`);
+    ``tau``: None, or an ``(L,)`` int32 device tensor added to the ``tau`` labels (paper
+    verification: the draft's reveal steps, known on the device only); ``mask_mode``; the first
+    ``num_write`` tokens are kept in the row's cache. ``logits``: which tokens' logits to return
+    (a slice, or None for none). ``count``: counted as a forward of the row (diagnostic forwards
+    are not). ``step``: a denoising step to apply to the logits, whose result the row receives
+    instead (an object with a static ``run_batch(steps, logits) -> results``, e.g.
+    :class:`simsd.decoding.step.Step`).
+
+    Positions and labels travel to the device with those of the forward's other rows in one
+    copy each (host values: no device op per request).
     """
     model: str
     ids: torch.Tensor
-    positions: torch.Tensor
-    labels: torch.Tensor
+    positions: Sequence[int]
+    labels: list
     mask_mode: str
     num_write: int = 0
     logits: slice | None = field(default_factory=lambda: slice(None))
     count: bool = True
     step: object | None = None
+    tau: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,9 +134,10 @@ class Row:
         self.cached[model] = length
         self.caches[model].seqlens[self.index] = length
 
-    def positions(self, model: str, n: int) -> torch.Tensor:
+    def positions(self, model: str, n: int) -> range:
+        """The positions of the next ``n`` tokens of ``model`` after the cached ones (host)."""
         c = self.cached[model]
-        return torch.arange(c, c + n, device=self.devices[model])
+        return range(c, c + n)
 
     def denoise(self, model: str, block: torch.Tensor, step=None) -> Fwd:
         """Denoise forward of ``block (L,)``: bidirectional over the cache and the block, read-only
@@ -124,22 +146,19 @@ class Row:
         if prev is not None:
             return self.commit_and_denoise(model, prev, block, step)
         L = block.shape[0]
-        return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional",
-                   step=step)
+        return Fwd(model, block, self.positions(model, L), [KNOWN] * L, "bidirectional", step=step)
 
-    def exact(self, model: str, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> Fwd:
-        """Exact verification forward of the layout ``ids, positions (1, L)``, ``labels (1, L, 3)``
-        (one copy per verified state, :func:`simsd.speculative.verification.exact_layout` at
-        :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``) and
-        is written. The logits are those of the copies."""
-        dev = self.devices[model]
+    def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list) -> Fwd:
+        """Exact verification forward of the layout ``ids (L,)``, ``positions`` and ``labels``
+        (host; one copy per verified state, :func:`simsd.speculative.verification.exact_layout`
+        at :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``)
+        and is written. The logits are those of the copies."""
         prev = self.pending.pop(model, None)
         if prev is None:
-            return Fwd(model, ids[0], positions[0], labels[0], "exact")
+            return Fwd(model, ids, positions, labels, "exact")
         P = prev.shape[0]
-        return Fwd(model, torch.cat([prev, ids[0]]), torch.cat([self.positions(model, P), positions[0]]),
-                   torch.cat([labels_for(P, dev, grp=SHARED_GRP)[0], labels[0]]), "exact", num_write=P,
-                   logits=slice(P, None))
+        return Fwd(model, torch.cat([prev, ids]), list(self.positions(model, P)) + list(positions),
+                   [(KIND_KNOWN, 0, SHARED_GRP)] * P + labels, "exact", num_write=P, logits=slice(P, None))
 
     def commit(self, model: str, block: torch.Tensor, fold: bool = False) -> Fwd | None:
         """Commit forward: the clean block's K/V are stored (no logits). ``fold``: defer it to
@@ -150,8 +169,7 @@ class Row:
             self.pending[model] = block
             return None
         L = block.shape[0]
-        return Fwd(model, block, self.positions(model, L), labels_for(L, self.devices[model])[0], "bidirectional",
-                   num_write=L, logits=None)
+        return Fwd(model, block, self.positions(model, L), [KNOWN] * L, "bidirectional", num_write=L, logits=None)
 
     def flush(self, model: str) -> Fwd | None:
         """The pending commit of ``model`` as its own forward (for requests that cannot fold it)."""
@@ -163,30 +181,17 @@ class Row:
         """The commit of ``block`` folded into the first denoise forward of ``next_block``
         (block-causal over the pair); the logits are those of ``next_block``."""
         L = block.shape[0]
-        dev = self.devices[model]
-        grp = (torch.arange(2 * L, device=dev) >= L).int()
         return Fwd(model, torch.cat([block, next_block]), self.positions(model, 2 * L),
-                   labels_for(2 * L, dev, grp=grp)[0], "block_causal", num_write=L, logits=slice(L, 2 * L),
+                   [KNOWN] * L + [(KIND_KNOWN, 0, 1)] * L, "block_causal", num_write=L, logits=slice(L, 2 * L),
                    step=step)
 
 
-def _aligned_prefill(model, cache, prompt_ids: list, B: int) -> tuple[list, int]:
-    aligned = (len(prompt_ids) // B) * B
-    if aligned:
-        dev = model.device
-        ids = to_device([prompt_ids[:aligned]], dev)
-        pos = torch.arange(aligned, device=dev)[None]
-        model(ids, pos, labels_for(aligned, dev, grp=pos // B), "block_causal", cache, num_write=aligned,
-              logits_slice=None)
-    return list(prompt_ids[aligned:]), aligned
-
-
 class BatchEngine:
-    """Drives row programs over one static cache per model.
+    """Runs the forward requests of row programs over one static cache per model.
 
     Args:
         models: name -> :class:`SDARForCausalLM` (e.g. ``{"target": t, "draft": d}``).
-        block_length: B.
+        block_length: the block length (tokens per block).
         batch_size: rows.
         capacity: tokens a row may commit (see :func:`simsd.decoding.config.check_prompt`).
         margin: the longest query a forward may carry (the per-row write margin).
@@ -199,8 +204,12 @@ class BatchEngine:
         capture: the capture function of the graph runners (default
             :func:`simsd.engine.graphs.cuda_capture`; tests pass ``eager_capture``).
 
-    The caches hold ``capacity + margin`` tokens per row (:func:`engine_for`, which the decoders
-    use, rounds ``capacity`` with :func:`round_capacity` first).
+    The caches hold ``capacity + margin`` tokens per row (callers round ``capacity`` with
+    :func:`round_capacity` first). The engine is driven by a
+    :class:`~simsd.engine.scheduler.Scheduler`, which admits requests into rows
+    (:meth:`release`, :meth:`prefill`), chooses each forward (:meth:`pick`) and runs it
+    (:meth:`forward`). Whoever wants captured graphs reused keeps the engine (e.g.
+    :class:`simsd.LLM`).
 
     ``forwards[name]`` counts the batched forwards run per model (prefill excluded).
 
@@ -213,18 +222,21 @@ class BatchEngine:
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
                  cuda_graphs: bool = False, static_shapes: bool | None = None, capture=None):
         self.models = models
-        self.B = block_length
+        self.block_length = block_length
         self.capacity = capacity
         self.static = cuda_graphs if static_shapes is None else static_shapes
         check_engine_memory(models, batch_size, capacity, margin)
         self.caches = {n: m.new_cache(batch_size, capacity + margin) for n, m in models.items()}
         for cache in self.caches.values():
             cache.check_lengths = False  # the engine checks lengths on the host (no device read)
+        self._views: dict = {}   # (model, a, b) -> the cache view of rows [a, b)
+        self._zeros: dict = {}   # (n, device, dtype) -> zeros: padding ids and tau labels
+        self._constants: dict = {}  # (device, values) -> labels and write counts seen before
         self.graphs = {}
         if cuda_graphs:
             from .graphs import GraphRunner
             state = {"disabled": None}  # one mismatch turns off the graphs of every model
-            self.graphs = {n: GraphRunner(m, self.caches[n], capture=capture, state=state)
+            self.graphs = {n: GraphRunner(m, self.caches[n], block_length, capture=capture, state=state)
                            for n, m in models.items()}
         self.reset()
 
@@ -237,7 +249,7 @@ class BatchEngine:
 
     def _new_row(self, index: int) -> Row:
         devices = {n: m.device for n, m in self.models.items()}
-        return Row(index, devices, self.B, {n: 0 for n in self.models}, {n: 0 for n in self.models},
+        return Row(index, devices, self.block_length, {n: 0 for n in self.models}, {n: 0 for n in self.models},
                    caches=self.caches)
 
     def release(self, index: int) -> Row:
@@ -256,65 +268,34 @@ class BatchEngine:
                 torch.cuda.synchronize(dev)
 
     def prefill(self, index: int, prompt_ids: list) -> list:
-        """Prefill row ``index`` in every model (separately per row); returns the prompt tail."""
+        """Prefill row ``index`` in every model (separately per row): the block-aligned part of
+        the prompt, block-causal, written to the cache. Returns the prompt tail (the rest)."""
         row = self.rows[index]
-        tail = prompt_ids
+        L = self.block_length
+        aligned = (len(prompt_ids) // L) * L
         for name, model in self.models.items():
-            tail, aligned = _aligned_prefill(model, self.caches[name].rows(index, index + 1), prompt_ids, self.B)
+            if aligned:
+                dev = model.device
+                model_forward(model, self._view(name, index, index + 1), to_device([prompt_ids[:aligned]], dev),
+                              to_device([list(range(aligned))], dev),
+                              to_device([[(KIND_KNOWN, 0, p // L) for p in range(aligned)]], dev, torch.int32),
+                              "block_causal", to_device([aligned], dev, torch.int32), False, L)
             row.cached[name] = aligned
-        row.prefill_forwards = 1 if len(prompt_ids) >= self.B else 0
-        return tail
+        row.prefill_forwards = 1 if aligned else 0
+        return list(prompt_ids[aligned:])
 
     def max_requests(self) -> int:
         """An upper bound on the forward requests of a row program that makes progress: every
         request of a round either commits a token or belongs to a round that does (at most
-        ``2 B + 8`` requests per committed token, optimistic drafts included), over the capacity."""
-        return (self.capacity + self.B) * (2 * self.B + 8) + 64
-
-    def run(self, programs: list) -> list:
-        """Run one program per row (``programs[i]`` for row ``i``) until all return; returns
-        their return values. Draft forwards run before target ones so that the target's
-        forwards batch as many rows as possible.
-
-        Raises:
-            RuntimeError: a program issued more than :meth:`max_requests` requests (it makes no
-                progress; the loop would not end).
-        """
-        pending, results = {}, [None] * len(programs)
-        served, limit = [0] * len(programs), self.max_requests()
-        for i, prog in enumerate(programs):
-            self._advance(i, prog, None, pending, results)
-        while pending:
-            name, mode, rows = self.pick(pending)
-            outs = self._forward(name, mode, {i: pending[i][1] for i in rows})
-            for i in rows:
-                served[i] += 1
-                if served[i] > limit:
-                    raise RuntimeError(f"row {i}: {served[i]} forward requests without finishing (a program that "
-                                       f"progresses needs at most {limit} for {self.capacity} tokens)")
-                self._advance(i, pending.pop(i)[0], outs[i], pending, results)
-        return results
+        ``2 block_length + 8`` requests per committed token, optimistic drafts included), over
+        the capacity."""
+        return (self.capacity + self.block_length) * (2 * self.block_length + 8) + 64
 
     def pick(self, pending: dict) -> tuple:
         """The next forward among ``pending`` (``{row: (program, Fwd)}``): ``(model, mask_mode,
-        rows)`` of the largest group that can share a forward, draft groups first."""
+        rows)`` of the largest group that can share a forward, draft groups first (so that the
+        target's forwards batch as many rows as possible)."""
         return max(self._groups(pending), key=lambda g: (g[0] != "target", len(g[2])))
-
-    def forward(self, name: str, mode: str, reqs: dict) -> dict:
-        """Run the requests ``reqs`` (``{row: Fwd}``, one group of :meth:`pick`) as one batched
-        forward of model ``name``; returns ``{row: logits or step result or None}``.
-
-        Raises:
-            ValueError: a write past a row's cache capacity (checked before the forward).
-        """
-        return self._forward(name, mode, reqs)
-
-    @staticmethod
-    def _advance(i, prog, value, pending, results):
-        try:
-            pending[i] = (prog, prog.send(value))
-        except StopIteration as stop:
-            results[i] = stop.value
 
     @staticmethod
     def _groups(pending) -> list:
@@ -329,94 +310,144 @@ class BatchEngine:
                     groups[other] = sorted(groups[other] + groups.pop((name, mode)))
         return [(n, m, rows) for (n, m), rows in groups.items()]
 
-    def _forward(self, name: str, mode: str, reqs: dict) -> dict:
-        model, dev = self.models[name], self.models[name].device
+    def forward(self, name: str, mode: str, reqs: dict) -> dict:
+        """Run the requests ``reqs`` (``{row: Fwd}``, one group of :meth:`pick`) as one batched
+        forward of model ``name``; returns ``{row: logits or step result or None}``.
+
+        The forward covers the rows ``[min(reqs), max(reqs)]`` (all rows with static shapes);
+        each row writes all ``Lq`` query tokens into its cache and keeps its request's
+        ``num_write`` of them (the model's per-row writes), so every covered row needs ``Lq``
+        free slots (the engine's margin).
+
+        Raises:
+            ValueError: a write past a row's cache capacity (checked before the forward).
+        """
+        model = self.models[name]
         a, b = min(reqs), max(reqs) + 1
-        Lq = max(r.ids.shape[0] for r in reqs.values())
+        Lq = max(len(r.positions) for r in reqs.values())
         if self.static:
             a, b = 0, len(self.rows)
-            Lq = -(-Lq // self.B) * self.B
-        if mode == "bidirectional" and any(r.ids.shape[0] != Lq for r in reqs.values()):
+            Lq = -(-Lq // self.block_length) * self.block_length
+        if mode == "bidirectional" and any(len(r.positions) != Lq for r in reqs.values()):
             mode = "exact"
-        ids = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
-        pos = torch.zeros(b - a, Lq, dtype=torch.int64, device=dev)
-        labels = torch.empty(b - a, Lq, 3, dtype=torch.int32, device=dev)
-        for channel, value in enumerate(PAD_LABEL[mode]):  # scalar fills: no host-to-device copy
-            labels[..., channel] = value
-        nw = [0] * (b - a)
-        for i, r in reqs.items():
-            L = r.ids.shape[0]
-            ids[i - a, :L] = r.ids
-            pos[i - a, :L] = r.positions
-            pos[i - a, L:] = r.positions[-1]
-            labels[i - a, :L] = r.labels
-            nw[i - a] = r.num_write
-        per_row = len(set(nw)) > 1 or (self.static and any(nw))
-        written = Lq if per_row else nw[0]  # per-row writes store all Lq tokens of every row
-        for i in range(a, b) if written else ():  # checked on the host, where the lengths are known
+        for i in range(a, b):  # checked on the host, where the lengths are known
             room = self.caches[name].max_len - self.rows[i].cached[name]
-            if written > room:
-                raise ValueError(f"KV cache overflow in row {i} of {name}: {written} tokens written, "
-                                 f"{room} free slots")
-        num_write = to_device(nw, dev, torch.int32) if per_row else nw[0]
+            if Lq > room:
+                raise ValueError(f"KV cache overflow in row {i} of {name}: {Lq} tokens written, {room} free slots")
+        ids, positions, labels, num_write = self._inputs(model.device, mode, reqs, a, b, Lq)
         want = any(r.logits is not None for r in reqs.values())
         if name in self.graphs:
-            logits = self.graphs[name](ids, pos, labels, mode, num_write, want)
+            logits = self.graphs[name](ids, positions, labels, mode, num_write, want)
+            if logits is not None:
+                logits = logits.clone()  # a graph's output is overwritten by its next replay
         else:
-            logits = model(ids, pos, labels, mode, self.caches[name].rows(a, b), num_write,
-                           slice(None) if want else None, unit=self.B)
+            logits = model_forward(model, self._view(name, a, b), ids, positions, labels, mode, num_write, want,
+                                   self.block_length)
         self.forwards[name] += 1
-        outs = {}
         for i, r in reqs.items():
             row = self.rows[i]
             row.cached[name] += r.num_write
             row.forwards[name] += int(r.count)
-            if r.logits is not None:
-                out = logits[i - a, : r.ids.shape[0]][r.logits]
-                outs[i] = out.clone() if self.graphs else out  # graph outputs are overwritten by replays
-            else:
-                outs[i] = None
-        self._steps(reqs, outs)
+        return self._outputs(logits, reqs, a)
+
+    def _view(self, name: str, a: int, b: int):
+        """The cache of model ``name`` restricted to rows ``[a, b)`` (views made once)."""
+        key = (name, a, b)
+        view = self._views.get(key)
+        if view is None:
+            cache = self.caches[name]
+            view = self._views[key] = cache if (a, b) == (0, cache.batch_size) else cache.rows(a, b)
+        return view
+
+    def _zeros_of(self, n: int, device, dtype=torch.int64) -> torch.Tensor:
+        key = (n, device, dtype)
+        z = self._zeros.get(key)
+        if z is None:
+            z = self._zeros[key] = torch.zeros(n, dtype=dtype, device=device)
+        return z
+
+    def _inputs(self, device, mode: str, reqs: dict, a: int, b: int, Lq: int) -> tuple:
+        """``ids, positions (R, Lq)`` int64, ``labels (R, Lq, 3)`` and ``num_write (R,)`` int32
+        of rows ``[a, b)``: shorter requests padded with :data:`PAD_LABEL` slots, rows without a
+        request given a read-only query of padding. Host values travel in one copy per tensor."""
+        pad = PAD_LABEL[mode]
+        with_tau = any(r.tau is not None for r in reqs.values())
+        ids, positions, labels, num_write, taus = [], [], [], [], []
+        for i in range(a, b):
+            r = reqs.get(i)
+            L = 0 if r is None else len(r.positions)
+            if r is not None:
+                ids.append(r.ids)
+                if with_tau:
+                    taus.append(r.tau if r.tau is not None else self._zeros_of(L, device, torch.int32))
+            if L < Lq:
+                ids.append(self._zeros_of(Lq - L, device))
+                if with_tau:
+                    taus.append(self._zeros_of(Lq - L, device, torch.int32))
+            last = 0 if r is None else r.positions[-1]
+            positions.append([*(() if r is None else r.positions), *[last] * (Lq - L)])
+            labels.append(([] if r is None else r.labels) + [pad] * (Lq - L))
+            num_write.append(0 if r is None else r.num_write)
+        R = b - a
+        if len(ids) == R:  # no padding
+            ids = ids[0][None] if R == 1 else torch.stack(ids)
+        else:
+            ids = torch.cat(ids).view(R, Lq)
+        if with_tau:
+            labels = to_device(labels, device, torch.int32)
+            labels[..., 1].add_(torch.cat(taus).view(R, Lq))
+        else:
+            labels = self._constant(labels, device)
+        return ids, to_device(positions, device), labels, self._constant(num_write, device)
+
+    def _constant(self, values: list, device) -> torch.Tensor:
+        """``values`` (nested host ints) as an int32 tensor on ``device``: labels and write
+        counts repeat from round to round (a denoise or commit forward of the same rows), so
+        the first :data:`CONSTANTS` distinct ones are kept (never written to) and reused."""
+        key = (device, repr(values))
+        t = self._constants.get(key)
+        if t is None:
+            t = to_device(values, device, torch.int32)
+            if len(self._constants) < CONSTANTS:
+                self._constants[key] = t
+        return t
+
+    def _outputs(self, logits, reqs: dict, a: int) -> dict:
+        """Each request's part of the forward's ``logits (R, Lq, V)``: its sliced logits, the
+        result of its step (all steps of the forward in one ``run_batch`` call, see
+        :class:`Fwd`) or None."""
+        outs = {i: None for i in reqs}
+        steps = [i for i, r in reqs.items() if r.step is not None]
+        plain = [i for i, r in reqs.items() if r.logits is not None and r.step is None]
+        if plain:
+            rows = logits.unbind(0)
+            for i in plain:
+                outs[i] = self._span(rows[i - a], reqs[i])
+        if steps:
+            results = type(reqs[steps[0]].step).run_batch([reqs[i].step for i in steps],
+                                                          self._step_logits(logits, reqs, steps, a))
+            outs.update(zip(steps, results))
         return outs
 
     @staticmethod
-    def _steps(reqs: dict, outs: dict) -> None:
-        """Replace the logits of requests that carry a step by the step's result (all steps of
-        the forward in one ``run_batch`` call, see :class:`Fwd`)."""
-        rows = [i for i, r in reqs.items() if r.step is not None]
-        if rows:
-            results = type(reqs[rows[0]].step).run_batch([reqs[i].step for i in rows], [outs[i] for i in rows])
-            for i, result in zip(rows, results):
-                outs[i] = result
+    def _span(row_logits: torch.Tensor, r: Fwd) -> torch.Tensor:
+        """``row_logits (Lq, V)`` cut to the request's ``logits`` slice of its own tokens."""
+        s, e, _ = r.logits.indices(len(r.positions))
+        return row_logits if (s, e) == (0, row_logits.shape[0]) else row_logits[s:e]
 
-
-_POOL: dict = {}
-
-
-def engine_for(models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
-               cuda_graphs: bool = False, capture=None) -> BatchEngine:
-    """A :class:`BatchEngine` for these arguments. Without graphs a fresh one; with graphs one
-    kept per ``(models, block_length, batch_size, margin)`` and reset, so that its captured
-    graphs are reused across calls (replaced by a larger one when ``capacity`` grows).
-    Capacities are rounded up with :func:`round_capacity` in both cases."""
-    capacity = round_capacity(capacity)
-    if not cuda_graphs:
-        return BatchEngine(models, block_length, batch_size, capacity, margin)
-    key = (tuple((n, id(m)) for n, m in sorted(models.items())), block_length, batch_size, margin)
-    engine = _POOL.get(key)
-    if engine is None or engine.capacity < capacity:
-        _POOL.pop(key, None)
-        engine = _POOL[key] = BatchEngine(models, block_length, batch_size, capacity, margin,
-                                          cuda_graphs=True, capture=capture)
-    engine.reset()
-    return engine
-
-
-@dataclass
-class BatchResult:
-    """``results[i]``: the generation result (:class:`~simsd.decoding.config.GenerationResult`) of
-    prompt ``i``; ``stats``:
-    ``batch_size, new_tokens, decode_seconds, tokens_per_second`` (all rows' tokens over the
-    batch's decode time, prefill excluded) and ``batched_forwards`` per model."""
-    results: list
-    stats: dict
+    def _step_logits(self, logits: torch.Tensor, reqs: dict, steps: list, a: int) -> torch.Tensor:
+        """The sliced logits of the requests that carry a step, in order: ``(len(steps), T, V)``
+        when they share their span of ``T`` tokens (one view of the forward's logits, or one
+        selection), else their spans concatenated, ``(sum of T, V)``."""
+        spans = [reqs[i].logits.indices(len(reqs[i].positions))[:2] for i in steps]
+        if len(set(spans)) > 1:
+            rows = logits.unbind(0)
+            return torch.cat([rows[i - a][s:e] for i, (s, e) in zip(steps, spans)])
+        if steps != list(range(a, a + logits.shape[0])):
+            lo, hi = steps[0] - a, steps[-1] - a + 1
+            if steps == list(range(steps[0], steps[-1] + 1)):
+                logits = logits[lo:hi]
+            else:
+                logits = logits.index_select(0, to_device([i - a for i in steps], logits.device))
+        s, e = spans[0]
+        return logits if (s, e) == (0, logits.shape[1]) else logits[:, s:e]

@@ -1,8 +1,8 @@
 """CUDA-graph replay of a model's forwards over a static KV cache (docs/design.md §6).
 
-:class:`GraphRunner` captures one graph per forward shape — ``(mask_mode, B, Lq, writes,
-logits)`` — with static input buffers (ids, positions, labels, per-row ``num_write``) and a
-static logits output, and replays it after copying the new inputs in. The cache lengths live
+:class:`GraphRunner` captures one graph per forward shape — ``(mask_mode, B, Lq, logits)`` —
+with static input buffers (ids, positions, labels, per-row ``num_write``) and a static logits
+output, and replays it after copying the new inputs in. The cache lengths live
 on the device (``cache.seqlens``) and advance inside the graph, so a replay needs no host
 sync. Used by :class:`simsd.engine.batching.BatchEngine` with ``cuda_graphs=True``, which also
 fixes the shapes (all rows in every forward, query lengths rounded up to a multiple of the
@@ -28,6 +28,8 @@ import torch
 
 from simsd_kernels import MaskMode
 from simsd_kernels.backends import OpConfig, resolve_backend
+
+from .forward import model_forward
 
 #: graph vs eager: max |difference| <= GRAPH_TOL[dtype] * max(1, max |eager|) (a few units in the
 #: last place of the largest value; equal kernels in equal order usually agree bit for bit)
@@ -67,7 +69,7 @@ class _Graph:
     ids: torch.Tensor
     positions: torch.Tensor
     labels: torch.Tensor
-    num_write: torch.Tensor | None
+    num_write: torch.Tensor
     out: torch.Tensor | None
     checked: bool = False
 
@@ -132,9 +134,10 @@ def eager_capture(fn, cache, device, pool):
 
 
 class GraphRunner:
-    """Captures and replays ``model(ids, positions, labels, mode, cache, num_write, logits)``.
+    """Captures and replays :func:`~simsd.engine.forward.model_forward` of ``model`` over ``cache``.
 
-    ``cache`` is fixed for the runner's lifetime (its buffers are baked into the graphs).
+    ``cache`` is fixed for the runner's lifetime (its buffers are baked into the graphs);
+    ``unit``: the block length (see :func:`~simsd.engine.forward.model_forward`).
     ``graphs`` counts captured shapes; ``replays`` counts replays. ``capture`` defaults to
     :func:`cuda_capture` (and then the model must pass :func:`check_graphable`). ``check``:
     compare the first replay of each shape with eager (module docstring); ``state`` (a dict
@@ -142,11 +145,11 @@ class GraphRunner:
     ``checks`` lists ``(shape key, max |graph - eager|, tolerance)`` of the comparisons made.
     """
 
-    def __init__(self, model, cache, capture=None, check: bool = True, state: dict | None = None):
+    def __init__(self, model, cache, unit: int, capture=None, check: bool = True, state: dict | None = None):
         if capture is None:
             check_graphable(model)
             capture = cuda_capture
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.unit, self.capture = model, cache, unit, capture
         self.check = check
         self.state = state if state is not None else {"disabled": None}
         self.state.setdefault("disabled", None)
@@ -164,18 +167,15 @@ class GraphRunner:
         """None while graphs are in use, else the reason they were turned off."""
         return self.state["disabled"]
 
-    def __call__(self, ids, positions, labels, mask_mode: str, num_write, want_logits: bool):
-        """Same contract as the model forward with ``logits_slice = slice(None) | None``;
-        ``num_write``: 0 or a ``(B,)`` int32 device tensor. Returns the graph's static logits
-        ``(B, Lq, V)`` (overwritten by the next replay of this shape: copy what you keep) or None;
-        once graphs are disabled, the eager forward's logits."""
-        writes = isinstance(num_write, torch.Tensor)
-        if not writes and num_write:
-            raise ValueError("GraphRunner takes num_write as 0 or a (B,) device tensor")
+    def __call__(self, ids, positions, labels, mask_mode: str, num_write: torch.Tensor, want_logits: bool):
+        """Same contract as :func:`~simsd.engine.forward.model_forward` (``num_write``: a ``(B,)``
+        int32 device tensor). Returns the graph's static logits ``(B, Lq, V)`` (overwritten by
+        the next replay of this shape: copy what you keep) or None; once graphs are disabled,
+        the eager forward's logits."""
         if self.disabled:
-            return self.model(ids, positions, labels, mask_mode, self.cache, num_write,
-                              slice(None) if want_logits else None)
-        key = (mask_mode, tuple(ids.shape), writes, want_logits)
+            return model_forward(self.model, self.cache, ids, positions, labels, mask_mode, num_write, want_logits,
+                                 self.unit)
+        key = (mask_mode, tuple(ids.shape), want_logits)
         with device_of(ids.device):
             g = self._graphs.get(key)
             if g is None:
@@ -183,8 +183,7 @@ class GraphRunner:
             g.ids.copy_(ids)
             g.positions.copy_(positions)
             g.labels.copy_(labels)
-            if writes:
-                g.num_write.copy_(num_write)
+            g.num_write.copy_(num_write)
             if self.check and not g.checked:
                 return self._checked_replay(g, key, mask_mode, want_logits)
             g.replay()
@@ -202,17 +201,14 @@ class GraphRunner:
         """First replay of a shape: replay, then rerun the same forward eagerly from the same
         cache lengths (it rewrites the same slots) and compare outputs and written K/V."""
         lengths = self.cache.seqlens.clone()
-        writes = g.num_write is not None
         g.replay()
         self.replays += 1
         got = [g.out.clone()] if g.out is not None else []
-        if writes:
-            got.append(self._written(lengths, g.ids.shape[1]))
+        got.append(self._written(lengths, g.ids.shape[1]))
         self.cache.seqlens.copy_(lengths)
         eager = self._run(g, mask_mode, want_logits)
         want = [eager] if eager is not None else []
-        if writes:
-            want.append(self._written(lengths, g.ids.shape[1]))
+        want.append(self._written(lengths, g.ids.shape[1]))
         g.checked = True
         worst, tol = 0.0, 0.0
         for a, b in zip(got, want):
@@ -233,13 +229,11 @@ class GraphRunner:
         return g.out
 
     def _run(self, g: _Graph, mask_mode, want_logits):
-        nw = g.num_write if g.num_write is not None else 0
-        return self.model(g.ids, g.positions, g.labels, mask_mode, self.cache, nw,
-                          slice(None) if want_logits else None)
+        return model_forward(self.model, self.cache, g.ids, g.positions, g.labels, mask_mode, g.num_write,
+                             want_logits, self.unit)
 
     def _capture(self, ids, positions, labels, mask_mode, num_write, want_logits) -> _Graph:
-        g = _Graph(None, ids.clone(), positions.clone(), labels.clone(),
-                   num_write.clone() if isinstance(num_write, torch.Tensor) else None, None)
+        g = _Graph(None, ids.clone(), positions.clone(), labels.clone(), num_write.clone(), None)
         g.replay, g.out, self._pool = self.capture(lambda: self._run(g, mask_mode, want_logits), self.cache,
                                                    ids.device, self._pool)
         return g

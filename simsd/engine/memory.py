@@ -7,7 +7,7 @@ Parts (bytes, per device):
 * **KV caches**: ``layers x 2 x batch x (capacity + margin) x kv_heads x head_dim x dtype size``
   per model, exactly what :class:`simsd.models.cache.KVCache` allocates; ``capacity`` is the
   longest prompt plus ``max_new_tokens`` rounded up to whole blocks plus one block, ``margin``
-  the longest query a forward may carry (``(gamma + 2) x B`` for SimSD, ``2 x B`` vanilla);
+  the longest query a forward may carry (``(gamma + 2) x block_length`` for SimSD, ``2 x block_length`` vanilla);
 * **workspace** of the largest forward (``margin`` query tokens per row): hidden states and
   MLP activations, float32 logits and the sampling step's copies of them, and for the torch
   reference attention (the CPU path) the dense mask, the scores and the key/value copies

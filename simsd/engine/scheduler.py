@@ -18,9 +18,10 @@ own row, its own prefill and its own seed (stateless keyed noise), so its tokens
 else is in flight (in float32/float64; see "Batch invariance" in the README).
 
 Faults stay with their request: an exception raised by a row program fails that request
-only; a batched forward that raises is undone (row lengths and forward counts; the sampling
-noise is stateless, so nothing else) and re-run row
-by row, so that only the rows whose own forward fails are failed.
+only, as does a program that issues more forward requests than one that progresses can
+(:meth:`BatchEngine.max_requests`: it would never end); a batched forward that raises is
+undone (row lengths and forward counts; the sampling noise is stateless, so nothing else) and
+re-run row by row, so that only the rows whose own forward fails are failed.
 
 Time: :meth:`Scheduler.decode_clock` is a clock that stands still while prompts are prefilled
 (each admission is bracketed by device synchronisations, so a prefill's device time falls
@@ -29,10 +30,13 @@ of that clock from its admission to its end: the rounds it took part in (shared 
 requests in flight), no prefill, its own or another's. Over a run, the clock's span from the
 first admission to the last end is the run's decode time (README, "Statistics").
 
-The scheduler knows rows and programs, not decoding: a request brings a ``program(row, tail)``
-factory (e.g. :func:`simsd.decoding.vanilla.vanilla_program`). It runs on the thread that
-calls :meth:`Scheduler.step`, or on its own thread (:meth:`Scheduler.start`); :meth:`submit`
-and :meth:`cancel` may be called from any thread. Callbacks run on the scheduling thread (a
+The scheduler is the one driver of row programs: the batch decoders run their prompts through
+it on the calling thread (:func:`run_requests`), :class:`simsd.LLM` on its own thread or the
+caller's, and the server, ``simsd generate`` and ``simsd bench`` through :class:`simsd.LLM`.
+It knows rows and programs, not decoding: a request brings a ``program(row, tail)`` factory
+(e.g. a :class:`simsd.decoding.program.RowProgram`'s). It runs on the thread that calls
+:meth:`Scheduler.step`, or on its own thread (:meth:`Scheduler.start`); :meth:`submit` and
+:meth:`cancel` may be called from any thread. Callbacks run on the scheduling thread (a
 waiting request's cancellation: on the cancelling thread).
 """
 from __future__ import annotations
@@ -81,7 +85,8 @@ class Request:
     Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (prefill done,
     decoding starts), ``finished``; ``decode_interval``: ``(start, end)`` on the scheduler's
     :meth:`~Scheduler.decode_clock` (None if never admitted), ``decode_seconds`` its length;
-    ``row``: the engine row while running.
+    ``row``: the engine row while running; ``forward_requests``: the forward requests its
+    program issued.
     """
     prompt_ids: list
     program: Callable
@@ -96,6 +101,7 @@ class Request:
     admitted: float | None = None
     finished: float | None = None
     decode_interval: tuple | None = None
+    forward_requests: int = 0
 
     @property
     def done(self) -> bool:
@@ -278,11 +284,17 @@ class Scheduler:
         if self._pending:
             start = time.perf_counter()
             name, mode, rows = self.engine.pick(self._pending)
-            outs, failed = self._forward(name, mode, {i: self._pending[i][1] for i in rows})
+            reqs = {i: self._pending[i][1] for i in rows}
+            undo = self._snapshot(name, reqs)
+            try:
+                outs, failed = self.engine.forward(name, mode, reqs), {}
+            except Exception as exc:
+                outs, failed = self._row_by_row(name, reqs, undo, exc)
             for i in rows:
                 prog = self._pending.pop(i)[0]
-                if i in failed:
-                    self._retire(i, error=failed[i], prog=prog)
+                error = failed[i] if i in failed else self._over_limit(i)
+                if error is not None:
+                    self._retire(i, error=error, prog=prog)
                 else:
                     self._advance(i, prog, outs[i])
             self.rounds += 1
@@ -333,6 +345,17 @@ class Scheduler:
             req.decode_interval = (self.decode_clock(),) * 2
             self._advance(index, prog, None)
 
+    def _over_limit(self, i: int) -> RuntimeError | None:
+        """Count a served request of row ``i``; the error of a program past
+        :meth:`BatchEngine.max_requests` (it makes no progress), else None."""
+        req = self._running[i]
+        req.forward_requests += 1
+        limit = self.engine.max_requests()
+        if req.forward_requests <= limit:
+            return None
+        return RuntimeError(f"row {i}: {req.forward_requests} forward requests without finishing (a program that "
+                            f"progresses needs at most {limit} for {self.engine.capacity} tokens)")
+
     def _advance(self, i: int, prog, value) -> None:
         try:
             self._pending[i] = (prog, prog.send(value))
@@ -371,29 +394,31 @@ class Scheduler:
             except Exception:
                 log.exception("simsd scheduler: on_finish of request %s raised", req.request_id)
 
-    def _forward(self, name: str, mode: str, reqs: dict) -> tuple:
-        """``(outs, failed)``: the batched forward, or after a failure the rows one by one with
-        ``failed[row]`` the exception of each row whose own forward fails."""
-        snap = {i: (self.engine.rows[i].cached[name], self.engine.rows[i].forwards[name])
-                for i, r in reqs.items()}
-        batched = self.engine.forwards[name]
-        try:
-            return self.engine.forward(name, mode, reqs), {}
-        except Exception as exc:
-            if len(reqs) == 1:
-                return {}, {i: exc for i in reqs}
-            log.warning("simsd scheduler: a forward of %d rows failed (%r); running them one by one", len(reqs), exc)
+    def _snapshot(self, name: str, reqs: dict) -> tuple:
+        """What a failed batched forward of ``reqs`` must undo: the rows' cache lengths and
+        forward counts of model ``name`` and the engine's batched-forward count."""
+        rows = self.engine.rows
+        return self.engine.forwards[name], {i: (rows[i].cached[name], rows[i].forwards[name]) for i in reqs}
+
+    def _row_by_row(self, name: str, reqs: dict, undo: tuple, exc: Exception) -> tuple:
+        """After a batched forward failed with ``exc``: ``(outs, failed)`` of the rows run one by
+        one from the state before it, ``failed[row]`` the exception of each row whose own
+        forward fails."""
+        if len(reqs) == 1:
+            return {}, {i: exc for i in reqs}
+        log.warning("simsd scheduler: a forward of %d rows failed (%r); running them one by one", len(reqs), exc)
+        batched, rows = undo
         self.engine.forwards[name] = batched
         outs, failed = {}, {}
         for i, r in reqs.items():
             row = self.engine.rows[i]
-            cached, forwards = snap[i]
+            cached, forwards = rows[i]
             row.cached[name], row.forwards[name] = cached, forwards
             self.engine.caches[name].seqlens[i] = cached
             try:
                 outs.update(self.engine.forward(name, r.mask_mode, {i: r}))
-            except Exception as exc:
-                failed[i] = exc
+            except Exception as err:
+                failed[i] = err
         return outs, failed
 
     def _fail_running(self, exc: BaseException) -> None:
@@ -401,3 +426,26 @@ class Scheduler:
             entry = self._pending.get(i)
             self._retire(i, error=exc, prog=None if entry is None else entry[0])
 
+
+def decode_span(requests) -> float:
+    """The decode time of a run of requests of one scheduler (anything with a
+    ``decode_interval``): the span of the decode clock from the first admission to the last
+    end; prefills excluded (README, "Statistics")."""
+    spans = [r.decode_interval for r in requests if r.decode_interval is not None]
+    return max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+
+
+def run_requests(engine: BatchEngine, requests: list) -> None:
+    """Run ``requests`` to their end on this thread, through a fresh :class:`Scheduler` over
+    ``engine`` (all queued before the first round, admitted in order while rows are free).
+
+    Raises:
+        the first failed request's exception (after every request has ended).
+    """
+    sched = Scheduler(engine, max_waiting=len(requests))
+    for req in requests:
+        sched.submit(req)
+    sched.run_until_idle()
+    for req in requests:
+        if req.error is not None:
+            raise req.error

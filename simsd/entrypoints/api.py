@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
-from ..decoding.vanilla import vanilla_program, vanilla_stats
+from ..decoding.vanilla import VanillaRow
 from ..engine.batching import BatchEngine, round_capacity
 from ..engine.memory import fmt_bytes, parameter_count
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
@@ -113,16 +113,16 @@ class LLM:
             fit (``ValueError`` if not even one fits). None: ``batch_size`` rows.
         max_waiting: requests that may wait for a row; beyond it :meth:`submit` raises
             :class:`~simsd.engine.scheduler.QueueFull` (``generate`` and ``stream`` wait instead).
-        block_length: B (default: the target's ``block_size``; 4 for model_type ``sdar`` without
-            one). Required for a checkpoint that does not say it is block-diffusion (model_type
+        block_length: the block length (default: the target's ``block_size``; 4 for model_type
+            ``sdar`` without one). Required for a checkpoint that does not say it is block-diffusion (model_type
             ``qwen3`` without ``block_size``), which is otherwise refused (README "Checkpoints").
         mask_token_id: the mask token's id, for checkpoints that name none in ``mask_token_id`` or
             the tokenizer's ``mask_token`` (refused otherwise); must agree with one they name.
         fold_commit, on_reject, rope_copy, optimistic: as ``simsd generate``'s
             ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``.
-        max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to B,
-            None: B), and the ``gamma`` of requests that give none; the caches' margin holds
-            the longest forward it allows, ``(max_gamma + 2) x B`` tokens per row.
+        max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to the block
+            length, None: the block length), and the ``gamma`` of requests that give none; the caches' margin holds
+            the longest forward it allows, ``(max_gamma + 2) x block_length`` tokens per row.
         attention_backend: ``auto | cuda | triton | torch`` (None: ``auto`` for the checkpoints
             this LLM loads; loaded ones keep theirs).
         cuda_graphs: replay the forwards as CUDA graphs (CUDA devices only).
@@ -139,8 +139,9 @@ class LLM:
             False: on the thread that waits (see the module doc).
         default_params: the :class:`SamplingParams` of requests that give none.
 
-    Attribute ``diagnostics``: None, or a dict into which paper-mode requests add the agreement
-    of their verification with exact mode's (``simsd bench``; extra untimed target forwards).
+    Attribute ``verifier_class``: None, or the verifier of paper/exact requests instead of the
+    mode's (:mod:`simsd.speculative.verifiers`; ``simsd bench`` installs one that compares
+    paper verification with exact mode's, with extra untimed target forwards).
 
     Warns (:class:`~simsd.entrypoints.errors.SimsdWarning`, once): a block length other than the
     target's ``block_size``, a draft trained for another block length, a draft larger than the
@@ -201,21 +202,25 @@ class LLM:
             check_pair(infos["target"], infos["draft"])  # before any weight is loaded
         configs = [i.config for i in infos.values()]  # sizes checked before any weight is loaded
         tc = configs[0]
-        B = block_length if block_length is not None else tc.block_size
+        given_block_length = block_length
+        if block_length is None:
+            block_length = tc.block_size
         limit = min(c.max_position_embeddings for c in configs)
-        if isinstance(B, bool) or not isinstance(B, int) or not 1 <= B < limit:
-            raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got {B!r}")
+        if isinstance(block_length, bool) or not isinstance(block_length, int) or not 1 <= block_length < limit:
+            raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got "
+                                             f"{block_length!r}")
         if max_model_len is None:
             max_model_len = limit
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not B < max_model_len <= limit:
-            raise ParamError("max_model_len", f"max_model_len must be an integer in ({B}, {limit}] (the models' "
-                                              f"positions), got {max_model_len!r}")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+                or not block_length < max_model_len <= limit:
+            raise ParamError("max_model_len", f"max_model_len must be an integer in ({block_length}, {limit}] (the "
+                                              f"models' positions), got {max_model_len!r}")
         self.max_model_len = max_model_len
         if max_gamma is not None and (isinstance(max_gamma, bool) or not isinstance(max_gamma, int)
-                                      or not 1 <= max_gamma <= B):
-            raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {B}] (the block length), "
+                                      or not 1 <= max_gamma <= block_length):
+            raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {block_length}] (the block length), "
                                           f"got {max_gamma!r}")
-        for note in run_warnings(infos["target"], infos.get("draft"), block_length):
+        for note in run_warnings(infos["target"], infos.get("draft"), given_block_length):
             warnings.warn(note, SimsdWarning, stacklevel=2)
         apply_threads([i.config for i in infos.values()], threads)
         if tp > 1:
@@ -229,9 +234,11 @@ class LLM:
         if mode != "vanilla":
             self.draft = self._load(infos["draft"], dtype, draft_device or device, attention_backend)
         self.models = [m for m in (self.target, self.draft) if m is not None]
-        self.settings = Settings(mode, B, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic, max_gamma)
+        self.settings = Settings(mode, block_length, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic,
+                                 max_gamma)
         if mode != "vanilla":  # the combinations the row programs refuse (fold_commit with optimistic drafting)
-            SpeculativeDecoder(self.target, self.draft, DecodeConfig(block_length=B, fold_commit=fold_commit),
+            SpeculativeDecoder(self.target, self.draft,
+                               DecodeConfig(block_length=block_length, fold_commit=fold_commit),
                                SpecConfig(mode, on_reject=on_reject, rope_copy=rope_copy, optimistic=optimistic),
                                check=False)
         self._make_engine(batch_size, kv_cache_memory, cuda_graphs)
@@ -240,7 +247,7 @@ class LLM:
         #: stop ids of prompts that went through the chat template (its role markers)
         self.template_stop_ids = template_stop_ids(self.tokenizer, self.target.mask_token_id)
         self.default_params = default_params if default_params is not None else SamplingParams()
-        self.diagnostics = None
+        self.verifier_class = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._drive_lock = threading.Lock()
@@ -260,9 +267,10 @@ class LLM:
         return ckpt
 
     def _make_engine(self, batch_size: int, kv_cache_memory, cuda_graphs: bool) -> None:
-        B, L = self.block_length, self.max_model_len
-        capacity = round_capacity(-(-L // B) * B + B)
-        margin = 2 * B if self.mode == "vanilla" else ((self.settings.max_gamma or B) + 2) * B  # the longest query
+        block_length, L = self.block_length, self.max_model_len
+        capacity = round_capacity(-(-L // block_length) * block_length + block_length)
+        gamma = self.settings.max_gamma or block_length
+        margin = (2 if self.mode == "vanilla" else gamma + 2) * block_length  # the longest query
         per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)
         rows = batch_size
         if kv_cache_memory is not None:
@@ -276,7 +284,7 @@ class LLM:
         if self.draft is not None:
             engine_models["draft"] = self.draft.model
         try:
-            self.engine = BatchEngine(engine_models, B, rows, capacity, margin, cuda_graphs=cuda_graphs)
+            self.engine = BatchEngine(engine_models, block_length, rows, capacity, margin, cuda_graphs=cuda_graphs)
         except RuntimeError as exc:  # torch.OutOfMemoryError among them
             if "out of memory" not in str(exc).lower():
                 raise
@@ -377,20 +385,20 @@ class LLM:
         stream = TextStream(self.tokenizer, stop_ids, params.stop, params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, rid, prompt, ids, seed, stream, listener)
-        mask_id = self.target.mask_token_id
         if spec is None:
-            def program(row, tail):
-                handle._row = row
-                return vanilla_program(row, tail, cfg, mask_id, stop_ids, seed, handle._on_block)
-            handle._stats = vanilla_stats
+            def new_program(row):
+                return VanillaRow(row, cfg, self.target.mask_token_id, stop_ids, seed)
         else:
             dec = SpeculativeDecoder(self.target, self.draft, cfg, spec, check=False)
-            dec.diagnostics = self.diagnostics
+            if self.verifier_class is not None:
+                dec.verifier_class = self.verifier_class
 
-            def program(row, tail):
-                handle._row = dec.new_row(row, seed, stop_ids)
-                return handle._row.program(tail, handle._on_block)
-            handle._stats = dec.row_stats
+            def new_program(row):
+                return dec.new_row(row, seed, stop_ids)
+
+        def program(row, tail):
+            handle._program = new_program(row)
+            return handle._program.program(tail, handle._on_block)
         handle._request = Request(ids, program, capacity, on_finish=handle._on_finish, request_id=rid)
         return handle
 
@@ -427,14 +435,14 @@ class LLM:
             t["requests"][outcome] += 1
             t["prompt_tokens"] += len(handle.prompt_token_ids)
             t["generation_tokens"] += len(handle.stream.token_ids)
-            r = handle._row
-            if r is not None:
-                row = getattr(r, "row", r)
-                t["target_forwards"] += row.forwards.get("target", 0)
-                t["draft_forwards"] += row.forwards.get("draft", 0)
-                if hasattr(r, "stats"):
-                    t["proposed"] += r.stats.proposed
-                    t["accepted"] += r.stats.accepted
+            prog = handle._program
+            if prog is not None:
+                t["target_forwards"] += prog.row.forwards.get("target", 0)
+                t["draft_forwards"] += prog.row.forwards.get("draft", 0)
+                counters = getattr(prog, "stats", None)  # SimSD rows count proposals
+                if counters is not None:
+                    t["proposed"] += counters.proposed
+                    t["accepted"] += counters.accepted
 
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the

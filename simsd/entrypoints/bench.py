@@ -23,6 +23,7 @@ the run's (:func:`~simsd.entrypoints.outputs.run_decode_seconds`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -32,6 +33,10 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.step import without_mask_token_
+from ..engine.batching import Fwd
+from ..speculative.verification import exact_layout
+from ..speculative.verifiers import PaperVerifier
 from .commands import build_llm, prepare
 from .errors import UsageError
 from .options import modes_of
@@ -41,14 +46,39 @@ from .outputs import run_decode_seconds
 UNSTABLE_SPREAD = 0.10
 
 
+class PaperVsExact(PaperVerifier):
+    """Paper verification that also runs exact mode's verify forward of the same round
+    (untimed, not counted as a target forward) and adds to ``tally`` (``agree``, ``kl``,
+    ``total``) the top-1 agreement and KL(exact || paper) of each proposal's distributions
+    (docs/design.md §4.1): the paper mask's approximation, measured."""
+
+    def __init__(self, cfg, spec, mask_id: int, seed: int, tally: dict):
+        super().__init__(cfg, spec, mask_id, seed)
+        self.tally = tally
+
+    def verify(self, row, rnd):
+        paper = yield from super().verify(row, rnd)
+        d = rnd.draft
+        exact = yield Fwd("target", *exact_layout(d.states, row.cached["target"]), "exact", count=False)
+        exact = exact.view(d.n, d.final.shape[0], -1)
+        for p in torch.nonzero(d.tau <= d.n).flatten().tolist():
+            e = torch.log_softmax(without_mask_token_(exact[int(d.tau[p]) - 1, p].clone(), self.mask_id).double(), -1)
+            a = torch.log_softmax(without_mask_token_(paper[int(rnd.layout[p])].clone(), self.mask_id).double(), -1)
+            self.tally["agree"] += int(e.argmax() == a.argmax())
+            self.tally["kl"] += float((e.exp() * (e - a)).nan_to_num().sum())
+            self.tally["total"] += 1
+        return paper
+
+
 def paper_agreement(llm, requests: list, params: list) -> dict:
     """Top-1 agreement and mean KL between the verification distributions of the paper-mode
-    ``llm`` and exact mode's (an untimed run with ``llm.diagnostics`` on)."""
-    llm.diagnostics = d = {"agree": 0, "total": 0, "kl": 0.0}
+    ``llm`` and exact mode's (an untimed run with :class:`PaperVsExact` installed)."""
+    d = {"agree": 0, "total": 0, "kl": 0.0}
+    llm.verifier_class = functools.partial(PaperVsExact, tally=d)
     try:
         llm.generate(requests, params)
     finally:
-        llm.diagnostics = None
+        llm.verifier_class = None
     return {"top1_agreement": d["agree"] / max(d["total"], 1), "mean_kl": d["kl"] / max(d["total"], 1),
             "positions_compared": d["total"]}
 
@@ -212,7 +242,8 @@ def print_table(rows, cfg, args) -> None:
             ("paper KL", lambda r: f"{r['mean_kl']:.4f}" if "mean_kl" in r else "-")]
     table = [[h for h, _ in cols]] + [[f(r) for _, f in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    print(f"# B={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} gamma={args.gamma or cfg.block_length} "
+    print(f"# block_length={cfg.block_length} steps={cfg.steps} strategy={cfg.strategy} "
+          f"gamma={args.gamma or cfg.block_length} "
           f"prompts={rows[0]['prompts']} batch_size={rows[0]['batch_size']} repeats={args.repeats} "
           f"threads={torch.get_num_threads()} (tok/s and speedup: median over repeats)")
     for row in table:

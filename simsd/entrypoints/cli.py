@@ -58,9 +58,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="most tokens generated per prompt (up to and including the stop token)")
     p.add_argument("--block-length", type=int, default=None,
-                   help="block length B (default: the checkpoint's block_size; 4 for model_type sdar without one; "
-                        "required for a qwen3 checkpoint without one)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps per block, 1 to B (default: B)")
+                   help="the block length (default: the checkpoint's block_size; 4 for model_type sdar without "
+                        "one; required for a qwen3 checkpoint without one)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per block, 1 to the block length "
+                   "(default: the block length)")
     p.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
     p.add_argument("--threshold", type=float, default=None,
                    help="the target's confidence threshold (dynamic, in [0, 1], default 0.9) or entropy bound "
@@ -74,7 +75,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "uses seed + i)")
     p.add_argument("--fold-commit", action="store_true",
                    help="fold each block's commit forward into the next block's first forward")
-    p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round, 1 to B (default: B)")
+    p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round, 1 to the block length "
+                   "(default: the block length)")
     p.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
                    help="after a partial acceptance (default redraft): re-draft the rest, or (paper's fallback) finish "
                         "with vanilla target denoising when fewer than gamma positions remain")

@@ -135,10 +135,11 @@ def request_params(args) -> SamplingParams:
 def decode_config(args, target_config, params: SamplingParams) -> DecodeConfig:
     """The target's :class:`DecodeConfig` of the run, as :func:`resolve` makes it for every request
     (the block options checked first with their flag names)."""
-    B = args.block_length if args.block_length is not None else target_config.block_size
-    check_block_options(args, B, target_config.max_position_embeddings)
+    block_length = args.block_length if args.block_length is not None else target_config.block_size
+    check_block_options(args, block_length, target_config.max_position_embeddings)
     try:
-        return resolve(vanilla_params(params), Settings("vanilla", B, target_config.vocab_size, args.fold_commit))[0]
+        return resolve(vanilla_params(params), Settings("vanilla", block_length, target_config.vocab_size,
+                                                        args.fold_commit))[0]
     except ParamError as exc:
         raise UsageError(f"{option_name(exc.param)}: {exc}") from None
 
@@ -264,14 +265,14 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None):
     loaded = {} if loaded is None else loaded
     if not loaded and world()[0] == 0:
         print(loading_line(run), file=sys.stderr, flush=True)
-    B = run.cfg.block_length
+    block_length = run.cfg.block_length
     limit = min(m.config.max_position_embeddings for m in (run.target, run.draft) if m is not None)
     need = max(len(p.ids) for p in run.prompts) + run.cfg.max_new_tokens
     spec = mode != "vanilla"
     llm = LLM(loaded.get("target", run.target), loaded.get("draft", run.draft) if spec else None, mode,
               device=run.device, draft_device=run.draft_device if spec else None, dtype=run.dtype,
-              batch_size=min(args.batch_size, len(run.prompts)), max_model_len=min(limit, max(need, B + 1)),
-              max_waiting=len(run.prompts), block_length=B, mask_token_id=args.mask_token_id,
+              batch_size=min(args.batch_size, len(run.prompts)), max_model_len=min(limit, max(need, block_length + 1)),
+              max_waiting=len(run.prompts), block_length=block_length, mask_token_id=args.mask_token_id,
               fold_commit=args.fold_commit,
               on_reject=(args.on_reject or "redraft") if spec else "redraft",
               rope_copy=not (args.no_rope_copy and mode == "paper"),

@@ -245,8 +245,8 @@ def check_engine_options(devices, cuda_graphs: bool, invariant: bool, names: dic
 
 
 def check_block_options(args, block_length: int, max_positions: int, names: dict | None = None) -> None:
-    """Checks that need the block length ``B`` (given or the checkpoint's) and the model's
-    maximum length: ``block_length < max_positions``, ``steps`` and ``gamma`` in ``[1, B]``."""
+    """Checks that need the block length (given or the checkpoint's) and the model's
+    maximum length: ``block_length < max_positions``, ``steps`` and ``gamma`` in ``[1, block_length]``."""
     n = lambda attr: option_name(attr, names)  # noqa: E731
     if block_length >= max_positions:
         raise UsageError(f"{n('block_length')} {block_length} leaves no room in the model's maximum length "

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.scheduler import Request
+from ..engine.scheduler import Request, decode_span
 from .detokenize import TextStream
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,9 @@ class RequestOutput:
 def run_decode_seconds(outputs) -> float:
     """The decode time of a run of requests of one :class:`~simsd.entrypoints.api.LLM` (e.g. one
     ``generate`` call): the span of the scheduler's decode clock from the first request's
-    admission to the last one's end; prefills excluded (README, "Statistics")."""
-    spans = [o.decode_interval for o in outputs if o.decode_interval is not None]
-    return max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+    admission to the last one's end; prefills excluded (README, "Statistics";
+    :func:`simsd.engine.scheduler.decode_span`)."""
+    return decode_span(outputs)
 
 
 class RequestHandle:
@@ -88,8 +88,7 @@ class RequestHandle:
         self._queue: queue.Queue | None = None if listener is not None else queue.Queue()
         self._done = threading.Event()
         self._request: Request | None = None
-        self._row = None      # the engine row (vanilla) or SimSD row state, once admitted
-        self._stats = None    # (row, n, blocks, seconds) -> stats
+        self._program = None  # the row program (a simsd.decoding.program.RowProgram), once admitted
 
     @property
     def done(self) -> bool:
@@ -176,12 +175,10 @@ class RequestHandle:
         self._done.set()
 
     def _output(self, req: Request) -> RequestOutput:
-        generated, blocks = req.result
         rest = self.stream.finish()
         if rest:
             self._emit("delta", (rest, []))
-        n = len(self.stream.token_ids)
-        stats = self._stats(self._row, n, blocks, req.decode_seconds, len(generated) - n)
+        stats = self._program.stats_for(len(self.stream.token_ids), req.decode_seconds)
         stats["batch_size"] = self.llm.batch_size
         stats["queue_seconds"] = req.admitted - req.arrived
         stats["time_to_first_token"] = (None if self.first_token_at is None

@@ -63,10 +63,10 @@ class SamplingParams(StepSampling):
     ``n``: completions per request; simsd returns one (``n=1``, None = 1; other values are
     refused).
 
-    Decoding (docs/design.md §3-4): ``steps`` (denoising steps per block, default B),
+    Decoding (docs/design.md §3-4): ``steps`` (denoising steps per block, default the block length),
     ``strategy`` (``sequential | static | dynamic | entropy``), ``threshold`` (``dynamic``:
     confidence in [0, 1], default 0.9; ``entropy``: bound >= 0 nats, default 0.35), ``gamma``
-    (draft steps verified per round, paper/exact only, default B), ``draft_strategy`` (default:
+    (draft steps verified per round, paper/exact only, default the block length), ``draft_strategy`` (default:
     ``strategy``), ``draft_threshold`` (in the draft strategy's range; default: ``threshold``
     when the draft runs the target's strategy, else the draft strategy's default).
 
@@ -176,20 +176,20 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
         ParamError: ``steps`` above the LLM's block length, ``gamma`` above it
             or above the LLM's ``max_gamma``, ``gamma`` / ``draft_strategy`` /
             ``draft_threshold`` in vanilla mode, a stop id outside the vocabulary. A request
-            without ``gamma`` verifies ``max_gamma`` (else B) draft steps per round.
+            without ``gamma`` verifies ``max_gamma`` (else the block length) draft steps per round.
     """
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
-    B = settings.block_length
-    if params.steps is not None and params.steps > B:
-        raise ParamError("steps", f"steps must be in [1, block_length={B}], got {params.steps}")
+    block_length = settings.block_length
+    if params.steps is not None and params.steps > block_length:
+        raise ParamError("steps", f"steps must be in [1, block_length={block_length}], got {params.steps}")
     vanilla = settings.mode == "vanilla"
     for name in ("gamma", "draft_strategy", "draft_threshold"):
         if vanilla and getattr(params, name) is not None:
             raise ParamError(name, f"{name} is used by the paper and exact modes only (this LLM runs vanilla)")
-    if params.gamma is not None and params.gamma > B:
-        raise ParamError("gamma", f"gamma {params.gamma} exceeds the block length {B} "
-                                  f"(a block is finished in at most {B} steps)")
+    if params.gamma is not None and params.gamma > block_length:
+        raise ParamError("gamma", f"gamma {params.gamma} exceeds the block length {block_length} "
+                                  f"(a block is finished in at most {block_length} steps)")
     if params.gamma is not None and settings.max_gamma is not None and params.gamma > settings.max_gamma:
         raise ParamError("gamma", f"gamma {params.gamma} exceeds this LLM's max_gamma {settings.max_gamma} "
                                   f"(its caches hold the verify forwards of at most that many draft steps)")
@@ -199,8 +199,8 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
         raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary "
                                            f"[0, {settings.vocab_size})")
     seed = fresh_seed() if params.seed is None else params.seed
-    cfg = DecodeConfig(block_length=B, steps=params.steps, strategy=params.strategy, threshold=params.threshold,
-                       sampling=StepSampling(params.temperature, params.top_k, params.top_p),
+    cfg = DecodeConfig(block_length=block_length, steps=params.steps, strategy=params.strategy,
+                       threshold=params.threshold, sampling=StepSampling(params.temperature, params.top_k, params.top_p),
                        max_new_tokens=params.max_tokens, seed=seed, fold_commit=settings.fold_commit)
     spec = None
     if not vanilla:

@@ -23,23 +23,23 @@ class RunShape:
     modes: list
 
 
-def capacity_of(prompt_lengths, max_new_tokens: int, B: int) -> int:
+def capacity_of(prompt_lengths, max_new_tokens: int, block_length: int) -> int:
     """Cache tokens a row needs (as :func:`simsd.decoding.config.check_prompt` computes them)."""
-    return max(-(-(p + max_new_tokens) // B) * B + B for p in prompt_lengths)
+    return max(-(-(p + max_new_tokens) // block_length) * block_length + block_length for p in prompt_lengths)
 
 
 def run_estimate(shape: RunShape, **change) -> Estimate:
     """The bytes per device of a run with ``shape`` (fields replaced by ``change``)."""
     s = RunShape(**{**shape.__dict__, **change})
-    B = s.block_length
-    gamma = min(s.gamma or B, B)
-    capacity = capacity_of(s.prompt_lengths, s.max_new_tokens, B)
+    block_length = s.block_length
+    gamma = min(s.gamma or block_length, block_length)
+    capacity = capacity_of(s.prompt_lengths, s.max_new_tokens, block_length)
     total = Estimate()
     for name, (config, dtype, device, _) in s.models.items():
         total.add(device, "weights", weight_bytes(config, dtype))
     for mode in s.modes:  # one engine per mode, side by side (simsd bench); one forward at a time
         names = ["target"] if mode == "vanilla" else ["target", "draft"]
-        margin = 2 * B if mode == "vanilla" else (gamma + 2) * B
+        margin = (2 if mode == "vanilla" else gamma + 2) * block_length
         est = estimate({n: s.models[n] for n in names if n in s.models}, s.batch_size, capacity, margin,
                        with_weights=False)
         for device, parts in est.parts.items():
@@ -66,8 +66,8 @@ def check_run_memory(shape: RunShape, names: dict | None = None) -> Estimate:
         return shortfall(run_estimate(shape, **change)) is None
 
     hints = []
-    B, gamma = shape.block_length, shape.gamma or shape.block_length
-    knobs = [("block_length", B, lambda v: fits(block_length=v))]
+    gamma = shape.gamma or shape.block_length
+    knobs = [("block_length", shape.block_length, lambda v: fits(block_length=v))]
     if any(m != "vanilla" for m in shape.modes):
         knobs.append(("gamma", gamma, lambda v: fits(gamma=v)))
     knobs += [("batch_size", shape.batch_size, lambda v: fits(batch_size=v)),

@@ -47,7 +47,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, else chosen from "
                         "the model size)")
     g.add_argument("--block-length", type=int, default=None,
-                   help="B (default: the checkpoint's block_size; required for a qwen3 checkpoint without one)")
+                   help="the block length (default: the checkpoint's block_size; required for a qwen3 checkpoint "
+                        "without one)")
     g.add_argument("--mask-token-id", type=int, default=None,
                    help="the mask token's id, for checkpoints that name none (default: the checkpoint's)")
     g.add_argument("--fold-commit", action="store_true", help="fold each block's commit into the next forward")
@@ -68,11 +69,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: B)")
+    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (default: the block length)")
     d.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
     d.add_argument("--threshold", type=float, default=None,
                    help="confidence threshold (dynamic) or entropy bound (entropy)")
-    d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: B)")
+    d.add_argument("--gamma", type=int, default=None, help="draft steps verified per round (default: the block length)")
     d.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
     d.add_argument("--draft-threshold", type=float, default=None,
                    help="the draft's threshold, in its strategy's range (default: --threshold when the draft runs "
@@ -137,11 +138,11 @@ def build_llm(args):
     from ..assets import DEFAULT_TARGET
     from ..models.config import ModelConfig
     target_config = ModelConfig.from_dir(args.target or DEFAULT_TARGET)
-    B = args.block_length or target_config.block_size
-    if B is None:  # config.json does not say block-diffusion: refused, naming everything that is missing
+    block_length = args.block_length or target_config.block_size
+    if block_length is None:  # config.json does not say block-diffusion: refused, naming everything that is missing
         from ..models.loading import read_checkpoint
         read_checkpoint(args.target or DEFAULT_TARGET, mask_token_id=args.mask_token_id)
-    check_block_options(args, B, target_config.max_position_embeddings)  # before the models load
+    check_block_options(args, block_length, target_config.max_position_embeddings)  # before the models load
     optimistic = {None: None, "auto": None, "on": True, "off": False}[args.optimistic]
     try:
         llm = LLM(args.target, args.draft, args.mode, device=args.device, draft_device=args.draft_device,
@@ -155,7 +156,7 @@ def build_llm(args):
     except ParamError as exc:
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None
     try:
-        resolve(params, llm.settings)  # the defaults against the model (e.g. --gamma above B)
+        resolve(params, llm.settings)  # the defaults against the model (e.g. --gamma above the block length)
     except ParamError as exc:
         llm.shutdown()
         raise UsageError(f"{_flag(exc.param)}: {exc}") from None

@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
-from ..decoding.config import DecodeConfig, GenerationResult, Timer, check_prompt, finish
 from ..decoding.choices import parse_strategy
-from ..decoding.vanilla import batch_stats, row_seeds
-from ..engine.batching import BatchResult, engine_for
-from .spec_row import Draft, SpecRow, Stats  # noqa: F401  (re-exported)
+from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
+from ..decoding.program import generate_batch, row_seeds
+from ..engine.batching import BatchEngine, round_capacity
+from .spec_row import SpecRow
+from .verifiers import VERIFIERS
 
 MODES = ("paper", "exact")
 
@@ -92,7 +92,12 @@ def draft_config(cfg: DecodeConfig, spec: SpecConfig) -> DecodeConfig:
 
 class SpeculativeDecoder:
     """Decodes prompts with a draft and a target checkpoint (see module doc); each prompt's
-    round state lives in its own :class:`SpecRow`, driven by a :class:`BatchEngine`."""
+    round state lives in its own :class:`SpecRow` (a row program the scheduler drives).
+
+    ``verifier_class``: the rows' verifier, ``verifier_class(cfg, spec, mask_id, seed)``
+    (default: the mode's, :data:`simsd.speculative.verifiers.VERIFIERS`); a subclass replaces a
+    rule (``simsd bench``'s comparison with exact mode, ``bench/bench_coupling.py``).
+    """
 
     def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig, check: bool = True):
         if check:  # ``check=False``: the caller checked this pair already (one decoder per request)
@@ -106,8 +111,7 @@ class SpeculativeDecoder:
             raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
                              "target are on different devices): set optimistic=False or fold_commit=False")
         self.mask_id = target.mask_token_id
-        self.diagnostics = None  # dict: compare paper verification with exact (simsd bench)
-        self.row_class = SpecRow  # a subclass may replace a rule (bench/bench_coupling.py)
+        self.verifier_class = VERIFIERS[spec.mode]
 
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
@@ -120,59 +124,27 @@ class SpeculativeDecoder:
         return self.spec.optimistic
 
     def new_row(self, row, seed: int, stop_ids=None) -> SpecRow:
-        """The row program state (:class:`SpecRow`, or ``row_class``) of engine row ``row``,
-        sampling with the keyed noise of row seed ``seed``; ``stop_ids``: default the target's."""
-        return self.row_class(self, row, seed, self.optimistic(), stop_ids)
-
-    def row_stats(self, r: SpecRow, n: int, blocks: int, seconds: float, cut_tokens: int = 0) -> dict:
-        """Statistics of row ``r`` after ``n`` returned tokens and ``blocks`` blocks in
-        ``seconds`` of decoding (see :func:`speculative_generate`); ``cut_tokens``: tokens
-        decoded after a stop or past the budget, not returned."""
-        from_draft = sum(1 for o in r.stats.origins[:n] if o)
-        fw = r.row.forwards
-        return {
-            "mode": self.spec.mode,
-            "new_tokens": n,
-            "cut_tokens": cut_tokens,
-            "from_draft": from_draft,
-            "draft_share": from_draft / n if n else 0.0,
-            "decode_seconds": seconds,
-            "tokens_per_second": n / seconds if seconds > 0 else float("nan"),
-            "target_forwards": fw["target"],
-            "draft_forwards": fw["draft"],
-            "target_forwards_per_token": fw["target"] / max(n, 1),
-            "draft_forwards_per_token": fw["draft"] / max(n, 1),
-            "prefill_forwards": r.row.prefill_forwards,
-            "blocks": blocks,
-            "gamma": self.gamma,
-            **r.stats.as_dict(),
-        }
+        """The row program (:class:`SpecRow`) of engine row ``row``, sampling with the keyed
+        noise of row seed ``seed``; ``stop_ids``: default the target's."""
+        return SpecRow(self, row, seed, self.optimistic(), stop_ids)
 
     def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False,
                        seeds: list | None = None) -> BatchResult:
         """Decode ``prompts`` together with independent progress; row ``i`` samples with the
         keyed noise of :mod:`simsd.decoding.noise` under the row seed ``seeds[i]``, by default
         ``cfg.seed + first_index + i`` (as :func:`vanilla_generate_batch`: exact mode gives the
-        same tokens as vanilla decoding with the same seed)."""
+        same tokens as vanilla decoding with the same seed). One engine per call (captured CUDA
+        graphs are reused by :class:`simsd.LLM`, which keeps its engine)."""
         cfg = self.cfg
-        B = cfg.block_length
-        capacity = max(check_prompt(p, self.t.config, cfg.max_new_tokens, B, self.mask_id) for p in prompts)
+        block_length = cfg.block_length
+        capacities = [check_prompt(p, self.t.config, cfg.max_new_tokens, block_length, self.mask_id)
+                      for p in prompts]
         for p in prompts:
-            check_prompt(p, self.d.config, cfg.max_new_tokens, B, self.mask_id)
-        engine = engine_for({"target": self.t.model, "draft": self.d.model}, B, len(prompts), capacity,
-                            (self.gamma + 2) * B, cuda_graphs)
-        tails = [engine.prefill(i, p) for i, p in enumerate(prompts)]
+            check_prompt(p, self.d.config, cfg.max_new_tokens, block_length, self.mask_id)
+        engine = BatchEngine({"target": self.t.model, "draft": self.d.model}, block_length, len(prompts),
+                             round_capacity(max(capacities)), (self.gamma + 2) * block_length, cuda_graphs=cuda_graphs)
         seeds = row_seeds(cfg, len(prompts), first_index, seeds)
-        rows = [self.new_row(engine.rows[i], seeds[i]) for i in range(len(prompts))]
-        with Timer(self.t.model.device) as timer:
-            outs = engine.run([r.program(tail) for r, tail in zip(rows, tails)])
-        results = []
-        for r, (generated, blocks) in zip(rows, outs):
-            token_ids = finish(generated, self.t.stop_ids, cfg.max_new_tokens)
-            stats = self.row_stats(r, len(token_ids), blocks, timer.seconds, len(generated) - len(token_ids))
-            stats["batch_size"] = len(prompts)
-            results.append(GenerationResult(token_ids, stats))
-        return BatchResult(results, batch_stats(results, timer.seconds, engine.forwards))
+        return generate_batch(engine, prompts, capacities, lambda row, i: self.new_row(row, seeds[i]))
 
 
 def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spec: SpecConfig) -> GenerationResult:

@@ -1,6 +1,11 @@
 """One request's SimSD rounds (draft, verify, accept, commit) as a :mod:`simsd.engine.batching` program.
 
-See :mod:`simsd.speculative` for the modes and :mod:`simsd.speculative.optimistic` for speculation.
+A round reads as its steps: take the speculation carried over from the last round or draft
+(:meth:`SpecRow.propose`), verify (the row's verifier, :mod:`simsd.speculative.verifiers`),
+speculate the next round while the verdict is computed (optimistic drafting,
+:mod:`simsd.speculative.optimistic`), read the verdict (:meth:`SpecRow.decide`). With
+``on_reject="fallback"`` a block whose MASK count fell below ``gamma`` is finished by target
+steps (:meth:`SpecRow.fallback_step`). See :mod:`simsd.speculative` for the modes.
 """
 from __future__ import annotations
 
@@ -10,12 +15,12 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from ..decoding.noise import ACCEPT, PAPER_DRAFT, RESIDUAL, SAMPLE, NoiseKey, uniform
-from ..decoding.step import Step, denoise_step, step_noise, without_mask_token
-from ..decoding.vanilla import new_block
-from ..engine.batching import Fwd, Row
+from ..decoding.noise import PAPER_DRAFT, SAMPLE, NoiseKey
+from ..decoding.program import BlockState, RowProgram
+from ..decoding.step import Step
+from ..engine.batching import Row
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
-from .verification import accept_in_order, exact_layout, exact_step_verdict, paper_layout, token_verdicts
+from .verifiers import Round, Verdict
 
 
 class Stats:
@@ -58,8 +63,9 @@ class Draft:
     ``states[c] (L,)``: the block before draft step ``c`` (``c = 0..n-1``); ``final (L,)``: after
     the ``n`` steps; ``tau (L,)`` int64: 1-based reveal step, ``TAU_INF`` where not revealed;
     ``probs (L, V)``: the draft's sampling distribution at each position's reveal step (paper
-    mode's rejection sampling; None when greedy and in exact mode); ``remaining``: MASK positions left in ``final`` (a host int, known without
-    reading the device for the schedule strategies).
+    mode's rejection sampling; None when greedy and in exact mode); ``remaining``: MASK
+    positions left in ``final`` (a host int, known without reading the device for the schedule
+    strategies).
     """
     states: list
     final: torch.Tensor
@@ -79,10 +85,10 @@ class Draft:
                      self.remaining, self.final_draft)
 
 
-class SpecRow:
-    """One request's SimSD rounds as a :mod:`simsd.engine.batching` program: its seed, its
-    counters, and the draft / verify / commit logic. Methods that run forwards are generators
-    (``yield`` a :class:`Fwd`, receive the logits).
+class SpecRow(RowProgram):
+    """One request's SimSD rounds as a :class:`~simsd.decoding.program.RowProgram`: its seed,
+    its counters, its verifier and the draft / verify / commit logic. Methods that run forwards
+    are generators (``yield`` a :class:`~simsd.engine.batching.Fwd`, receive the logits).
 
     Noise (:mod:`simsd.decoding.noise`, row seed ``seed``): every sampling step at block step
     ``s`` of the block at absolute position ``start`` uses ``NoiseKey(seed, start)`` and ``s``
@@ -98,31 +104,85 @@ class SpecRow:
     (how many positions are still masked: their reveal counts depend on the data); a fallback
     target step reads its new block. Everything else stays on the devices.
     """
-
     def __init__(self, dec, row: Row, seed: int, optimistic: bool = False, stop_ids=None):
-        self.dec, self.row, self.seed = dec, row, seed
-        #: generation ends after a block that holds one of these (default: the target's stop ids)
-        self.stop_ids = list(dec.t.stop_ids if stop_ids is None else stop_ids)
-        self.cfg, self.mask_id = dec.cfg, dec.mask_id
+        super().__init__(row, dec.cfg, dec.mask_id, dec.t.stop_ids if stop_ids is None else stop_ids, seed)
+        self.dec = dec
+        self.mode = dec.spec.mode
+        self.progress = (f"{self.mode} round", "committed no token")
+        self.verifier = dec.verifier_class(dec.cfg, dec.spec, dec.mask_id, seed)
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
+        self.carried = None  # a Speculation for the next round
         self.stats = Stats()
 
     def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
         return NoiseKey(self.seed, start, stream, round_index)
 
-    @property
-    def rejection_sampling(self) -> bool:
-        """Whether sampled proposals are judged token by token by rejection sampling (paper
-        mode): then the draft keeps its distributions and needs fresh noise every round."""
-        return self.dec.spec.mode == "paper"
-
     def draft_key(self, start: int, round_index: int) -> NoiseKey:
         """The draft's noise key: the target's (exact mode: coupled draws) or, for rejection
         sampling, a stream of its own that is fresh every round."""
-        if not self.rejection_sampling:
+        if not self.verifier.rejection_sampling:
             return self.key(start)
         return self.key(start, PAPER_DRAFT, round_index)
+
+    # -- a block: rounds, or fallback steps ---------------------------------------------------
+    def new_block(self, tail: list) -> BlockState:
+        self.origin = [None] * self.cfg.block_length  # per position: True = from the draft, False = the target's
+        return super().new_block(tail)
+
+    def advance(self, blk: BlockState):
+        """One round of the block, or a target step once it falls back (the paper's
+        ``on_reject="fallback"``: fewer than ``gamma`` MASK left)."""
+        if self.dec.spec.on_reject == "fallback" and blk.host.count(self.mask_id) < self.dec.gamma:
+            yield from self.fallback_step(blk)
+        else:
+            yield from self.round(blk)
+
+    def round(self, blk: BlockState):
+        """Draft (or take the carried speculation), verify, speculate the next round (optimistic
+        drafting: between launching the verify forward and reading its decision, so that on
+        another device it overlaps the target's forward), read the verdict."""
+        draft = self.take(blk)
+        if draft is None:
+            masks = blk.host.count(self.mask_id)
+            draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index))
+            draft = draft.to(self.row.devices["target"])
+        rnd = Round(blk.block, blk.host, blk.step, blk.start, draft, self.round_index)
+        self.stats.rounds += 1
+        logits = yield from self.verifier.verify(self.row, rnd)
+        if self.optimistic:  # before the decision is read
+            self.carried = yield from self.speculate(rnd, blk)
+        verdict = self.verifier.judge(rnd, logits)
+        self.round_index += 1
+        self.decide(verdict, rnd, blk)
+        self.drop_stale_speculation(blk)
+
+    def fallback_step(self, blk: BlockState):
+        """One vanilla target step (one host read: its new block)."""
+        self.carried = None
+        before = blk.host
+        blk.block, _, _ = yield self.row.denoise(
+            "target", blk.block, Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start)))
+        blk.host = blk.block.tolist()
+        self.mark(before, blk.host)
+        self.stats.fallback_steps += 1
+        blk.step += 1
+
+    def finish_block(self, blk: BlockState) -> None:
+        self.stats.origins.extend(self.origin[blk.first:])
+
+    def commit(self, blk: BlockState):
+        """Commit the finished block to both caches; the draft's is skipped when a kept
+        speculation committed it already. Folded commits are not combined with optimistic
+        drafting (its rollback assumes explicit draft commits)."""
+        fold = self.cfg.fold_commit and not self.optimistic
+        fwd = self.row.commit("target", blk.block, fold=fold)
+        if fwd is not None:
+            yield fwd
+        if self.carried is None or self.carried.committed is None:
+            fwd = self.row.commit("draft", blk.block.to(self.row.devices["draft"]), fold=fold)
+            if fwd is not None:
+                yield fwd
 
     # -- draft ---------------------------------------------------------------------------
     def propose(self, block: torch.Tensor, block_step: int, masks: int, start: int, round_index: int):
@@ -135,7 +195,7 @@ class SpecRow:
         L = state.shape[0]
         tau = torch.full((L,), TAU_INF, dtype=torch.int64, device=dev)
         key = self.draft_key(start, round_index)
-        keep_probs = not dcfg.sampling.greedy and self.rejection_sampling
+        keep_probs = not dcfg.sampling.greedy and self.verifier.rejection_sampling
         probs = torch.zeros(L, self.dec.d.config.vocab_size, device=dev) if keep_probs else None
         states = []
         counts_known = dcfg.strategy in ("sequential", "static")
@@ -145,7 +205,7 @@ class SpecRow:
             states.append(state)
             state, revealed, p = yield self.row.denoise(
                 "draft", state, Step(state, block_step + c, dcfg, self.mask_id, key))
-            tau = torch.where(revealed, c + 1, tau)
+            tau.masked_fill_(revealed, c + 1)
             if probs is not None:
                 probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
             if counts_known:
@@ -154,73 +214,26 @@ class SpecRow:
                 masks = int((state == self.mask_id).sum())  # data-dependent reveal count
         return Draft(states, state, tau, probs, masks, state)
 
-    # -- target verification -------------------------------------------------------------
-    def exact_request(self, draft: Draft) -> Fwd:
-        """The exact verify forward: one copy per draft step, plus a bonus copy of the draft's
-        final state when it still has MASK."""
-        states = list(draft.states)
-        if draft.remaining:
-            states.append(draft.final)
-        return self.row.exact("target", *exact_layout(states, self.row.start("target")))
-
-    def judge_exact(self, draft: Draft, logits: torch.Tensor, block_step: int, start: int):
-        """``(new_block, steps_taken, accepted, proposed)`` from the exact verify logits, as
-        device tensors (the decision, read by :meth:`decide`): copy ``c`` gets the target's own
-        step ``block_step + c`` on its state, with that step's noise, and the draft's step is
-        accepted when it is the same decision (:func:`exact_step_verdict`)."""
-        bonus = draft.remaining > 0
-        states = torch.stack(draft.states)
-        verified = torch.cat([states, draft.final[None]]) if bonus else states
-        C, L = verified.shape
-        logits = logits.view(C, L, -1)
-        steps = block_step + torch.arange(C, device=logits.device)
-        noise = None
-        if not self.cfg.sampling.greedy:
-            noise = step_noise([self.key(start)] * C, [block_step + c for c in range(C)], L, logits.shape[-1],
-                               logits.device)
-        mine, _, _ = denoise_step(logits, verified, self.mask_id, self.cfg, steps, noise)
-        return exact_step_verdict(mine, states, draft.final, draft.tau, bonus)
-
-    def paper_request(self, block: torch.Tensor, block_host: list, draft: Draft):
-        """The paper verify forward ``[leftover | D | M]`` and ``m_index`` (see :func:`paper_layout`)."""
-        known = [t != self.mask_id for t in block_host]
-        start = self.row.cached["target"]
-        ids, pos, lab, m_index = paper_layout(block, known, draft.final, draft.tau, start,
-                                              self.mask_id, self.dec.spec.rope_copy)
-        return Fwd("target", ids[0], pos[0], lab[0], "paper"), m_index
-
-    def judge_paper(self, block: torch.Tensor, draft: Draft, logits: torch.Tensor, m_index, start: int):
-        """``(new_block, steps_taken, accepted, proposed)`` from the paper verify logits (each
-        proposal judged at its M slot), as device tensors."""
-        at = without_mask_token(logits[m_index.clamp_min(0)], self.mask_id)
-        rng = None
-        if not self.cfg.sampling.greedy:
-            L, V = at.shape
-            r = self.round_index
-            u = uniform([self.key(start, ACCEPT, r)], 0, L, 1, at.device)[0, :, 0]
-            rng = (u, step_noise([self.key(start, RESIDUAL, r)], 0, L, V, at.device)[0])
-        ok, repl = token_verdicts(at, draft.final, draft.probs, self.cfg.sampling, rng)
-        new, _, taken, acc, prop = accept_in_order(block, draft.final, draft.tau, draft.n, ok, repl)
-        return new, taken, acc, prop
-
-    def decide(self, verdict, draft: Draft, before: list) -> tuple:
+    # -- the verdict -----------------------------------------------------------------------
+    def decide(self, verdict: Verdict, rnd: Round, blk: BlockState) -> None:
         """Read a round's decision on the host, in one transfer (the new block, the draft's
-        reveal steps, steps taken, accepted count): ``(block, block_host, taken)`` with
-        ``block`` the device tensor and ``block_host`` its list. The counters go to ``stats``;
-        ``before``: the block at the round start (host list).
+        reveal steps, steps taken, accepted count) and move ``blk`` on: its new block (device
+        tensor and host list) and steps. The counters go to ``stats``.
 
         Accepted proposals are the first ``accepted`` ones in the draft's temporal order (reveal
         step, then position), in every mode; the other positions revealed this round are the
         target's."""
-        new, taken, acc, _ = verdict
+        new, taken, acc = verdict.block, verdict.taken, verdict.accepted
+        draft = rnd.draft
         L = new.shape[0]
         host = torch.cat([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)]).tolist()
         block_host, tau, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
         proposals = sorted((t, i) for i, t in enumerate(tau) if t <= draft.n)
         self.stats.proposed += len(proposals)
         self.stats.accepted += acc
-        self.mark(before, block_host, {i for _, i in proposals[:acc]})
-        return new, block_host, taken
+        self.mark(rnd.host, block_host, {i for _, i in proposals[:acc]})
+        blk.block, blk.host = new, block_host
+        blk.step += taken
 
     def mark(self, before: list, after: list, from_draft=frozenset()) -> None:
         """Record who chose the positions revealed between ``before`` and ``after``."""
@@ -229,140 +242,52 @@ class SpecRow:
                 self.origin[i] = i in from_draft
                 self.stats.target_tokens += i not in from_draft
 
-    def compare_with_exact(self, draft: Draft, paper_logits, m_index):
-        """Diagnostics (``simsd bench``): paper vs exact verification distributions, untimed and
-        not counted as a target forward."""
-        ids, pos, lab = exact_layout(draft.states, self.row.cached["target"])
-        exact = (yield Fwd("target", ids[0], pos[0], lab[0], "exact", count=False))
-        exact = exact.view(draft.n, draft.final.shape[0], -1)
-        diag = self.dec.diagnostics
-        for p in torch.nonzero(draft.tau <= draft.n).flatten().tolist():
-            e = torch.log_softmax(without_mask_token(exact[int(draft.tau[p]) - 1, p], self.mask_id).double(), -1)
-            a = torch.log_softmax(without_mask_token(paper_logits[int(m_index[p])], self.mask_id).double(), -1)
-            diag["agree"] += int(e.argmax() == a.argmax())
-            diag["kl"] += float((e.exp() * (e - a)).nan_to_num().sum())
-            diag["total"] += 1
-
-    # -- main loop -----------------------------------------------------------------------
-    def check_progress(self, block_host: list, masks: int, block_step: int) -> None:
-        """A round (or a fallback step) commits at least one token; raise instead of looping
-        when it did not (checked on the host copy already read, no extra read)."""
-        if block_host.count(self.mask_id) >= masks:
-            raise RuntimeError(f"row {self.row.index}: the {self.dec.spec.mode} round at block step {block_step} "
-                               f"committed no token ({masks} MASK left): decoding would not progress")
-
-    def target_step(self, block: torch.Tensor, block_step: int, start: int):
-        """One vanilla target step (fallback); returns ``(block, block_host)`` (one host read)."""
-        block, _, _ = yield self.row.denoise("target", block,
-                                             Step(block, block_step, self.cfg, self.mask_id, self.key(start)))
-        self.stats.fallback_steps += 1
-        return block, block.tolist()
-
-    def speculate(self, draft: Draft, block_step: int, ends, start: int):
+    # -- optimistic drafting -------------------------------------------------------------
+    def speculate(self, rnd: Round, blk: BlockState):
         """Draft the next round from the assumed outcome of this one (see :mod:`simsd.speculative.optimistic`);
         returns a :class:`Speculation` or None. Its noise keys are those of the round it is for,
         so a kept speculation is exactly the draft that round would compute."""
-        out = assumed_outcome(draft, block_step, self.mask_id, ends)
+        out = assumed_outcome(rnd.draft, rnd.step, self.mask_id, lambda full: self.ends(full[blk.first:].tolist()))
         if out is None:
             return None
         block, step, committed = out
         cached = self.row.cached["draft"]
         if committed is not None:
             yield self.row.commit("draft", committed.to(self.row.devices["draft"]))
-        masks = draft.remaining if committed is None else block.shape[0]
-        next_start = start if committed is None else start + block.shape[0]
+        masks = rnd.draft.remaining if committed is None else block.shape[0]
+        next_start = rnd.start if committed is None else rnd.start + block.shape[0]
         proposal = yield from self.propose(block, step, masks, next_start, self.round_index + 1)
         self.stats.speculations += 1
         return Speculation(block, step, proposal, cached, committed)
 
-    def take(self, spec: Speculation | None, block_host: list, block_step: int, device) -> Draft | None:
-        """The part of a speculation that is valid for the actual round start, if any."""
+    def take(self, blk: BlockState) -> Draft | None:
+        """The part of the carried speculation that is valid for the round starting at ``blk``,
+        if any (on the target's device); the speculation is used up."""
+        spec, self.carried = self.carried, None
         if spec is None:
             return None
-        j = reconcile(spec, block_host, block_step)
+        j = reconcile(spec, blk.host, blk.step)
         if j is None:
             return None
         self.stats.speculations_kept += 1
-        return salvage(spec.draft, j).to(device)
+        return salvage(spec.draft, j).to(self.row.devices["target"])
 
-    def program(self, tail: list, on_block=None):
-        """The row's decoding; returns ``(generated, blocks)``.
+    def drop_stale_speculation(self, blk: BlockState) -> None:
+        """A speculation that committed an assumed finished block to the draft cache stands only
+        if the target finished exactly that block: otherwise roll the commit back, drop it."""
+        spec = self.carried
+        if spec is not None and spec.committed is not None and not keep_commit(spec, blk.host):
+            self.row.truncate("draft", spec.draft_cached)
+            self.carried = None
 
-        With ``optimistic``, the next round's draft runs between launching the verify forward
-        and reading its decision (on another device it overlaps the target's forward).
-        ``on_block(new_ids) -> bool``: see :func:`simsd.decoding.vanilla.vanilla_program`.
-        """
-        cfg, spec, dec = self.cfg, self.dec.spec, self.dec
-        B = cfg.block_length
-        stops = set(self.stop_ids)
-        generated: list = []
-        blocks = 0
-        device = self.row.devices["target"]
-        carried = None  # a Speculation for the next round
-        while True:
-            block_host = list(tail) + [self.mask_id] * (B - len(tail))
-            self.origin = [None] * B  # per position: True = from the draft, False = the target's
-            block = new_block(tail, B, self.mask_id, device)
-            start = self.row.start("target")  # absolute position of the block (noise keys)
-            first_gen, tail, block_step = len(tail), [], 0
-
-            def ends(full: torch.Tensor) -> bool:
-                new = full[first_gen:].tolist()
-                return bool(stops.intersection(new)) or len(generated) + len(new) >= cfg.max_new_tokens
-
-            while self.mask_id in block_host:
-                masks = block_host.count(self.mask_id)
-                if spec.on_reject == "fallback" and masks < dec.gamma:
-                    carried = None
-                    before = block_host
-                    block, block_host = yield from self.target_step(block, block_step, start)
-                    self.mark(before, block_host)
-                    self.check_progress(block_host, masks, block_step)
-                    block_step += 1
-                    continue
-                draft = self.take(carried, block_host, block_step, device)
-                carried = None
-                if draft is None:
-                    draft = (yield from self.propose(block, block_step, masks, start, self.round_index)).to(device)
-                self.stats.rounds += 1
-                if spec.mode == "exact":
-                    logits = yield self.exact_request(draft)
-                else:
-                    flush = self.row.flush("target")  # the paper layout has no place for it
-                    if flush is not None:
-                        yield flush
-                    fwd, m_index = self.paper_request(block, block_host, draft)
-                    logits = yield fwd
-                    if self.dec.diagnostics is not None:
-                        yield from self.compare_with_exact(draft, logits, m_index)
-                if self.optimistic:  # before the decision is read
-                    carried = yield from self.speculate(draft, block_step, ends, start)
-                if spec.mode == "exact":
-                    verdict = self.judge_exact(draft, logits, block_step, start)
-                else:
-                    verdict = self.judge_paper(block, draft, logits, m_index, start)
-                self.round_index += 1
-                block, block_host, taken = self.decide(verdict, draft, block_host)
-                self.check_progress(block_host, masks, block_step)
-                block_step += taken
-                if carried is not None and carried.committed is not None and not keep_commit(carried, block_host):
-                    self.row.truncate("draft", carried.draft_cached)  # roll back the speculative commit
-                    carried = None
-            blocks += 1
-            new = block_host[first_gen:]
-            generated.extend(new)
-            self.stats.origins.extend(self.origin[first_gen:])
-            if on_block is not None and on_block(new):
-                return generated, blocks
-            if stops.intersection(new) or len(generated) >= cfg.max_new_tokens:
-                return generated, blocks
-            # folded commits are not combined with optimistic drafting (its rollback assumes
-            # explicit draft commits)
-            fold = cfg.fold_commit and not self.optimistic
-            fwd = self.row.commit("target", block, fold=fold)
-            if fwd is not None:
-                yield fwd
-            if carried is None or carried.committed is None:
-                fwd = self.row.commit("draft", block.to(self.row.devices["draft"]), fold=fold)
-                if fwd is not None:
-                    yield fwd
+    # -- statistics ----------------------------------------------------------------------
+    def stats_for(self, n: int, seconds: float) -> dict:
+        """Vanilla's statistics (:meth:`RowProgram.stats_for`) and the SimSD counters (README,
+        "Statistics"): ``from_draft`` (returned tokens that came from the draft),
+        ``draft_share``, ``draft_forwards``, ``draft_forwards_per_token``, ``gamma`` and
+        :class:`Stats`."""
+        from_draft = sum(1 for o in self.stats.origins[:n] if o)
+        fw = self.row.forwards["draft"]
+        return {**super().stats_for(n, seconds), "from_draft": from_draft,
+                "draft_share": from_draft / n if n else 0.0, "draft_forwards": fw,
+                "draft_forwards_per_token": fw / max(n, 1), "gamma": self.dec.gamma, **self.stats.as_dict()}

@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from simsd_kernels import KIND_DRAFT, KIND_KNOWN, KIND_MASK, TAU_INF
 
 from ..decoding.sampling import draw, exponential_noise, filtered_probs
-from ..decoding.strategies import stable_rank
 from ..engine.host_sync import to_device
 
 
@@ -30,15 +30,18 @@ def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.T
             the round (the leftover). The layout's index arithmetic runs on the host from it
             and travels to the device in one asynchronous copy.
         drafted: ``(L,)`` the draft's block after its steps (MASK where not revealed).
-        tau: ``(L,)`` int, the step (1-based) at which the draft revealed each position,
+        tau: ``(L,)`` int64, the step (1-based) at which the draft revealed each position,
             ``TAU_INF`` where it did not.
         start: absolute position of the block's first token.
         rope_copy: M_k takes D_k's position (the paper); False: M gets fresh positions after D.
 
     Returns:
-        ``ids (1, Lq)``, ``positions (1, Lq)``, ``labels (1, Lq, 3)`` int32 and ``m_index (L,)``:
-        the query index of each position's M slot (-1 for known positions).
-        Layout: leftover in block order, then D and M over the unknown positions.
+        ``ids (Lq,)`` int64 on the device; ``positions``: ``Lq`` host ints; ``labels``: ``Lq``
+        host ``(kind, tau, grp)`` triples with ``tau = 0``; ``taus (Lq,)`` int32 on the device,
+        the ``tau`` labels (0 for the leftover, the draft's reveal step for D and M); and
+        ``m_index (L,)`` int64 on the device: the query index of each position's M slot (0
+        for known positions, whose verdict is not read). Layout: leftover in block order, then
+        D and M over the unknown positions. As engine inputs: ``Fwd(..., tau=taus)``.
     """
     device = block.device
     known = known.tolist() if isinstance(known, torch.Tensor) else list(known)
@@ -48,34 +51,33 @@ def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.T
     n, nl = len(unk), len(left)
     m_pos = [start + i for i in unk] if rope_copy else [start + L + j for j in range(n)]
     positions = [start + i for i in left] + [start + i for i in unk] + m_pos
-    kinds = [KIND_KNOWN] * nl + [KIND_DRAFT] * n + [KIND_MASK] * n
-    m_index = [-1] * L
+    labels = [(KIND_KNOWN, 0, 0)] * nl + [(KIND_DRAFT, 0, 0)] * n + [(KIND_MASK, 0, 0)] * n
+    m_index = [0] * L
     for j, i in enumerate(unk):
         m_index[i] = nl + n + j
-    host = to_device(left + unk + positions + kinds + m_index, device)
-    left_t, unk_t = host[:nl], host[nl:nl + n]
-    positions_t, kinds_t, m_index_t = host[nl + n:].split([nl + 2 * n, nl + 2 * n, L])
-    ids = torch.cat([block[left_t], drafted[unk_t], torch.full((n,), mask_id, device=device, dtype=block.dtype)])
-    t = tau.to(device)[unk_t].to(torch.int64).clamp(max=TAU_INF)
-    taus = torch.cat([torch.zeros(nl, dtype=torch.int64, device=device), t, t])
-    labels = torch.stack([kinds_t, taus, torch.zeros_like(taus)], -1).to(torch.int32)
-    return ids[None], positions_t[None], labels[None], m_index_t
+    # ids from [block | drafted] (an M slot's token is the block's MASK), taus from [tau | 0]
+    host = to_device(left + [L + i for i in unk] + unk + [L] * nl + unk + unk + m_index, device)
+    id_index, tau_index, m_index = host.split([nl + 2 * n, nl + 2 * n, L])
+    ids = torch.cat([block, drafted]).index_select(0, id_index)
+    taus = F.pad(tau.to(device), (0, 1)).index_select(0, tau_index).to(torch.int32)
+    return ids, positions, labels, taus, m_index
 
 
-def exact_layout(states: list, start: int):
-    """Query tokens of the exact verification forward: copy ``c`` is ``states[c] (L,)``.
+def exact_layout(states: torch.Tensor, start: int):
+    """Query tokens of the exact verification forward: copy ``c`` is ``states[c] (L,)``
+    (``states``: ``(n, L)``, or a list of ``(L,)``).
 
     Each copy sits at the block's true positions and sees the cache and itself only
     (``exact`` mask, ``grp = c``), so its logits equal a vanilla denoise forward on that state.
-    Returns ``ids (1, n*L)``, ``positions (1, n*L)``, ``labels (1, n*L, 3)``.
+    Returns ``ids (n*L,)`` on the device, ``positions``: ``n*L`` host ints and ``labels``:
+    ``n*L`` host ``(kind, tau, grp)`` triples.
     """
-    n, L = len(states), states[0].shape[0]
-    device = states[0].device
-    ids = torch.cat(states)[None]
-    positions = torch.arange(start, start + L, device=device).repeat(n)[None]
-    labels = torch.zeros(1, n * L, 3, dtype=torch.int32, device=device)
-    labels[0, :, 2] = torch.arange(n, device=device, dtype=torch.int32).repeat_interleave(L)
-    return ids, positions, labels
+    if isinstance(states, (list, tuple)):
+        states = torch.stack(states)
+    n, L = states.shape
+    positions = list(range(start, start + L)) * n
+    labels = [(KIND_KNOWN, 0, c) for c in range(n) for _ in range(L)]
+    return states.reshape(n * L), positions, labels
 
 
 def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -135,30 +137,27 @@ def accept_in_order(block: torch.Tensor, drafted: torch.Tensor, tau: torch.Tenso
         ok, replacement: ``(L,)`` per-position verdicts (:func:`token_verdicts`).
 
     Returns:
-        ``(new_block (L,), rejected, steps_taken, accepted, proposed)``, all on the device
-        (0-d tensors; no host reads): ``steps_taken`` is the rejected proposal's step or ``n``;
-        ``proposed`` counts the proposals of the steps taken.
+        ``(new_block (L,), rejected, steps_taken, accepted)``, all on the device (0-d tensors;
+        no host reads): ``steps_taken`` is the rejected proposal's step or ``n``. (The proposals
+        of the steps taken are counted on the host from ``tau``, with the decision.)
     """
-    L = block.shape[0]
     prop = tau <= n
-    big = (n + 2) * L
-    key = torch.where(prop, tau * L + torch.arange(L, device=tau.device), big)
-    rank = stable_rank(key, descending=False)
+    order = torch.sort(tau, stable=True).indices  # the temporal order: reveal step, then position
+    rank = order.argsort()  # proposals rank 0 .. n_prop - 1
     n_prop = prop.sum()
-    first_bad = torch.where(prop & ~ok, rank, big).min()
-    r = torch.minimum(first_bad, n_prop)
+    r = (ok & prop)[order].cumprod(0).sum()  # proposals accepted before the first rejected one
     rejected = r < n_prop
-    at_r = prop & (rank == r)
-    taken = torch.where(rejected, torch.where(at_r, tau, 0).max(), n)
-    new = torch.where(prop & (rank < r), drafted, block)
-    new = torch.where(at_r, replacement, new)
-    return new, rejected, taken, r, (prop & (tau <= taken)).sum()
+    before = rank < r
+    taken = tau.masked_fill(before, TAU_INF).min().clamp(max=n)  # the rejected proposal's step, or n
+    new = torch.where(before, drafted, block)
+    new = torch.where(prop & (rank == r), replacement, new)
+    return new, rejected, taken, r
 
 
-def exact_step_verdict(mine: torch.Tensor, states: torch.Tensor, drafted: torch.Tensor, tau: torch.Tensor,
-                       bonus: bool):
+def exact_step_verdict(mine: torch.Tensor, chain: torch.Tensor, tau: torch.Tensor, bonus: bool):
     """Exact verification: draft step ``c`` is accepted iff the target's own step on
-    ``states[c]`` (``mine[c]``: same positions, same tokens) equals the draft's next state.
+    ``chain[c]`` (``mine[c]``: same positions, same tokens) equals the draft's next state
+    ``chain[c + 1]``.
 
     Greedy or sampling alike: ``mine[c]`` is the step vanilla decoding would take at that state
     (under sampling with the same keyed noise, :mod:`simsd.decoding.noise`), so the committed
@@ -166,28 +165,19 @@ def exact_step_verdict(mine: torch.Tensor, states: torch.Tensor, drafted: torch.
 
     Args:
         mine: ``(n + bonus, L)`` the target's own denoising step on each verified state
-            (``mine[n]``: on ``drafted``, the bonus copy).
-        states: ``(n, L)`` the block before each draft step; ``drafted (L,)`` after the last.
-        tau: ``(L,)`` 1-based reveal steps.
+            (``mine[n]``: on the draft's final state, the bonus copy).
+        chain: ``(n + 1, L)`` the block before each draft step, then after the last.
+        tau: ``(L,)`` 1-based reveal steps (``TAU_INF`` where not revealed).
 
     Returns:
-        ``(new_block (L,), steps_taken, accepted, proposed)`` on the device (0-d tensors): the
-        target's step at the first mismatch, else its bonus step (or ``drafted`` without one).
+        ``(new_block (L,), steps_taken, accepted)`` on the device (0-d tensors): the target's
+        step at the first mismatch, else its bonus step (or the draft's final state without
+        one). (The proposals of the steps taken are counted on the host from ``tau``.)
     """
-    n = states.shape[0]
-    after = torch.cat([states[1:], drafted[None]])
-    ok_prefix = (mine[:n] == after).all(-1).long().cumprod(0)
-    n_ok = ok_prefix.sum()
-    steps = torch.arange(1, n + 1, device=tau.device)
-    counts = (tau[None] == steps[:, None]).sum(-1)
-    accepted = (counts * ok_prefix).sum()
-    proposed = (counts * (steps <= n_ok + 1)).sum()
-    last = mine[n] if bonus else drafted
-    candidates = torch.cat([mine[:n], last[None]])
-    new = torch.index_select(candidates, 0, n_ok.view(1))[0]
+    n = chain.shape[0] - 1
+    same = (mine[:n] == chain[1:]).all(-1)  # draft step c is the target's own step on chain[c]
+    n_ok = same.cumprod(0).sum()  # draft steps accepted
+    candidates = mine if bonus else torch.cat([mine, chain[n:]])  # the state committed after n_ok steps
+    new = candidates.index_select(0, n_ok.view(1))[0]
     taken = (n_ok + 1).clamp(max=n + int(bonus))
-    return new, taken, accepted, proposed
-
-
-#: the former name (greedy was the only case before keyed noise)
-exact_greedy_verdict = exact_step_verdict
+    return new, taken, (tau <= n_ok).sum()

@@ -185,6 +185,29 @@ def test_wrong_append_kv_falls_back(register):
     assert "other slots" in msgs[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift", [-0.5, 0.5])
+def test_an_output_off_by_a_constant_fails_either_sign(register, shift, dtype):
+    """The check bounds the size of the error: a backend whose attention output, or whose rotated
+    k in append_kv, is the reference plus or minus 0.5 fails it (explicit requests raise), in
+    float32 and in bfloat16 (the loosest error floor, 1.6e-2)."""
+    def attention(*a):
+        return temporal_attention_torch(*a) + shift
+
+    def append(k, v, positions, kc, vc, lens, theta, n):
+        append_kv_torch(k, v, positions, kc, vc, lens, theta, n)
+        for b, c in enumerate(lens.tolist()):
+            kc[b, c:c + n] += shift
+    register(_wrapping("shifted", attention, append)[0], auto_rank=None)
+    to = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    args = [to(a) for a in make_inputs(8, 2, 6, 4, 2, 64, [5, 0])]
+    with pytest.raises(BackendCheckError, match=r"'shifted' failed its self-check .*max error 0\.5"):
+        _attention(args, "exact", backend="shifted")
+    _, k, v, kc, vc, lens, _, pos = [to(a) for a in make_inputs(8, 2, 4, 4, 2, 64, [3, 0], lmax=12)]
+    with pytest.raises(BackendCheckError, match=r"'shifted' failed its self-check .*rotated k error 0\.5"):
+        sk.append_kv(k, v, pos, kc, vc, lens, rope_theta=1e4, backend="shifted")
+
+
 def test_trust_env_skips_the_checks(register, monkeypatch):
     backend, calls = _wrapping("wrong", _scaled_softmax)
     register(backend)

@@ -1,6 +1,8 @@
-"""The keyed sampling noise (simsd.decoding.noise, docs/design.md §4.2): the words equal a pure-Python
-SplitMix64, the uniforms are unbiased and independent across keys, and vanilla sampling with
-them follows the target's exact step distribution computed in float64 (chi-square)."""
+"""The keyed sampling noise (simsd.decoding.noise, docs/design.md §4.2): the words and uniforms equal
+a pure-Python SplitMix64, every grid value of the uniform lies strictly inside (0, 1), the
+uniforms are unbiased and independent across keys, a token of tiny probability is (almost)
+never drawn, and vanilla sampling with them follows the target's exact step distribution
+computed in float64 (chi-square)."""
 import dataclasses
 
 import pytest
@@ -10,8 +12,8 @@ from scipy.stats import chisquare
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.decoding import noise
 from simsd.decoding.noise import ACCEPT, PAPER_DRAFT, SAMPLE, NoiseKey, mix64
-from simsd.decoding.sampling import filtered_probs
-from simsd.decoding.step import Step, step_noise, without_mask_token
+from simsd.decoding.sampling import draw, filtered_probs
+from simsd.decoding.step import Step, step_noise, without_mask_token_
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.models.model import labels_for
 from tests.helpers import random_checkpoint
@@ -27,15 +29,81 @@ def python_word(key: NoiseKey, step: int, position: int, token: int) -> int:
     return w - (1 << 64) if w >> 63 else w
 
 
+def python_uniform(word: int) -> float:
+    """The uniform of a 64-bit word, in float64: its top 23 bits ``k`` give ``(k + 0.5) / 2**23``."""
+    return (((word & MASK64) >> 41) + 0.5) / 2 ** 23
+
+
 def test_words_match_python_reference():
     keys = [NoiseKey(0, 0), NoiseKey(7, 4096, ACCEPT, 3), NoiseKey((1 << 63) + 5, 12, PAPER_DRAFT, 1 << 40),
             NoiseKey(-3, 2040)]
     steps = [0, 5, 1, 7]
     w = noise.words(keys, steps, 5, 40, "cpu")
+    u = noise.uniform(keys, steps, 5, 40, "cpu")
+    assert u.dtype == torch.float32
     for r, key in enumerate(keys):
         for p in range(5):
             for t in (0, 1, 17, 39):
-                assert int(w[r, p, t]) == python_word(key, steps[r], key.start + p, t), (r, p, t)
+                word = python_word(key, steps[r], key.start + p, t)
+                assert int(w[r, p, t]) == word, (r, p, t)
+                assert float(u[r, p, t]) == python_uniform(word), (r, p, t)
+
+
+def as_int64(word: int) -> int:
+    return word - (1 << 64) if word >> 63 else word
+
+
+#: (word, its uniform): the extreme words, the two around the middle, low bits that must not count
+EXTREME_WORDS = [
+    (0, 2 ** -24),                              # the smallest uniform: half a grid step above 0
+    ((1 << 41) - 1, 2 ** -24),                  # the low 41 bits are not used
+    (1 << 41, 3 * 2 ** -24),                    # the next grid point
+    ((1 << 63) - 1, 0.5 - 2 ** -24),            # the largest int64: just below 1/2
+    (1 << 63, 0.5 + 2 ** -24),                  # the sign bit alone: just above 1/2
+    (MASK64 - (1 << 41), 1 - 3 * 2 ** -24),
+    (MASK64, 1 - 2 ** -24),                     # the all-ones word: half a grid step below 1
+]
+
+
+@pytest.mark.parametrize("word, expected", EXTREME_WORDS)
+def test_extreme_words_map_inside_the_unit_interval(word, expected):
+    """The words at the ends of the range map to the ends of the grid ``(2k + 1) * 2**-24``, and
+    ``-log(u)`` of the all-ones word is a positive Exp(1) draw (a uniform of exactly 1.0 would give
+    the draw 0, which wins the exponential race for any token of nonzero probability)."""
+    assert python_uniform(word) == expected
+    u = noise.word_uniform(torch.tensor([as_int64(word)], dtype=torch.int64))
+    assert u.dtype == torch.float32 and float(u[0]) == expected
+    assert 0 < float(u[0]) < 1 and float(-u.log()[0]) > 0
+
+
+def test_every_grid_value_lies_strictly_inside_the_unit_interval():
+    """All 2**23 values of the uniform (one word per value of the top 23 bits, with arbitrary low
+    bits): each equals ``(2k + 1) * 2**-24`` exactly in float32 (no rounding), so they are distinct,
+    increasing in ``k``, and strictly inside (0, 1)."""
+    k = torch.arange(1 << 23, dtype=torch.int64)
+    low = torch.randint(0, 1 << 41, k.shape, generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    w = (k * (1 << 41)).bitwise_or_(low)  # wraps into the sign bit from k = 2**22 on, as int64 words do
+    u = noise.word_uniform(w)
+    assert u.dtype == torch.float32
+    assert torch.equal(u.double(), (2 * k + 1).double() * 2.0 ** -24)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert bool((u[1:] > u[:-1]).all())
+
+
+def test_a_token_of_tiny_probability_is_almost_never_drawn():
+    """SDAR's vocabulary (151,936 tokens): every token but one has probability 1e-9, so over 1024
+    keyed draws they are drawn ~0.15 times in all (at most 3 with probability 1 - 3e-5). A uniform
+    that can be 1.0 (the top word of a 24-bit float32 grid) makes a token of any probability win the
+    race at ~V / 2**24 = 0.9% of the draws, ~9 here."""
+    V, L, R = 151936, 64, 4
+    probs = torch.full((V,), 1e-9, dtype=torch.float32)
+    probs[1234] = 1 - 1e-9 * (V - 1)
+    others = 0
+    for chunk in range(1024 // (L * R)):
+        keys = [NoiseKey(seed, 4096 * chunk) for seed in range(R)]
+        tokens = draw(probs, noise=noise.exponential(keys, chunk, L, V, "cpu"))  # (R, L)
+        others += int((tokens != 1234).sum())
+    assert others <= 3, f"{others} of 1024 draws picked a token of probability 1e-9"
 
 
 def test_noise_of_a_key_does_not_depend_on_the_batch():
@@ -92,8 +160,9 @@ def block_logits(model, prompt, block):
 def step_dists(logits, params, mask_id):
     """Per position: the sampling distribution (float64 over the support the filter keeps) and
     the confidence of each token (float64, unfiltered, temperature-scaled), MASK excluded."""
-    support = filtered_probs(without_mask_token(logits, mask_id), params) > 0
-    logits = without_mask_token(logits, mask_id).double()  # the model's float32 logits, in float64 from here
+    logits = without_mask_token_(logits.clone(), mask_id)
+    support = filtered_probs(logits, params) > 0
+    logits = logits.double()  # the model's float32 logits, in float64 from here
     scaled = torch.softmax(logits / params.temperature, -1)
     sampling = torch.where(support, scaled, 0.0)
     return sampling / sampling.sum(-1, keepdim=True), scaled
@@ -135,7 +204,7 @@ def test_static_first_step_follows_the_exact_distribution(target, params):
     cfg = DecodeConfig(block_length=4, strategy="static", sampling=params)
     blk = torch.tensor(block)
     steps = [Step(blk, 0, cfg, mask, NoiseKey(seed, 4)) for seed in range(N)]
-    out = Step.run_batch(steps, [logits] * N)
+    out = Step.run_batch(steps, logits.repeat(N, 1, 1))
     counts = torch.zeros(4, VOCAB, dtype=torch.float64)
     for new, revealed, _ in out:
         p = int(revealed.nonzero())
@@ -200,14 +269,15 @@ def test_two_static_steps_follow_the_exact_joint(target):
     cfg = DecodeConfig(block_length=4, strategy="static", sampling=params)
     blk = torch.tensor(block)
     keys = [NoiseKey(seed, 4) for seed in range(N)]
-    out = Step.run_batch([Step(blk, 0, cfg, mask, k) for k in keys], [block_logits(target.model, prompt, block)] * N)
+    out = Step.run_batch([Step(blk, 0, cfg, mask, k) for k in keys],
+                         block_logits(target.model, prompt, block).repeat(N, 1, 1))
     steps, logits = [], []
     for k, (new, revealed, _) in zip(keys, out):
         p = int(revealed.nonzero())
         steps.append(Step(new, 1, cfg, mask, k))
         logits.append(cond[(p, int(new[p]))])
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for new, _, _ in Step.run_batch(steps, logits):
+    for new, _, _ in Step.run_batch(steps, torch.stack(logits)):
         assert mask not in new.tolist()
         counts[int(new[2]), int(new[3])] += 1
     assert float(counts[joint == 0].sum()) == 0

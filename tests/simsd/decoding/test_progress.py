@@ -11,6 +11,7 @@ import torch
 
 from simsd import DecodeConfig, load_checkpoint, vanilla_generate
 from simsd.engine.batching import BatchEngine
+from simsd.engine.scheduler import Request, run_requests
 from simsd.speculative import SpecConfig, speculative_generate
 from tests.helpers import random_checkpoint
 
@@ -64,7 +65,7 @@ def test_speculative_mask_logit_is_never_revealed(ck, mode):
 def test_a_step_that_reveals_nothing_raises(ck, monkeypatch):
     """Forgetting to remove the MASK logit: the step 'reveals' MASK and nothing changes."""
     import simsd.decoding.step as step
-    monkeypatch.setattr(step, "without_mask_token", lambda logits, mask_id: logits)
+    monkeypatch.setattr(step, "without_mask_token_", lambda logits, mask_id: logits)
     model = PrefersMask(ck.model, ck.mask_token_id)
     with pytest.raises(RuntimeError, match="revealed no position"):
         vanilla_generate(model, list(range(1, 7)), DecodeConfig(max_new_tokens=8), ck.mask_token_id, [])
@@ -72,27 +73,27 @@ def test_a_step_that_reveals_nothing_raises(ck, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "paper"])
 def test_a_round_that_commits_nothing_raises(ck, monkeypatch, mode):
-    import simsd.speculative.spec_row as spec_row
-    verdict = "judge_exact" if mode == "exact" else "judge_paper"
-    original = getattr(spec_row.SpecRow, verdict)
+    from simsd.speculative.verifiers import VERIFIERS
+    verifier = VERIFIERS[mode]
+    original = verifier.judge
 
-    def nothing_committed(self, *args):
-        new, taken, acc, prop = original(self, *args)
-        return args[0].states[0] if mode == "exact" else args[0], taken, acc, prop
+    def nothing_committed(self, rnd, out):
+        return original(self, rnd, out)._replace(block=rnd.block)
 
-    monkeypatch.setattr(spec_row.SpecRow, verdict, nothing_committed)
+    monkeypatch.setattr(verifier, "judge", nothing_committed)
     with pytest.raises(RuntimeError, match="committed no token"):
         speculative_generate(ck, ck, list(range(1, 7)), DecodeConfig(max_new_tokens=8), SpecConfig(mode=mode))
 
 
-def test_engine_stops_a_program_that_never_finishes(ck):
+def test_scheduler_stops_a_program_that_never_finishes(ck):
     engine = BatchEngine({"target": ck.model}, 4, 1, capacity=16, margin=8)
-    row = engine.rows[0]
 
-    def forever():
+    def forever(row, tail):
         block = torch.full((4,), ck.mask_token_id)
         while True:
             yield row.denoise("target", block)
 
+    req = Request([1, 2, 3], forever, capacity=16)
     with pytest.raises(RuntimeError, match="without finishing"):
-        engine.run([forever()])
+        run_requests(engine, [req])
+    assert req.forward_requests == engine.max_requests() + 1

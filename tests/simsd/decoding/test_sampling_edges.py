@@ -131,9 +131,12 @@ EDGE_SETTINGS = [(t, k, p) for t in (1e-37, 1.0, 1e30) for k in (0, 2, 10 ** 9) 
 
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_every_mode_samples_finite_distributions(mode, pair, finite_everywhere):
-    for t, k, p in EDGE_SETTINGS:
-        ids = decode(mode, pair, SamplingParams(t, k, p))
-        assert len(ids) == 12 and all(0 <= i < 64 and i != pair[0].mask_token_id for i in ids)
+    """Sequential steps draw from the filtered distributions; static steps read the confidences
+    (the temperature-scaled distributions) as well."""
+    for strategy in ("sequential", "static"):
+        for t, k, p in EDGE_SETTINGS:
+            ids = decode(mode, pair, SamplingParams(t, k, p), strategy)
+            assert len(ids) == 12 and all(0 <= i < 64 and i != pair[0].mask_token_id for i in ids)
     assert "scaled_probs" in finite_everywhere and "filtered_probs" in finite_everywhere
 
 

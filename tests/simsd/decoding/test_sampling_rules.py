@@ -123,7 +123,7 @@ def sampled_outcomes(logits, block, cfg, step, n, seed):
     the keyed noise of row seed ``seed + i``, as row ``i`` of a prompt set would."""
     keys = [NoiseKey(seed + i, start=0) for i in range(n)]
     noise = step_noise(keys, step, block.shape[-1], logits.shape[-1], logits.device)
-    new, revealed, _ = denoise_step(logits.float().expand(n, -1, -1), block.expand(n, -1), MASK, cfg, step, noise)
+    new, revealed, _ = denoise_step(logits.float().repeat(n, 1, 1), block.expand(n, -1), MASK, cfg, step, noise)
     outs = []
     for row_new, row_rev in zip(new.tolist(), revealed.tolist()):
         outs.append(tuple((i, row_new[i]) for i in range(len(row_new)) if row_rev[i]))

@@ -6,7 +6,6 @@ from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generat
 from simsd.decoding.noise import NoiseKey
 from simsd.decoding.step import denoise_step, step_noise
 from simsd.models.model import labels_for
-from simsd.decoding.vanilla import new_block
 from tests.helpers import random_checkpoint
 
 
@@ -26,7 +25,7 @@ def uncached_generate(model, prompt, cfg, mask_id, stop_ids):
     seq = seq[:aligned]
     generated = []
     while True:
-        block = new_block(tail, B, mask_id, "cpu")
+        block = torch.tensor(list(tail) + [mask_id] * (B - len(tail)))
         first, tail, step = B - int((block == mask_id).sum()), [], 0
         while bool((block == mask_id).any()):
             ids = torch.tensor(seq + block.tolist())[None]
@@ -108,8 +107,10 @@ def test_seeded_sampling_reproducible(ckpt):
 
 def test_bad_prompts(ckpt):
     cfg = DecodeConfig(max_new_tokens=4)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        vanilla_generate(ckpt.model, [1, 500], cfg, ckpt.mask_token_id, [])
+    V = ckpt.config.vocab_size
+    for bad in (500, V, -1):  # far out, the first id past the vocabulary, below it
+        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, "):
+            vanilla_generate(ckpt.model, [1, bad], cfg, ckpt.mask_token_id, [])
     with pytest.raises(ValueError, match="empty"):
         vanilla_generate(ckpt.model, [], cfg, ckpt.mask_token_id, [])
     with pytest.raises(ValueError, match="maximum length"):

@@ -126,11 +126,11 @@ def test_engine_refuses_a_write_past_a_rows_capacity():
     assert not engine.caches["target"].check_lengths
     engine.rows[1].cached["target"] = 6
     block = torch.zeros(4, dtype=torch.int64)
-    fwd = Fwd("target", block, torch.arange(4), labels_for(4, "cpu")[0], "bidirectional", num_write=4)
+    fwd = Fwd("target", block, range(4), [(0, 0, 0)] * 4, "bidirectional", num_write=4)
     with pytest.raises(ValueError, match="row 1 of target: 4 tokens written, 2 free slots"):
-        engine._forward("target", "bidirectional", {1: fwd})
+        engine.forward("target", "bidirectional", {1: fwd})
     engine.rows[1].cached["target"] = 4
-    engine._forward("target", "bidirectional", {1: fwd})
+    engine.forward("target", "bidirectional", {1: fwd})
     assert engine.rows[1].cached["target"] == 8
 
 
@@ -138,17 +138,17 @@ def test_engine_refuses_a_write_past_a_rows_capacity():
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_static_shapes_equal_dynamic(pair, mode, fold, monkeypatch):
     """The fixed shapes that CUDA graphs replay (all rows, padded queries) give the same tokens."""
+    import functools
     import simsd.speculative.decoder
     import simsd.decoding.vanilla
     from simsd.engine.batching import BatchEngine
-    static = lambda models, B, n, cap, margin, graphs: BatchEngine(models, B, n, cap, margin,  # noqa: E731
-                                                                   static_shapes=True)
+    static = functools.partial(BatchEngine, static_shapes=True)
     target, draft = pair
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=10, fold_commit=fold)
     spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
     want = batch(mode, target, draft, PROMPTS, cfg, spec)
-    monkeypatch.setattr(simsd.decoding.vanilla, "engine_for", static)
-    monkeypatch.setattr(simsd.speculative.decoder, "engine_for", static)
+    monkeypatch.setattr(simsd.decoding.vanilla, "BatchEngine", static)
+    monkeypatch.setattr(simsd.speculative.decoder, "BatchEngine", static)
     got = batch(mode, target, draft, PROMPTS, cfg, spec)
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
 
@@ -175,29 +175,44 @@ def test_cuda_graphs_refused_on_cpu(pair):
     from simsd.engine.graphs import GraphRunner
     target, _ = pair
     with pytest.raises(ValueError, match="CUDA"):
-        GraphRunner(target.model, target.model.new_cache(1, 8))
+        GraphRunner(target.model, target.model.new_cache(1, 8), 4)
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_graph_runner_buffer_logic_with_eager_capture(pair, mode, monkeypatch):
     """The graph engine's static buffers, shape keys, per-row writes and output copies, with the
-    CUDA capture replaced by eager replay: stale buffers would change the tokens."""
-    import simsd.engine.batching
+    CUDA capture replaced by eager replay: stale buffers would change the tokens. The batch
+    functions make one engine per call; an engine that is kept (as :class:`simsd.LLM` keeps
+    its engine) replays the shapes it captured in later runs."""
     import simsd.engine.graphs
+    from simsd.decoding.config import check_prompt
+    from simsd.decoding.program import generate_batch
+    from simsd.decoding.vanilla import VanillaRow
+    from simsd.engine.batching import BatchEngine, round_capacity
+    from simsd.speculative.decoder import SpeculativeDecoder
     monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.eager_capture)
     monkeypatch.setattr(simsd.engine.graphs, "check_graphable", lambda model: None)
-    monkeypatch.setattr(simsd.engine.batching, "_POOL", {})
     target, draft = pair
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=14)
     spec = SpecConfig(mode=mode if mode != "vanilla" else "exact")
     want = [r.token_ids for r in batch(mode, target, draft, PROMPTS, cfg, spec).results]
-    for _ in range(2):  # the second call reuses the pooled engine and its captured shapes
-        if mode == "vanilla":
-            got = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids,
-                                         cuda_graphs=True)
-        else:
-            got = speculative_generate_batch(target, draft, PROMPTS, cfg, spec, cuda_graphs=True)
-        assert [r.token_ids for r in got.results] == want
-    (engine,) = simsd.engine.batching._POOL.values()
+    if mode == "vanilla":
+        got = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids,
+                                     cuda_graphs=True)
+    else:
+        got = speculative_generate_batch(target, draft, PROMPTS, cfg, spec, cuda_graphs=True)
+    assert [r.token_ids for r in got.results] == want
+    caps = [check_prompt(p, target.config, cfg.max_new_tokens, 4) for p in PROMPTS]
+    models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
+    engine = BatchEngine(models, 4, len(PROMPTS), round_capacity(max(caps)), (4 + 2) * 4, cuda_graphs=True)
+    dec = SpeculativeDecoder(target, draft, cfg, spec)
+    new = (lambda row, i: VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, cfg.seed + i)) \
+        if mode == "vanilla" else (lambda row, i: dec.new_row(row, cfg.seed + i))
     runner = engine.graphs["target"]
-    assert 0 < runner.graphs <= 2 * (4 + 2) and runner.replays > 2 * runner.graphs  # a few shapes, many replays
+    for run in range(2):
+        got = generate_batch(engine, PROMPTS, caps, new)
+        assert [r.token_ids for r in got.results] == want
+        if run == 0:
+            shapes, replays = runner.graphs, runner.replays
+    assert 0 < runner.graphs == shapes <= 2 * (4 + 2)  # a few shapes, captured in the first run only
+    assert runner.replays >= 2 * replays > 2 * runner.graphs  # many replays

@@ -7,6 +7,7 @@ Eager and graph engines round the cache capacity alike, so the kernels pick the 
 count (the same summation order) in both.
 """
 import dataclasses
+import functools
 import warnings
 
 import pytest
@@ -36,12 +37,20 @@ def pair():
 
 @pytest.fixture
 def graph_engines(monkeypatch):
-    """Graph engines on the CPU: ``capture`` replaces the CUDA capture; the pool starts empty."""
+    """Graph engines on the CPU: ``capture`` replaces the CUDA capture; returns the list of the
+    engines made from then on (the batch functions make one per call)."""
     monkeypatch.setattr(graphs, "check_graphable", lambda model: None)
-    monkeypatch.setattr(batching, "_POOL", {})
+    made = []
+    init = batching.BatchEngine.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(batching.BatchEngine, "__init__", recording)
 
     def use(capture):
         monkeypatch.setattr(graphs, "cuda_capture", capture)
+        return made
     return use
 
 
@@ -49,6 +58,20 @@ def decode(mode, target, draft, graphs_on):
     if mode == "vanilla":
         return vanilla_generate_batch(target.model, PROMPTS, CFG, target.mask_token_id, [], cuda_graphs=graphs_on)
     return speculative_generate_batch(target, draft, PROMPTS, CFG, SpecConfig(mode=mode), cuda_graphs=graphs_on)
+
+
+def decode_on(engine, mode, target, draft):
+    """The batch decoders' run over a kept engine (as :class:`simsd.LLM` keeps its engine)."""
+    from simsd.decoding.config import check_prompt
+    from simsd.decoding.program import generate_batch
+    from simsd.decoding.vanilla import VanillaRow
+    from simsd.speculative.decoder import SpeculativeDecoder
+    caps = [check_prompt(p, target.config, CFG.max_new_tokens, 4) for p in PROMPTS]
+    if mode == "vanilla":
+        return generate_batch(engine, PROMPTS, caps,
+                              lambda row, i: VanillaRow(row, CFG, target.mask_token_id, [], CFG.seed + i))
+    dec = SpeculativeDecoder(target, draft, CFG, SpecConfig(mode=mode))
+    return generate_batch(engine, PROMPTS, caps, lambda row, i: dec.new_row(row, CFG.seed + i))
 
 
 def stale_capture(fn, cache, device, pool):
@@ -60,15 +83,15 @@ def stale_capture(fn, cache, device, pool):
     return (lambda: None), out, pool
 
 
-def corrupting_capture(fn, cache, device, pool):
-    """A broken capture whose logits are right but whose K/V writes are off by one in layer 0."""
+def corrupting_capture(fn, cache, device, pool, shift=1.0):
+    """A broken capture whose logits are right but whose K/V writes are off by ``shift`` in layer 0."""
     replay, out, pool = eager_capture(fn, cache, device, pool)
 
     def bad_replay():
         before = cache.seqlens.clone()
         replay()
         past = torch.arange(cache.max_len)[None, :] >= before[:, None]
-        cache.k[0][past] += 1.0
+        cache.k[0][past] += shift
     return bad_replay, out, pool
 
 
@@ -92,12 +115,12 @@ def _recorded(fn):
 
 @pytest.mark.parametrize("mode", ["vanilla", "exact", "paper"])
 def test_first_replay_of_every_shape_is_checked(pair, graph_engines, mode):
-    graph_engines(eager_capture)
+    made = graph_engines(eager_capture)
     target, draft = pair
     want = [r.token_ids for r in decode(mode, target, draft, False).results]
     got, caught = _recorded(lambda: decode(mode, target, draft, True))
     assert [r.token_ids for r in got.results] == want and not caught
-    (engine,) = batching._POOL.values()
+    engine = made[-1]
     for runner in engine.graphs.values():
         assert runner.disabled is None
         assert len(runner.checks) == runner.graphs > 0, "one comparison per captured shape"
@@ -105,21 +128,22 @@ def test_first_replay_of_every_shape_is_checked(pair, graph_engines, mode):
 
 
 @pytest.mark.parametrize("capture,mode", [(stale_capture, "vanilla"), (corrupting_capture, "exact"),
+                                          (functools.partial(corrupting_capture, shift=-1.0), "vanilla"),
                                           (nan_capture, "paper")],
-                         ids=["stale-logits-vanilla", "corrupt-kv-exact", "nan-logits-paper"])
+                         ids=["stale-logits-vanilla", "corrupt-kv-exact", "kv-minus-one-vanilla", "nan-logits-paper"])
 def test_a_wrong_replay_disables_graphs_with_one_warning(pair, graph_engines, capture, mode):
-    graph_engines(capture)
+    made = graph_engines(capture)
     target, draft = pair
     want = [r.token_ids for r in decode(mode, target, draft, False).results]
     got, caught = _recorded(lambda: decode(mode, target, draft, True))
     assert [r.token_ids for r in got.results] == want, "after the mismatch the run continues eagerly"
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "differs from eager" in str(caught[0].message) and "disabled" in str(caught[0].message)
-    (engine,) = batching._POOL.values()
+    engine = made[-1]
     assert all(r.disabled for r in engine.graphs.values()), "one engine state: every model's graphs are off"
-    # the pooled engine stays off for the run: no new capture, no new warning
+    # a kept engine stays off: no new capture, no new warning in its next run
     shapes = {n: r.graphs for n, r in engine.graphs.items()}
-    again, caught = _recorded(lambda: decode(mode, target, draft, True))
+    again, caught = _recorded(lambda: decode_on(engine, mode, target, draft))
     assert [r.token_ids for r in again.results] == want and not caught
     assert {n: r.graphs for n, r in engine.graphs.items()} == shapes
 
@@ -129,12 +153,15 @@ def test_eager_and_graph_engines_pick_the_same_split_count(pair, graph_engines):
     of the same request must allocate the same capacity, so equal kernels sum in equal order
     (issue 12: graphs under 256-rounding picked 2 splits where eager picked 1)."""
     from simsd_kernels.split_plan import CUDA_FIGURES, TRITON_FIGURES, DeviceLimits, plan_attention, residency
-    graph_engines(eager_capture)
+    made = graph_engines(eager_capture)
     target, _ = pair
-    m = target.model
+    cfg = dataclasses.replace(CFG, max_new_tokens=1)
+    prompt = [1 + i % 90 for i in range(989)]  # 989 + 1 tokens in whole blocks, plus a block: 996 -> 1024
+    for graphs_on in (False, True):
+        vanilla_generate_batch(target.model, [prompt] * 3, cfg, target.mask_token_id, [], cuda_graphs=graphs_on)
+    eager, graph = made
+    assert not eager.graphs and graph.graphs
     capacity, margin, B = 1000, 8, 3
-    eager = batching.engine_for({"target": m}, 4, B, capacity, margin)
-    graph = batching.engine_for({"target": m}, 4, B, capacity, margin, cuda_graphs=True)
     lmax = {name: e.caches["target"].k[0].shape[1] for name, e in (("eager", eager), ("graph", graph))}
     assert lmax["eager"] == lmax["graph"] == batching.round_capacity(capacity) + margin
     h200 = DeviceLimits()  # an H100/H200's SM count and limits, no GPU needed

@@ -1,6 +1,6 @@
 """CUDA-graph replay is token-identical to eager decoding with the same shapes (GPU only).
 
-Eager and graph engines round the cache capacity alike (``engine_for``), so the kernels pick
+Eager and graph engines round the cache capacity alike (``round_capacity``), so the kernels pick
 the same split-KV count in both and the comparison is between equal summation orders; the
 graph runners' own first-replay checks must all have found graph == eager bit for bit.
 Draft-device tests need two GPUs (marker ``gpu2``).
@@ -29,6 +29,9 @@ def ckpt(name, layers, seed):
     return dataclasses.replace(c, stop_ids=[])  # run every row to max_new_tokens: many rounds
 
 
+ENGINES: list = []  # the engines the batch functions made (one per call)
+
+
 def run(mode, target, draft, cfg, graphs, static):
     import simsd.engine.batching as batching
     if mode == "vanilla":
@@ -37,13 +40,13 @@ def run(mode, target, draft, cfg, graphs, static):
     else:
         fn = lambda: speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode),  # noqa: E731
                                                 cuda_graphs=graphs)
-    if graphs or not static:
-        return fn()
     original = batching.BatchEngine.__init__
 
     def init(self, *a, **k):
-        k["static_shapes"] = True
+        if static and not graphs:
+            k["static_shapes"] = True
         original(self, *a, **k)
+        ENGINES.append(self)
     batching.BatchEngine.__init__ = init
     try:
         return fn()
@@ -56,19 +59,18 @@ def run(mode, target, draft, cfg, graphs, static):
 def test_graph_replay_equals_eager(mode, temperature):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    import simsd.engine.batching as batching
     from simsd.engine.graphs import GraphCheckWarning
-    batching._POOL.clear()
     target, draft = ckpt("g-target", 3, 0), ckpt("g-draft", 1, 7)
     cfg = DecodeConfig(block_length=4, max_new_tokens=64, sampling=SamplingParams(temperature=temperature))
     eager = run(mode, target, draft, cfg, graphs=False, static=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GraphCheckWarning)
+        ENGINES.clear()
         first = run(mode, target, draft, cfg, graphs=True, static=True)
-        again = run(mode, target, draft, cfg, graphs=True, static=True)  # reuses the captured graphs
-    (engine,) = batching._POOL.values()
-    for runner in engine.graphs.values():  # every shape's first replay was compared with eager
-        assert runner.disabled is None and runner.checks
+        again = run(mode, target, draft, cfg, graphs=True, static=True)  # a new engine: captured again
+    for engine in ENGINES:
+        for runner in engine.graphs.values():  # every shape's first replay was compared with eager
+            assert runner.disabled is None and runner.checks
     want = [r.token_ids for r in eager.results]
     assert [r.token_ids for r in first.results] == want
     assert [r.token_ids for r in again.results] == want
@@ -83,12 +85,11 @@ def test_graph_replay_is_bitwise_eager(mode):
     first-replay comparisons must have found the logits and the written K/V bit for bit equal."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    import simsd.engine.batching as batching
-    batching._POOL.clear()
     target, draft = ckpt("g-target", 3, 0), ckpt("g-draft", 1, 7)
     cfg = DecodeConfig(block_length=4, max_new_tokens=16)
+    ENGINES.clear()
     run(mode, target, draft, cfg, graphs=True, static=True)
-    (engine,) = batching._POOL.values()
+    (engine,) = ENGINES
     checks = [c for r in engine.graphs.values() for c in r.checks]
     assert checks and all(diff == 0.0 for _, diff, _ in checks), checks
 
@@ -109,8 +110,6 @@ def test_draft_on_a_second_gpu_equals_one_gpu(graphs):
     (device guards), and exact-mode greedy output equals the single-GPU run token for token."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    import simsd.engine.batching as batching
-    batching._POOL.clear()
     target, draft = ckpt("g-target", 3, 0), ckpt("g-draft", 1, 7)
     path = random_checkpoint("g-draft", tokenizer=False, vocab_size=V, num_hidden_layers=1, seed=7, std=0.2)
     far = dataclasses.replace(load_checkpoint(path, dtype="bfloat16", device="cuda:1", with_tokenizer=False),
@@ -123,3 +122,22 @@ def test_draft_on_a_second_gpu_equals_one_gpu(graphs):
     torch.cuda.synchronize("cuda:0")
     torch.cuda.synchronize("cuda:1")
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+
+
+def test_llm_keeps_its_engine_and_graphs():
+    """Whoever wants graphs reused holds the engine: an LLM captures each shape once, in its first
+    generate call, and replays it in the next, with the same tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import simsd
+    target, draft = ckpt("g-target", 3, 0), ckpt("g-draft", 1, 7)
+    llm = simsd.LLM(target, draft, mode="exact", batch_size=3, max_model_len=128, cuda_graphs=True,
+                    scheduler_thread=False)
+    params = simsd.SamplingParams(max_tokens=32, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    runners = llm.engine.graphs.values()
+    shapes, replays = [r.graphs for r in runners], [r.replays for r in runners]
+    again = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert again == first and all(len(t) == 32 for t in first)
+    assert [r.graphs for r in runners] == shapes and all(s > 0 for s in shapes)
+    assert all(r.replays > n for r, n in zip(runners, replays)) and all(r.disabled is None for r in runners)

@@ -68,6 +68,18 @@ def test_engine_refuses_what_does_not_fit(monkeypatch):
         vanilla_generate(c.model, [[5, 6]][0], DecodeConfig(max_new_tokens=2000), c.mask_token_id, [])
 
 
+def test_a_run_that_needs_exactly_the_free_memory_fits(monkeypatch):
+    """The boundary of the check: free memory equal to the estimate (margin and reserve
+    included) fits, one byte less does not."""
+    c = load_checkpoint(random_checkpoint("mem", tokenizer=False, vocab_size=64), with_tokenizer=False)
+    need = memory.estimate({"t": (c.config, c.model.dtype, "cpu", True)}, 2, 64, 8, with_weights=False).needed("cpu")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need)
+    BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=f"{memory.gib(need - 1)} are free; the largest batch size that fits is 1"):
+        BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)
+
+
 @pytest.fixture(scope="module")
 def long_ck():
     return str(random_checkpoint("mem-long", tokenizer=False, vocab_size=64, max_position_embeddings=32768))

@@ -9,7 +9,7 @@ import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.decoding.config import check_prompt, finish
-from simsd.decoding.vanilla import vanilla_generate_batch, vanilla_program
+from simsd.decoding.vanilla import VanillaRow, vanilla_generate_batch
 from simsd.engine.batching import BatchEngine
 from simsd.engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed
 from simsd.speculative import SpecConfig, SpeculativeDecoder
@@ -41,14 +41,15 @@ def with_stop(target, draft, mode):
     return dataclasses.replace(target, stop_ids=[free[6]])
 
 
-def config(i, sampling):
+def config(i, sampling, fold=False):
     params = SamplingParams(temperature=3.0, top_k=40) if sampling else SamplingParams()
-    return DecodeConfig(block_length=4, strategy="static", max_new_tokens=MAX_NEW[i], sampling=params)
+    return DecodeConfig(block_length=4, strategy="static", max_new_tokens=MAX_NEW[i], sampling=params,
+                        fold_commit=fold)
 
 
-def single(mode, target, draft, i, sampling):
+def single(mode, target, draft, i, sampling, fold=False):
     """Request ``i`` decoded alone (the existing batch decoders with one prompt and its seed)."""
-    cfg = config(i, sampling)
+    cfg = config(i, sampling, fold)
     if mode == "vanilla":
         out = vanilla_generate_batch(target.model, [PROMPTS[i]], cfg, target.mask_token_id, target.stop_ids,
                                      seeds=[SEEDS[i]])
@@ -64,13 +65,14 @@ def engine_for(mode, target, draft, rows):
     return BatchEngine(models, 4, rows, capacity=64, margin=margin)
 
 
-def request(mode, target, draft, i, sampling, done):
+def request(mode, target, draft, i, sampling, done, fold=False):
     """Request ``i`` for a scheduler; ``req.rows`` records its engine row (and SimSD row state)."""
-    cfg = config(i, sampling)
+    cfg = config(i, sampling, fold)
     if mode == "vanilla":
         def program(row, tail):
-            req.rows.append(row)
-            return vanilla_program(row, tail, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+            prog = VanillaRow(row, cfg, target.mask_token_id, target.stop_ids, SEEDS[i])
+            req.rows.append(prog)
+            return prog.program(tail)
     else:
         dec = SpeculativeDecoder(target, draft, cfg, SpecConfig(mode=mode), check=False)
 
@@ -87,9 +89,9 @@ def request(mode, target, draft, i, sampling, done):
 def counters(req) -> dict:
     """The row counters of a finished scheduled request, named as in the decoders' stats."""
     (r,) = req.rows
-    row = r if hasattr(r, "forwards") else r.row
+    row = r.row
     out = {"target_forwards": row.forwards["target"], "prefill_forwards": row.prefill_forwards}
-    if row is not r:
+    if "draft" in row.forwards:
         out.update(draft_forwards=row.forwards["draft"], accepted=r.stats.accepted, proposed=r.stats.proposed,
                    rounds=r.stats.rounds)
     return out
@@ -128,7 +130,7 @@ def test_outputs_do_not_depend_on_what_else_is_in_flight(pair, mode, sampling):
         run_staggered(sched, reqs, arrivals)
         assert len(done) == len(reqs) and all(r.error is None and not r.cancelled for r in reqs)
         for i, req in enumerate(reqs):
-            generated, _ = req.result
+            generated = req.result
             assert finish(generated, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, (name, i)
             got = counters(req)
             assert got == {k: singles[i].stats[k] for k in got}, (name, i)
@@ -216,7 +218,9 @@ def test_queue_bound_refuses_or_blocks(pair):
     sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=2)
     reqs = [request("vanilla", target, draft, i, False, []) for i in range(5)]
     for r in reqs[:3]:  # one for the free row, two waiting
+        assert sched.has_room
         sched.submit(r)
+    assert not sched.has_room  # full: exactly max_waiting + free rows queued
     with pytest.raises(QueueFull, match=r"^2 requests already waiting for a row \(max_waiting=2; 1 row, all taken\)$"):
         sched.submit(reqs[3])  # the one for the free row does not wait (it was counted: 3)
     with pytest.raises(QueueFull):
@@ -233,6 +237,29 @@ def test_queue_bound_refuses_or_blocks(pair):
     assert all(r.error is None for r in reqs[:4])
     with pytest.raises(ValueError, match="cache tokens"):
         sched.submit(Request([1] * 70, reqs[4].program, capacity=80))
+
+
+def test_a_request_may_use_a_whole_row(pair):
+    """A request whose capacity is exactly a row's is admitted and decodes as alone; one token
+    more is refused (naming both)."""
+    target, draft = pair
+    engine = engine_for("vanilla", target, draft, rows=1)
+    sched = Scheduler(engine, max_waiting=1)
+    cap = engine.capacity
+    block_length = 4
+    prompt = [5 + i % 80 for i in range(cap - 2 * block_length)]  # a whole block of generation, plus one of room
+    cfg = DecodeConfig(block_length=block_length, strategy="static", max_new_tokens=block_length)
+    need = check_prompt(prompt, target.config, block_length, block_length)
+    assert need == cap
+    with pytest.raises(ValueError, match=f"needs {cap + 1} cache tokens, a row holds {cap}"):
+        sched.submit(Request(prompt, lambda row, tail: None, capacity=cap + 1))
+
+    def program(row, tail):
+        return VanillaRow(row, cfg, target.mask_token_id, [], 3).program(tail)
+    req = sched.submit(Request(prompt, program, capacity=need))
+    sched.run_until_idle(max_rounds=100)
+    want = vanilla_generate_batch(target.model, [prompt], cfg, target.mask_token_id, [], seeds=[3])
+    assert req.error is None and req.result == want.results[0].token_ids
 
 
 def test_cancel_waiting_and_running_requests_frees_rows(pair):
@@ -255,11 +282,11 @@ def test_cancel_waiting_and_running_requests_frees_rows(pair):
     assert sched.num_running == 0 and sched.finished == {"ok": 1, "error": 0, "cancelled": 2}
     # the survivor is unaffected, and the freed rows serve later requests correctly
     want = single("exact", target, draft, 3, False).token_ids
-    assert finish(reqs[1].result[0], target.stop_ids, MAX_NEW[3]) == want
+    assert finish(reqs[1].result, target.stop_ids, MAX_NEW[3]) == want
     later = request("exact", target, draft, 0, False, done)
     sched.submit(later)
     sched.run_until_idle(max_rounds=2000)
-    assert finish(later.result[0], target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
+    assert finish(later.result, target.stop_ids, MAX_NEW[0]) == single("exact", target, draft, 0, False).token_ids
 
 
 def test_a_failing_program_fails_only_its_request(pair):
@@ -279,64 +306,90 @@ def test_a_failing_program_fails_only_its_request(pair):
     sched.run_until_idle(max_rounds=2000)
     assert isinstance(reqs[1].error, RuntimeError) and sched.finished["error"] == 1
     for i in (0, 2):
-        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
+        assert finish(reqs[i].result, target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
                                                                                 True).token_ids
 
 
-@pytest.mark.parametrize("where", ["forward", "step"])
+@pytest.mark.parametrize("where", ["forward", "step", "commit", "folded"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_a_failing_batched_forward_is_rerun_row_by_row(pair, monkeypatch, sampling, where):
     """A batched forward that fails because of one row (in the model, after its cache write; or
     in the rows' denoising step, after the noise draw) is undone (cache lengths; the noise is
     stateless) and re-run row by row: only that row's request fails, the others keep their
-    single-run tokens."""
+    single-run tokens and counters. ``commit``: the failing forward is a commit that writes the
+    K/V of the poisoned row and of an innocent one (requests 0 and 5 share their prompt tail, so
+    their commits share forwards): the innocent row's cache length must be rolled back before
+    its re-run, or its next forwards read a block of stale slots. ``folded``: the same with
+    folded commits, failing in the step after the forward (the rows' cached lengths were
+    advanced already)."""
     from simsd.decoding.step import Step
     target, draft = pair
     poison = 123457  # a position no request reaches
     real_forward, real_steps = type(target.model).forward, Step.run_batch
+    writes = []  # rows that wrote K/V in each poisoned forward
+    last = [0]  # ... in the latest forward
 
-    def forward(self, ids, positions, *args, **kwargs):
-        out = real_forward(self, ids, positions, *args, **kwargs)
+    def forward(self, ids, positions, labels, mask_mode, cache=None, num_write=0, *args, **kwargs):
+        out = real_forward(self, ids, positions, labels, mask_mode, cache, num_write, *args, **kwargs)
+        nw = num_write.tolist() if isinstance(num_write, torch.Tensor) else [num_write] * ids.shape[0]
+        last[0] = sum(1 for n in nw if n > 0)
         if bool((positions == poison).any()):
+            writes.append(last[0])
             raise RuntimeError("poisoned row")
         return out
 
     def run_batch(steps, logits):
         out = real_steps(steps, logits)
         if any(getattr(s, "poisoned", False) for s in steps):
+            writes.append(last[0])
             raise RuntimeError("poisoned row")
         return out
     sched = Scheduler(engine_for("vanilla", target, draft, rows=3), max_waiting=4)
     done = []
-    reqs = [request("vanilla", target, draft, i, sampling, done) for i in range(3)]
+    which = [0, 5, 2] if where in ("commit", "folded") else [0, 1, 2]
+    fold = where == "folded"
+    reqs = [request("vanilla", target, draft, i, sampling, done, fold) for i in which]
     reqs[1].program = _with_poison(reqs[1].program, poison, where)
-    if where == "forward":
-        monkeypatch.setattr(type(target.model), "forward", forward)
-    else:
-        monkeypatch.setattr(Step, "run_batch", staticmethod(run_batch))
+    monkeypatch.setattr(type(target.model), "forward", forward)
+    monkeypatch.setattr(Step, "run_batch", staticmethod(run_batch))
     for r in reqs:
         sched.submit(r)
     sched.run_until_idle(max_rounds=2000)
     monkeypatch.undo()
     assert isinstance(reqs[1].error, RuntimeError) and "poisoned" in str(reqs[1].error)
-    for i in (0, 2):
-        assert reqs[i].error is None
-        assert finish(reqs[i].result[0], target.stop_ids, MAX_NEW[i]) == single("vanilla", target, draft, i,
-                                                                                sampling).token_ids
+    if where in ("commit", "folded"):
+        assert writes[0] >= 2  # the batched forward that failed wrote an innocent row's K/V too
+    for k in (0, 2):
+        i = which[k]
+        want = single("vanilla", target, draft, i, sampling, fold)
+        assert reqs[k].error is None
+        assert finish(reqs[k].result, target.stop_ids, MAX_NEW[i]) == want.token_ids
+        got = counters(reqs[k])  # the failed forward is not counted as one the row took part in
+        assert got == {key: want.stats[key] for key in got}
 
 
 def _with_poison(make, poison, where):
     """The program of ``make`` with its third denoising forward poisoned: ``poison`` as its last
-    position (``forward``) or a mark on its step (``step``)."""
+    position (``forward``) or a mark on its step (``step``); ``commit``: its first commit forward
+    (``poison`` as its last position); ``folded``: a mark on the step of its first folded
+    commit."""
     def program(row, tail):
         prog = make(row, tail)
         fwd, seen = next(prog), 0
         while True:
-            if fwd.step is not None:
+            if where in ("commit", "folded"):
+                if fwd.num_write and (fwd.step is None) == (where == "commit") and not seen:
+                    seen = 1
+                    if where == "commit":
+                        fwd.positions = list(fwd.positions)
+                        fwd.positions[-1] = poison
+                    else:
+                        fwd.step.poisoned = True
+            elif fwd.step is not None:
                 seen += 1
                 if seen == 3:
                     if where == "forward":
-                        fwd.positions = fwd.positions.clone()
+                        fwd.positions = list(fwd.positions)
                         fwd.positions[-1] = poison
                     else:
                         fwd.step.poisoned = True
@@ -366,7 +419,7 @@ def test_background_thread_drains_on_stop(pair):
     with pytest.raises(SchedulerClosed):
         sched.submit(request("exact", target, draft, 0, False, done))
     for i, r in enumerate(reqs):
-        assert finish(r.result[0], target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
+        assert finish(r.result, target.stop_ids, MAX_NEW[i]) == single("exact", target, draft, i, False).token_ids
 
 
 def test_stop_without_drain_cancels(pair):
@@ -398,6 +451,6 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
     reqs = [request(mode, target, draft, i, False, done) for i in range(len(PROMPTS))]
     run_staggered(sched, reqs, ARRIVALS["staggered"])
     for i, req in enumerate(reqs):
-        assert finish(req.result[0], target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
+        assert finish(req.result, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
     runner = engine.graphs["target"]
     assert runner.graphs <= 2 * 6 and runner.replays > runner.graphs

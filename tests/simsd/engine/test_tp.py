@@ -5,11 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from simsd import DecodeConfig, load_checkpoint, vanilla_generate
 from simsd.speculative import SpecConfig, speculative_generate
-from simsd.engine.tp import spawn
+from simsd.engine.tp import check_tp, shard_model, spawn
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -79,6 +80,38 @@ def test_cli_tp2_spawns_ranks():
     t.model.attention_backend = "torch"
     want = vanilla_generate(t.model, [5, 6, 7, 8, 9], DecodeConfig(max_new_tokens=8), t.mask_token_id, t.stop_ids)
     assert json.loads(two.stdout)["token_ids"] == want.token_ids
+
+
+@pytest.mark.parametrize("field,value", [("intermediate_size", 129), ("num_key_value_heads", 1)])
+def test_tp_refuses_a_sharded_dimension_that_does_not_divide(field, value):
+    """``--tp 2`` on an odd MLP width or an odd number of KV heads is refused by name (a shard of
+    ``n // 2`` would silently drop a channel or a head): by the check, by ``shard_model`` (the
+    model left whole) and by the command line before any rank starts (exit 2, one line; run
+    once). The query heads are a multiple of the KV heads, so their own check cannot fail
+    alone. The even neighbours shard."""
+    shape = dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    shape[field] = value
+    path = random_checkpoint(f"tp-odd-{field}", tokenizer=False, vocab_size=V, num_hidden_layers=1, std=0.2,
+                             **shape)
+    t = load_checkpoint(path, dtype="float32", with_tokenizer=False)
+    assert getattr(t.config, field) == value
+    message = f"--tp 2: {field} = {value} is not a multiple of 2"
+    with pytest.raises(ValueError, match=message):
+        check_tp(t.config, 2)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        shard_model(t.model, 0, 2)
+    after = t.model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    check_tp(t.config, 1)  # one rank takes any shape
+    check_tp(load_checkpoint(ckpt_path(), dtype="float32", with_tokenizer=False).config, 2)
+    if field != "intermediate_size":  # the command line runs the same check: once is enough
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "simsd.entrypoints.cli", "generate", "--target", str(path),
+                           "--prompt-ids", "5,6,7", "--device", "cpu", "--tp", "2"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"simsd: error: {message}"], proc.stderr
 
 
 def test_nccl_init_names_the_rank_device(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 import simsd
 from simsd import LLM, ParamError, SamplingParams
-from simsd.decoding.config import DecodeConfig
+from simsd.decoding.config import DecodeConfig, check_prompt
 from simsd.decoding.sampling import SamplingParams as StepSampling
 from tests.simsd.entrypoints.serving import readme_blocks, single, wait_for
 
@@ -91,6 +91,7 @@ def test_stop_strings_and_stop_token_ids(llms):
     (lambda: SamplingParams(seed=2**63), "seed"),
     (lambda: SamplingParams(stop=[""]), "stop"),
     (lambda: SamplingParams(stop_token_ids=[-3]), "stop_token_ids"),
+    (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
     (lambda: SamplingParams(strategy="fastest"), "strategy"),
     (lambda: SamplingParams(threshold=0.5), "threshold"),
     (lambda: SamplingParams(strategy="dynamic", threshold=1.5), "threshold"),
@@ -111,10 +112,13 @@ def test_bad_fields_name_themselves(make, param):
     ("exact", "hi", SamplingParams(gamma=5), "gamma"),
     ("exact", "hi", SamplingParams(steps=5), "steps"),
     ("exact", "hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ("exact", "hi", SamplingParams(stop_token_ids=[6144]), "stop_token_ids"),  # the vocabulary size
     ("exact", [5] * 2048, SamplingParams(max_tokens=1), "prompt"),
     ("exact", [5] * 2000, SamplingParams(max_tokens=100), "max_tokens"),
     ("exact", [5, 6, 3, 7], SamplingParams(), "prompt"),  # 3 is the bundled pair's mask id
     ("exact", [5, 10**6], SamplingParams(), "prompt"),
+    ("exact", [5, 6144], SamplingParams(), "prompt"),
+    ("exact", [-1, 5], SamplingParams(), "prompt"),
     ("exact", "", SamplingParams(), "prompt"),
     ("exact", 42, SamplingParams(), "prompt"),
     ("exact", [[]], SamplingParams(), "prompt"),  # a batch of one empty prompt
@@ -127,6 +131,48 @@ def test_bad_requests_name_the_field(llms, mode, prompt, params, param):
         llm.generate(prompt, params)
     assert err.value.param == param
     assert llm.metrics()["requests"] == before and llm.scheduler.num_waiting == 0
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_a_request_that_exactly_fills_max_model_len_is_served(llms, mode):
+    """``prompt + max_tokens == max_model_len`` is served (every position used), one token more is
+    refused naming ``max_tokens``; a prompt of ``max_model_len - 1`` tokens gets its one token, one
+    of ``max_model_len`` tokens is refused naming ``prompt``. The same at the models' own limit
+    (:func:`check_prompt`, 2048 positions, the default ``max_model_len``)."""
+    base = llms["exact"]
+    L = 64
+    llm = LLM(base.target, base.draft if mode == "exact" else None, mode, batch_size=1, max_model_len=L)
+    try:
+        for P in (40, 61, L - 1):
+            ids = [10 + i for i in range(P)]
+            p = SamplingParams(max_tokens=L - P, ignore_eos=True)
+            (out,) = llm.generate(ids, p)
+            assert len(out.token_ids) == L - P and out.finish_reason == "length"
+            assert out.token_ids == single(llm, ids, p, out.seed).token_ids
+            with pytest.raises(ParamError) as err:
+                llm.generate(ids, SamplingParams(max_tokens=L - P + 1))
+            assert err.value.param == "max_tokens"
+        with pytest.raises(ParamError) as err:
+            llm.generate([10] * L, SamplingParams(max_tokens=1))
+        assert err.value.param == "prompt"
+    finally:
+        assert llm.shutdown(timeout=60)
+    config = base.target.config  # the models' own limit, checked for every model of a request
+    limit = config.max_position_embeddings
+    assert check_prompt([10] * (limit - 8), config, 8, 4) == limit + 4  # whole blocks, plus one block of room
+    assert check_prompt([10] * (limit - 1), config, 1, 4) == limit + 4
+    for P, n, words in ((limit - 8, 9, "exceeds the model's maximum length"),
+                        (limit, 1, "is longer than the model's maximum length")):
+        with pytest.raises(ValueError, match=words):
+            check_prompt([10] * P, config, n, 4)
+
+
+def test_ids_at_the_ends_of_the_vocabulary_are_accepted(llms):
+    """Prompt and stop ids 0 and vocab_size - 1 (6143 in the bundled pair) are valid ids."""
+    llm = llms["vanilla"]
+    p = SamplingParams(max_tokens=3, stop_token_ids=[0, 6143])
+    (out,) = llm.generate([0, 6143, 12], p)
+    assert out.token_ids == single(llm, [0, 6143, 12], p, out.seed).token_ids[:len(out.token_ids)]
 
 
 def test_more_prompts_than_rows_and_queue_wait(llms):
@@ -224,7 +270,8 @@ def test_llm_construction_errors(llms):
         LLM(base.target, mode="vanilla", max_model_len=10**6)
     with pytest.raises(ValueError, match=r"^kv_cache_memory 1000 bytes holds no row of 2048 tokens \(\d+\.\d\d MiB "):
         LLM(base.target, mode="vanilla", kv_cache_memory=1000)  # a small limit in a unit that shows it
-    small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256,
-                kv_cache_memory=3 * 4096 * (512 + 8) + 4095)  # 4 KiB per token, 256 + 4 rounded to 512: 3 rows
-    assert small.batch_size == 3
-    small.shutdown()
+    per_row = 4096 * (512 + 8)  # 4 KiB per token, 256 + 4 rounded to 512, plus the query margin of 2 blocks
+    for memory, rows in ((3 * per_row + 4095, 3), (3 * per_row, 3), (3 * per_row - 1, 2)):
+        small = LLM(base.target, mode="vanilla", batch_size=8, max_model_len=256, kv_cache_memory=memory)
+        assert small.batch_size == rows and small.kv_cache_bytes == rows * per_row
+        small.shutdown()

@@ -90,6 +90,16 @@ def test_generate_iter_yields_in_order_and_cancels_on_close(exact):
     assert not exact.scheduler.alive
 
 
+def test_calling_thread_with_a_full_queue_runs_rounds_until_there_is_room(exact):
+    """Without a scheduling thread and without waiting room (``max_waiting=0``), a generate of
+    more prompts than rows runs rounds on the calling thread until a row frees, then queues the
+    next: every prompt is answered as in a roomier LLM."""
+    llm = LLM(exact.target, exact.draft, "exact", batch_size=1, max_waiting=0, scheduler_thread=False)
+    outs = llm.generate(PROMPTS[:3], params(3))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in exact.generate(PROMPTS[:3], params(3))]
+    assert llm.shutdown()
+
+
 def test_max_gamma_bounds_and_defaults_the_requests(exact):
     llm = LLM(exact.target, exact.draft, "exact", batch_size=2, max_gamma=2, scheduler_thread=False)
     assert llm.engine.caches["target"].max_len - llm.engine.capacity == (2 + 2) * 4
@@ -98,9 +108,15 @@ def test_max_gamma_bounds_and_defaults_the_requests(exact):
     cfg = SpeculativeDecoder(exact.target, exact.draft, __import__("simsd").DecodeConfig(max_new_tokens=10),
                              SpecConfig(gamma=2))
     assert out.token_ids == cfg.generate(PROMPTS[1]).token_ids
+    assert llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, gamma=2))[0].token_ids == out.token_ids  # the edge
     with pytest.raises(ParamError, match="max_gamma 2") as err:
         llm.generate(PROMPTS[1], SamplingParams(gamma=3))
     assert err.value.param == "gamma"
+    # without max_gamma a request may ask for the whole block (gamma = B = 4), not more
+    full = exact.generate(PROMPTS[1], SamplingParams(max_tokens=10, gamma=4))[0]
+    dec = SpeculativeDecoder(exact.target, exact.draft, __import__("simsd").DecodeConfig(max_new_tokens=10),
+                             SpecConfig(gamma=4))
+    assert full.stats["gamma"] == 4 and full.token_ids == dec.generate(PROMPTS[1]).token_ids
     with pytest.raises(ValueError, match="max_gamma must be an integer in"):
         LLM(exact.target, exact.draft, "exact", max_gamma=5)
     with pytest.raises(ValueError, match="max_gamma: used by the paper and exact modes only"):

@@ -56,6 +56,31 @@ def test_stop_string_cuts_the_text_and_is_never_streamed(tok):
     assert "STOP" in tok.decode(stream.token_ids) and "STOP" not in tok.decode(stream.token_ids[:-1])
 
 
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_stop_string_completed_by_the_first_character_of_a_token_is_found(tok, size):
+    """The edge of the search: only the stop string's last character is new, the first
+    character of the token just pushed. For every token boundary of the text, stop strings of
+    2 and 5 characters ending there cut the text before them."""
+    text = "alpha beta gamma delta epsilon"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    cases = 0
+    for i in range(1, len(ids)):
+        s0 = len(tok.decode(ids[:i]))  # where token i's text begins
+        for n in (2, 5):
+            begin = s0 - n + 1
+            stop = text[begin:s0 + 1]
+            if begin < 0 or text.index(stop) != begin:
+                continue
+            stream = TextStream(tok, stop_ids=[], stop=(stop,))
+            shown, _ = run(stream, ids, size)
+            assert shown == stream.text == text[:begin], (stop, size)
+            assert (stream.finish_reason, stream.stop_reason) == ("stop", stop)
+            assert stream.token_ids == ids[:i + 1]  # the ids end with the token that completed it
+            cases += 1
+    assert cases >= len(ids)  # most boundaries, both lengths (13 of 16 here: the rest start before the text or repeat)
+
+
 def test_held_back_prefix_is_released_when_it_is_not_a_stop(tok):
     ids = tok("a STx b ST", add_special_tokens=False)["input_ids"]
     stream = TextStream(tok, stop_ids=[], stop=("STOP",))

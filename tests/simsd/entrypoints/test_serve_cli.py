@@ -136,6 +136,7 @@ def test_serve_exits_promptly_after_sigterm(server_process):
     (["--port", "-1"], "--port must be in [0, 65535], got -1"),
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no position for a prompt in the 2048"),
     (["--max-model-len", "5"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 5"),
+    (["--max-model-len", "128"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 128"),
     (["--invariant", "--cuda-graphs"], "--invariant is not available with --cuda-graphs"),
     (["--strategy", "foo"], "--strategy: unknown strategy 'foo'"),
     (["--draft-strategy", "foo"], "--draft-strategy: unknown strategy 'foo'"),

@@ -70,11 +70,14 @@ def test_completions_and_chat_with_the_openai_client(llm, client):
     text, ids = single_text(llm, chat_ids(llm), SamplingParams(max_tokens=12))
     assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
     assert c.choices[0].message.content == text and c.usage.completion_tokens == len(ids)
-    # several prompts: one choice each, in order
-    r = client.completions.create(model=NAME, prompt=[[11, 12, 13], [21, 22, 23, 24, 25, 26]], max_tokens=6)
+    # several prompts: one choice each, in order; the usage counts every choice
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26]]
+    r = client.completions.create(model=NAME, prompt=prompts, max_tokens=6)
+    want = [single_text(llm, p, SamplingParams(max_tokens=6)) for p in prompts]
     assert [ch.index for ch in r.choices] == [0, 1]
-    assert [ch.text for ch in r.choices] == [single_text(llm, p, SamplingParams(max_tokens=6))[0]
-                                             for p in ([11, 12, 13], [21, 22, 23, 24, 25, 26])]
+    assert [ch.text for ch in r.choices] == [text for text, _ in want]
+    c = sum(len(ids) for _, ids in want)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (9, c, 9 + c)
 
 
 def test_streaming_with_the_openai_client(llm, client):
@@ -93,6 +96,84 @@ def test_streaming_with_the_openai_client(llm, client):
     chunks = list(client.completions.create(model=NAME, prompt=[11, 12, 13, 14, 15], max_tokens=16, stream=True))
     assert all(ch.choices for ch in chunks) and "".join(ch.choices[0].text for ch in chunks) == text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_stream_of_several_prompts_reports_the_usage_of_all_choices(llm, client):
+    """Two prompts of different lengths in one streamed completion: each choice's text is its
+    single run, and the usage on the last finish chunk and on the usage-only chunk counts both
+    choices (not the last one to finish)."""
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26]]
+    want = [single_text(llm, p, SamplingParams(max_tokens=6)) for p in prompts]
+    chunks = list(client.completions.create(model=NAME, prompt=prompts, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i, (text, _) in enumerate(want):
+        assert "".join(c.text for ch in chunks for c in ch.choices if c.index == i) == text
+    p = sum(len(q) for q in prompts)
+    c = sum(len(ids) for _, ids in want)
+    usage = [ch.usage for ch in chunks if ch.usage is not None]
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 2 and finals[0].usage is None and len(usage) == 2
+    for u in usage:  # the last finish chunk, then the usage-only chunk
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (p, c, p + c)
+
+
+def test_chat_max_completion_tokens_limits_the_answer(llm, client):
+    """``max_completion_tokens`` (chat's name for ``max_tokens``) bounds the answer like
+    ``max_tokens`` does, below the server's default."""
+    text, ids = single_text(llm, chat_ids(llm), SamplingParams(max_tokens=5))
+    assert len(ids) == 5 and ids[-1] not in llm.target.stop_ids  # the premise: the free answer is longer
+    c = client.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=5)
+    assert c.choices[0].message.content == text and c.usage.completion_tokens == 5
+    assert c.choices[0].finish_reason == "length"
+
+
+def test_metrics_are_the_totals_of_the_finished_requests(llm, url):
+    """``GET /metrics`` reads the LLM's totals: every counter grows by the sums over the requests
+    that finished in between (prompt and generated tokens, the forwards their rows took part in,
+    the draft's proposed and accepted tokens, from each output's own statistics), and the two
+    rates are the totals' ratios (acceptance: accepted / proposed; target forwards per
+    generated token)."""
+    def scrape(h) -> dict:
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in h.get("/metrics").text.splitlines()
+                if line and not line.startswith("#")}
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 12, 9)]
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        before = scrape(h)
+        outs = llm.generate(prompts, params)
+        after = scrape(h)
+    delta = {k: after[k] - before[k] for k in after if "_total" in k}
+    want = {"simsd_prompt_tokens_total": sum(len(p) for p in prompts),
+            "simsd_generation_tokens_total": sum(len(o.token_ids) for o in outs),
+            "simsd_target_forwards_total": sum(o.stats["target_forwards"] for o in outs),
+            "simsd_draft_forwards_total": sum(o.stats["draft_forwards"] for o in outs),
+            "simsd_draft_tokens_proposed_total": sum(o.stats["proposed"] for o in outs),
+            "simsd_draft_tokens_accepted_total": sum(o.stats["accepted"] for o in outs)}
+    # the premise: figures that differ from each other, so that one read for another shows
+    assert want["simsd_generation_tokens_total"] == 28
+    assert 0 < want["simsd_draft_tokens_accepted_total"] < want["simsd_draft_tokens_proposed_total"]
+    assert want["simsd_draft_forwards_total"] != want["simsd_target_forwards_total"]
+    assert {k: delta[k] for k in want} == want
+    assert delta['simsd_requests_total{finish_reason="length"}'] == 3
+    assert after["simsd_acceptance_rate"] == pytest.approx(after["simsd_draft_tokens_accepted_total"]
+                                                           / after["simsd_draft_tokens_proposed_total"], rel=1e-12)
+    assert after["simsd_target_forwards_per_token"] == pytest.approx(
+        after["simsd_target_forwards_total"] / after["simsd_generation_tokens_total"], rel=1e-12)
+
+
+def test_latency_histograms_of_a_request(llm):
+    """Per request: the latency, the time to the first token, and the time per output token
+    after the first, (latency - TTFT) / (tokens - 1) as vLLM defines it: a request of 5 tokens,
+    TTFT 1 s, latency 3 s gives 0.5 s per output token."""
+    from types import SimpleNamespace
+    from simsd.entrypoints.metrics import Metrics
+    m = Metrics(llm)
+    m.observe(SimpleNamespace(token_ids=[1, 2, 3, 4, 5], stats={"time_to_first_token": 1.0}), 3.0)
+    m.observe(SimpleNamespace(token_ids=[1], stats={"time_to_first_token": 0.25}), 0.25)  # one token: no TPOT
+    got = lambda name: m.registry.get_sample_value(name)  # noqa: E731
+    assert (got("simsd_request_latency_seconds_count"), got("simsd_request_latency_seconds_sum")) == (2, 3.25)
+    assert (got("simsd_time_to_first_token_seconds_count"), got("simsd_time_to_first_token_seconds_sum")) == (2, 1.25)
+    assert (got("simsd_time_per_output_token_seconds_count"), got("simsd_time_per_output_token_seconds_sum")) == (1, 0.5)
 
 
 def test_seed_is_reported_and_replays(client):
@@ -127,6 +208,7 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
     ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n=2: simsd returns one completion per request (n=1)"),
+    ({"model": NAME, "prompt": "hi", "n": 0}, "n", "n must be >= 1, got 0"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
@@ -304,6 +386,22 @@ def test_16_concurrent_requests_equal_their_single_runs(llm, url):
     row_forwards = after["target_forwards"] - before["target_forwards"]
     batched = after["batched_forwards"]["target"] - before["batched_forwards"]["target"]
     assert batched < row_forwards  # requests shared forwards
+
+
+def test_every_sampling_field_of_a_request_is_used():
+    """Each field a completion or chat request may give reaches its SamplingParams (nothing a
+    client asks for is silently dropped): values unlike the server's defaults."""
+    from simsd.entrypoints.params import SamplingParams
+    from simsd.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    defaults = SamplingParams()
+    given = dict(temperature=0.5, top_p=0.75, top_k=9, seed=11, stop=["x"], stop_token_ids=[5], ignore_eos=True,
+                 steps=2, strategy="dynamic", threshold=0.7, gamma=2, draft_strategy="entropy", draft_threshold=0.3)
+    as_list = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
+    for req in (CompletionRequest(model=NAME, prompt="hi", max_tokens=7, **given),
+                ChatCompletionRequest(model=NAME, messages=CHAT, max_completion_tokens=7, **given)):
+        p = req.sampling_params(defaults)
+        for name, value in dict(given, max_tokens=7).items():
+            assert as_list(getattr(p, name)) == value != as_list(getattr(defaults, name)), name
 
 
 def test_a_request_draft_threshold_and_the_server_default():

@@ -14,7 +14,7 @@ from simsd import load_checkpoint
 from simsd.models.model import labels_for, per_unit
 from simsd.speculative.verification import exact_layout
 from simsd_kernels import SHARED_GRP
-from tests.helpers import random_checkpoint
+from tests.helpers import layout_tensors, random_checkpoint
 
 pytestmark = pytest.mark.bitwise
 V = 96
@@ -64,7 +64,7 @@ def check_copies(m, vocab, B, copies, cache_lens, seed=0):
     for P in cache_lens:
         cache = prefilled(m, P, B, g, vocab)
         states = states_of(copies, B, mask_id, vocab, g)
-        ids, pos, lab = exact_layout(states, P)
+        ids, pos, lab = layout_tensors(*exact_layout(states, P))
         verify = m(ids, pos, lab, "exact", cache, unit=B)[0].view(copies, B, -1)
         for c, s in enumerate(states):
             assert torch.equal(verify[c], denoise(m, cache, s, P, B)), (P, c)
@@ -106,7 +106,7 @@ def test_folded_commit_and_shared_prefix(dtype):
     want = [denoise(m, alone, s, P + B, B) for s in states]
     # commit folded into the verify forward as the shared prefix
     shared = prefilled(m, P, B, torch.Generator().manual_seed(9), V)
-    ids, pos, lab = exact_layout(states, P + B)
+    ids, pos, lab = layout_tensors(*exact_layout(states, P + B))
     ids = torch.cat([prev[None], ids], 1)
     pos = torch.cat([torch.arange(P, P + B)[None], pos], 1)
     lab = torch.cat([labels_for(B, "cpu", grp=SHARED_GRP), lab], 1)

@@ -9,7 +9,7 @@ from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
 from simsd.speculative.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
 from simsd_kernels import TAU_INF
-from tests.helpers import random_checkpoint
+from tests.helpers import layout_tensors, random_checkpoint
 
 V = 96
 
@@ -70,14 +70,13 @@ def verification_vs_sequential(model, mask_id, mode, rope_copy=True):
     start = runner.cached
     seq = torch.stack([runner.denoise_logits(s) for s in states])  # (n, B, V)
     if mode == "paper":
-        ids, pos, lab, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start,
-                                              mask_id, rope_copy)
-        logits = runner.forward(ids, pos, lab, "paper")[0]
+        ids, pos, lab, taus, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start,
+                                                    mask_id, rope_copy)
+        logits = runner.forward(*layout_tensors(ids, pos, lab, taus), "paper")[0]
         got = torch.stack([logits[m_index[p]] for p in range(4) if not known[p]])
         want = torch.stack([seq[int(tau[p]) - 1, p] for p in range(4) if not known[p]])
     else:
-        ids, pos, lab = exact_layout(states, start)
-        got = runner.forward(ids, pos, lab, "exact")[0].view(n, 4, -1)
+        got = runner.forward(*layout_tensors(*exact_layout(states, start)), "exact")[0].view(n, 4, -1)
         want = seq
     return got, want
 
@@ -114,9 +113,9 @@ def test_no_rope_copy_equals_moved_mask_positions():
     n = int(tau[~known].max())
     states = sequential_states(block, drafted, tau, mask_id, n)
     start = runner.cached
-    ids, pos, lab, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start, mask_id,
-                                          rope_copy=False)
-    logits = runner.forward(ids, pos, lab, "paper")[0]
+    ids, pos, lab, taus, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start,
+                                                mask_id, rope_copy=False)
+    logits = runner.forward(*layout_tensors(ids, pos, lab, taus), "paper")[0]
     with_copy, _ = verification_vs_sequential(c.model, mask_id, "paper", rope_copy=True)
     got = torch.stack([logits[m_index[p]] for p in unk])
     want = []
@@ -228,9 +227,9 @@ def reference_accept(block, drafted, tau, n, ok, repl):
         for j, p in enumerate(step):
             if not ok[p]:
                 new[p] = repl[p]
-                return new, True, c, sum(1 for q in range(len(block)) if tau[q] < c) + j, prop
+                return new, True, c, sum(1 for q in range(len(block)) if tau[q] < c) + j
             new[p] = drafted[p]
-    return new, False, n, prop, prop
+    return new, False, n, prop
 
 
 def test_accept_in_order_equals_loop():
@@ -244,9 +243,9 @@ def test_accept_in_order_equals_loop():
         drafted = torch.where(tau <= n, torch.randint(10, 20, (L,), generator=g), block)
         ok = torch.rand(L, generator=g) < 0.8
         repl = torch.randint(20, 30, (L,), generator=g)
-        new, rejected, taken, acc, prop = accept_in_order(block, drafted, tau, n, ok, repl)
+        new, rejected, taken, acc = accept_in_order(block, drafted, tau, n, ok, repl)
         want = reference_accept(block.tolist(), drafted.tolist(), tau.tolist(), n, ok.tolist(), repl.tolist())
-        assert (new.tolist(), bool(rejected), int(taken), int(acc), int(prop)) == want, trial
+        assert (new.tolist(), bool(rejected), int(taken), int(acc)) == want, trial
 
 
 # end-to-end rejection sampling (several draft steps, exact expectations): test_rejection_sampling.py

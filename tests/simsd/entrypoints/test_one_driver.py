@@ -1,0 +1,112 @@
+"""One driver (docs/design.md §6): the batch decoders and the Python API run the same row programs
+through the scheduler, so they give the same tokens and the same per-row statistics, built in
+one place (``RowProgram.stats_for``); the batch decoders keep no engine after a call, and every
+model forward of the engine goes through ``simsd.engine.forward.model_forward``."""
+import dataclasses
+import gc
+import inspect
+import weakref
+
+import pytest
+import torch
+
+from simsd import LLM, DecodeConfig, SamplingParams, load_checkpoint
+from simsd.decoding.sampling import SamplingParams as StepSampling
+from simsd.decoding.vanilla import vanilla_generate_batch
+from simsd.engine import batching
+from simsd.speculative import SpecConfig, speculative_generate_batch
+from tests.helpers import random_checkpoint
+
+V = 96
+PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
+TIMING = {"decode_seconds", "tokens_per_second"}  # the run's clock: not comparable between two runs
+API_ONLY = {"queue_seconds", "time_to_first_token"}
+
+
+def ckpt(name, layers, seed):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2)
+    return load_checkpoint(path, dtype="float32", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = ckpt("driver-target", 2, 0), ckpt("driver-draft", 1, 11)
+    # a stop id from the free output, so that rows stop at different points (and cut tokens)
+    free = vanilla_generate_batch(target.model, PROMPTS[1:2], DecodeConfig(max_new_tokens=12), target.mask_token_id,
+                                  []).results[0].token_ids
+    target = dataclasses.replace(target, stop_ids=[free[6]])
+    return target, dataclasses.replace(draft, stop_ids=target.stop_ids)
+
+
+def batch(mode, target, draft, cfg):
+    if mode == "vanilla":
+        return vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids)
+    return speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_batch_functions_and_api_give_the_same_tokens_and_stats(pair, mode, temperature):
+    target, draft = pair
+    sampling = StepSampling(temperature=temperature)
+    cfg = DecodeConfig(block_length=4, max_new_tokens=14, seed=21, sampling=sampling)
+    want = batch(mode, target, draft, cfg).results
+    llm = LLM(target, None if mode == "vanilla" else draft, mode, batch_size=len(PROMPTS), block_length=4,
+              max_model_len=64, scheduler_thread=False)
+    try:
+        params = [SamplingParams(temperature=temperature, max_tokens=14, seed=cfg.seed + i) for i in range(len(PROMPTS))]
+        got = llm.generate(PROMPTS, params)
+    finally:
+        llm.shutdown()
+    assert len({len(r.token_ids) for r in want}) > 1 and any(r.stats["cut_tokens"] for r in want)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert set(g.stats) == set(w.stats) | API_ONLY
+        assert {k: g.stats[k] for k in set(w.stats) - TIMING} == {k: w.stats[k] for k in set(w.stats) - TIMING}
+
+
+def test_no_engine_outlives_a_batch_call(pair, monkeypatch):
+    """No module-global pool: each batch call makes its own engine and keeps none."""
+    target, draft = pair
+    made = []
+    init = batching.BatchEngine.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+    monkeypatch.setattr(batching.BatchEngine, "__init__", recording)
+    cfg = DecodeConfig(block_length=4, max_new_tokens=6)
+    for mode in ("vanilla", "exact", "exact"):
+        batch(mode, target, draft, cfg)
+    gc.collect()
+    assert len(made) == 3 and all(ref() is None for ref in made)
+    assert not [name for name, value in vars(batching).items() if isinstance(value, (dict, list)) and value
+                and isinstance(next(iter(value.values() if isinstance(value, dict) else value)), batching.BatchEngine)]
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
+def test_every_model_forward_goes_through_one_call(pair, mode, monkeypatch):
+    """Prefill, batched forwards and graph replays (eager capture on the CPU) all call the model
+    from ``model_forward``, the engine's one call site."""
+    import simsd.engine.graphs as graphs
+    monkeypatch.setattr(graphs, "cuda_capture", graphs.eager_capture)
+    monkeypatch.setattr(graphs, "check_graphable", lambda model: None)
+    target, draft = pair
+    callers = []
+
+    def hook(module, args):
+        frames = inspect.stack()[2:6]
+        callers.append(next((f.function for f in frames if "simsd/" in f.filename.replace("\\", "/")), "?"))
+    handles = [c.model.register_forward_pre_hook(hook) for c in (target, draft)]
+    try:
+        for graphs_on in (False, True):
+            cfg = DecodeConfig(block_length=4, max_new_tokens=8, fold_commit=graphs_on and mode != "paper")
+            if mode == "vanilla":
+                vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, target.stop_ids,
+                                       cuda_graphs=graphs_on)
+            else:
+                speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode), cuda_graphs=graphs_on)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(callers) > 20 and set(callers) == {"model_forward"}, set(callers)
