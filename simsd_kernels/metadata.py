@@ -160,16 +160,15 @@ class AttentionMetadata:
         """
         self._check(q, k, v, k_cache, v_cache)
         if self.plan is None:
-            from .custom_ops import attention_with_kvcache_op
-            return attention_with_kvcache_op(q, k, v, k_cache, v_cache, *self._op_args())
+            # registered by simsd_kernels.custom_ops (imported with the package), called by name
+            return torch.ops.simsd.attention_with_kvcache(q, k, v, k_cache, v_cache, *self._op_args())
         return self.plan(q, k, v, k_cache, v_cache, True)
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """:meth:`forward` without the cache write."""
         self._check(q, k, v, k_cache, v_cache)
         if self.plan is None:
-            from .custom_ops import temporal_attention_op
-            return temporal_attention_op(q, k, v, k_cache, v_cache, *self._op_args())
+            return torch.ops.simsd.temporal_attention(q, k, v, k_cache, v_cache, *self._op_args())
         return self.plan(q, k, v, k_cache, v_cache, False)
 
     def _op_args(self) -> tuple:
