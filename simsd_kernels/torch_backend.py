@@ -20,7 +20,9 @@ asked), and the calls run:
 * ``paper`` (no such promise): one masked call per run of rows with the same cache length, the
   boolean mask built here once for all layers.
 
-Rows without ``Lq`` free slots past their length get their keys gathered (the write skips the
+The plan's host reads (cache lengths, labels) are made once per forward, outside any
+``TorchFunctionMode`` (:class:`simsd.engine.host_sync.HostReads` counts the decoding loop's
+reads). Rows without ``Lq`` free slots past their length get their keys gathered (the write skips the
 slots past the capacity, as the kernels do). GQA through SDPA's ``enable_gqa`` (the same bits as
 repeating the kv heads, without the copies). A token that sees no key gets zeros.
 """
@@ -55,6 +57,16 @@ class TorchAttention:
 
     def __init__(self, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim: int,
                  dtype, capacity: int, group: int):
+        # The plan is the backend's own work, made outside any TorchFunctionMode, as it was when
+        # this backend ran inside a custom op: simsd.engine.host_sync.HostReads counts the
+        # decoding loop's reads, not this backend's one read per forward (the fused backends
+        # read nothing on the host).
+        with torch._C.DisableTorchFunction():
+            self._plan(cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim, dtype,
+                       capacity, group)
+
+    def _plan(self, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim, dtype,
+              capacity, group) -> None:
         B, Lq = labels.shape[:2]
         device = labels.device
         self.mode, self.scale, self.gqa = MaskMode(mask_mode), float(softmax_scale), group > 1
