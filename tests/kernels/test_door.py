@@ -165,3 +165,20 @@ def test_opcheck_attention_with_kvcache(backend):
     args = [a.to(DEVICE) for a in make_inputs(8, 2, 5, 4, 2, 64, [6, 0], lmax=16)]
     torch.library.opcheck(attention_with_kvcache_op, (*args, 3, 1e4, 0.125, backend),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotation_with_signed_sine_is_transformers_rotate_half_bit_for_bit(dtype):
+    """``x * cos + roll(x, D/2) * [-sin, sin]`` (the door's RoPE, tables once per forward) against
+    transformers' Qwen3 ``apply_rotary_pos_emb`` on the same cos/sin tables."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from simsd_kernels.rope import rope_cos_sin, rope_tables, rotate
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 5, 4, 128, generator=gen).to(dtype)
+    k = torch.randn(2, 5, 2, 128, generator=gen).to(dtype)
+    pos = torch.randint(0, 40000, (2, 5), generator=gen)
+    cos, sin = rope_cos_sin(pos, 128, THETA, dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, :, 0], sin[:, :, 0], unsqueeze_dim=2)
+    tables = rope_tables(pos, 128, THETA, dtype)
+    assert torch.equal(rotate(q, *tables), want_q) and torch.equal(rotate(k, *tables), want_k)
