@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..decoding.choices import parse_strategy
+from ..decoding.choices import SETTINGS, check_fields, check_fold_commit, check_gamma, draft_settings
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
@@ -40,21 +40,16 @@ class SpecConfig:
     ``draft_threshold`` (default: the target's ``threshold`` when the draft runs the same
     strategy, else the draft strategy's default, since a confidence threshold is not an
     entropy bound); the draft shares the target's steps schedule and sampling parameters."""
-    mode: str = "exact"
-    gamma: int | None = None
-    on_reject: str = "redraft"
-    rope_copy: bool = True
-    draft_strategy: str | None = None
-    optimistic: bool | None = None
-    draft_threshold: float | None = None
+    mode: str = dataclasses.replace(SETTINGS["mode"], choices=MODES).field("exact")
+    gamma: int | None = SETTINGS["gamma"].field(None)
+    on_reject: str = SETTINGS["on_reject"].field("redraft")
+    rope_copy: bool = SETTINGS["rope_copy"].field(True)
+    draft_strategy: str | None = SETTINGS["draft_strategy"].field(None)
+    optimistic: bool | None = SETTINGS["optimistic"].field(None)
+    draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"speculative mode must be one of {MODES}, got {self.mode!r}")
-        if self.on_reject not in ("redraft", "fallback"):
-            raise ValueError(f"on_reject must be 'redraft' or 'fallback', got {self.on_reject!r}")
-        if self.gamma is not None and self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        check_fields(self)
 
 
 def check_pair(target, draft) -> None:
@@ -78,16 +73,10 @@ def draft_config(cfg: DecodeConfig, spec: SpecConfig) -> DecodeConfig:
     :class:`SpecConfig`).
 
     Raises:
-        ValueError: a draft threshold outside the draft strategy's range.
+        ParamError: a draft threshold outside the draft strategy's range.
     """
-    strategy = parse_strategy(spec.draft_strategy) if spec.draft_strategy is not None else cfg.strategy
-    threshold = spec.draft_threshold
-    if threshold is None and strategy == cfg.strategy:
-        threshold = cfg.threshold
-    try:
-        return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
-    except ValueError as exc:
-        raise ValueError(f"draft settings: {exc}") from exc
+    strategy, threshold = draft_settings(cfg.strategy, cfg.threshold, spec.draft_strategy, spec.draft_threshold)
+    return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
 
 
 class SpeculativeDecoder:
@@ -104,12 +93,10 @@ class SpeculativeDecoder:
             check_pair(target, draft)
         self.t, self.d, self.cfg, self.spec = target, draft, cfg, spec
         self.draft_cfg = draft_config(cfg, spec)
+        check_gamma(spec.gamma, cfg.block_length)
         self.gamma = spec.gamma or cfg.block_length
-        if self.gamma > cfg.block_length:
-            raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
-        if self.optimistic() and cfg.fold_commit:
-            raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
-                             "target are on different devices): set optimistic=False or fold_commit=False")
+        t, d = target.model.device, draft.model.device
+        check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
         self.mask_id = target.mask_token_id
         self.verifier_class = VERIFIERS[spec.mode]
 
