@@ -35,7 +35,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-
 log = logging.getLogger("simsd_kernels")
 
 #: the built-in names (:func:`backend_names` adds registered ones)

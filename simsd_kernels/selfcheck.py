@@ -36,8 +36,8 @@ import torch
 
 from .mask_rule import KIND_DRAFT, KIND_KNOWN, KIND_MASK, SHARED_GRP, TAU_INF, MaskMode, dense_new_token_mask
 from .reference import temporal_attention_naive
-from .torch_backend import temporal_attention_torch
 from .rope import apply_rope
+from .torch_backend import temporal_attention_torch
 
 #: max-error floor per dtype, added to 2x the max error of plain PyTorch at the same dtype
 ERR_FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}

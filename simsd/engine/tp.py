@@ -3,7 +3,8 @@
 Megatron-style sharding of the SDAR decoder across ``world`` ranks: each rank keeps
 ``Hq / world`` query heads and ``Hkv / world`` kv heads (their rows of the merged q/k/v
 projection and ``o_proj`` columns) and ``intermediate / world`` MLP channels (their rows of the
-merged gate/up projection, ``down`` columns); ``o_proj`` and ``down_proj`` outputs are summed with one all-reduce each per layer.
+merged gate/up projection, ``down`` columns); ``o_proj`` and ``down_proj`` outputs are summed
+with one all-reduce each per layer.
 Embedding, norms and ``lm_head`` are replicated, so every rank ends a forward with the same
 logits and runs the same decoding program (SPMD): identical seeds give identical decisions
 without any further communication. Each rank's KV cache holds its own kv heads.
@@ -87,7 +88,8 @@ def shard_model(model, rank: int, world: int, group=None):
         mlp = layer.mlp
         inter = mlp.gate_up_proj.weight.shape[0] // 2
         i = inter // world
-        mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(rank * i, (rank + 1) * i), (inter + rank * i, inter + (rank + 1) * i)])
+        mlp.gate_up_proj = _rows(mlp.gate_up_proj,
+                                 [(rank * i, (rank + 1) * i), (inter + rank * i, inter + (rank + 1) * i)])
         mlp.down_proj = AllReduceLinear(_cols(mlp.down_proj, rank * i, (rank + 1) * i), group)
     model.num_local_heads = model.config.num_attention_heads // world
     model.num_local_kv_heads = model.config.num_key_value_heads // world

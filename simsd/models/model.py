@@ -132,7 +132,8 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        merged_names(self, "gate_up_proj", ("gate_proj", "up_proj"), lambda: [self.gate_up_proj.weight.shape[0] // 2] * 2)
+        merged_names(self, "gate_up_proj", ("gate_proj", "up_proj"),
+                     lambda: [self.gate_up_proj.weight.shape[0] // 2] * 2)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, -1)
