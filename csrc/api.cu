@@ -26,8 +26,8 @@ int check_params(const simsd_attention_params& p, simsd_dtype dtype) {
   if (dtype != SIMSD_F32 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) return SIMSD_ERR_SHAPE;
   if (p.mask_mode < kBidirectional || p.mask_mode > kPaper) return SIMSD_ERR_MASK_MODE;
   if (p.num_splits > 1 && (p.o_partial == nullptr || p.lse_partial == nullptr)) return SIMSD_ERR_WORKSPACE;
+  if (p.q_rot == nullptr || p.k_rot == nullptr) return SIMSD_ERR_WORKSPACE;
   if (dtype != SIMSD_F32) {  // the tensor-core kernel moves 16-byte vectors
-    if (p.q_rot == nullptr || p.k_rot == nullptr) return SIMSD_ERR_WORKSPACE;
     const void* ptrs[] = {p.q, p.k, p.v, p.k_cache, p.v_cache, p.out, p.q_rot, p.k_rot};
     for (const void* ptr : ptrs)
       if (!aligned16(ptr)) return SIMSD_ERR_ALIGN;
@@ -60,13 +60,12 @@ extern "C" int simsd_attention_fwd(const simsd_attention_params* p, simsd_dtype 
   SIMSD_RETURN_IF_ERROR(simsd::check_params(*p, dtype));
   if (p->B == 0 || p->Lq == 0) return SIMSD_OK;  // nothing to write
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  SIMSD_RETURN_IF_ERROR(simsd::launch_rope_qk(*p, dtype, s));  // RoPE once per token, every dtype
   switch (dtype) {
     case SIMSD_F16:
-      SIMSD_RETURN_IF_ERROR(simsd::launch_rope_qk(*p, dtype, s));
       SIMSD_RETURN_IF_ERROR(simsd::launch_attention_mma_f16(*p, s));
       break;
     case SIMSD_BF16:
-      SIMSD_RETURN_IF_ERROR(simsd::launch_rope_qk(*p, dtype, s));
       SIMSD_RETURN_IF_ERROR(simsd::launch_attention_mma_bf16(*p, s));
       break;
     default:
@@ -103,7 +102,7 @@ extern "C" const char* simsd_error_string(int code) {
       return "bad sizes (negative size, Hq % Hkv != 0, num_splits < 1, split_min_tiles < 1, block_m not 16/32/64, "
              "or B * Hkv > 65535)";
     case SIMSD_ERR_WORKSPACE:
-      return "num_splits > 1 needs the o_partial / lse_partial workspace, fp16/bf16 the q_rot / k_rot workspace";
+      return "num_splits > 1 needs the o_partial / lse_partial workspace, and every call the q_rot / k_rot workspace";
     case SIMSD_ERR_MASK_MODE:
       return "mask_mode must be 0 (bidirectional), 1 (block_causal), 2 (exact) or 3 (paper)";
     case SIMSD_ERR_ALIGN:

@@ -1,8 +1,10 @@
-// append_kv: write RoPE-rotated new keys and the new values into the KV cache.
+// append_kv: write the new keys (RoPE-rotated here, or rotated already) and the new values into
+// the KV cache.
 //
 // One thread per (b, i, kv head, pair index c < D/2): reads k[b, i, h, c] and k[..., c + D/2],
-// writes the rotated pair to k_cache[b, cache_seqlens[b] + i, h, {c, c + D/2}] and copies the
-// two v elements. Slots >= Lmax are skipped (documented in simsd_attention.h).
+// writes the pair, rotated when p.rotate (else as it is: the attention door's k_rot), to
+// k_cache[b, cache_seqlens[b] + i, h, {c, c + D/2}] and copies the two v elements. Slots >= Lmax
+// are skipped (documented in simsd_attention.h).
 #include <math.h>
 
 #include "common.cuh"
@@ -28,12 +30,17 @@ __global__ void append_kv_kernel(const simsd_append_kv_params p) {
     T* kc = static_cast<T*>(p.k_cache) + b * p.kc_stride[0] + slot * p.kc_stride[1] + h * p.kc_stride[2];
     T* vc = static_cast<T*>(p.v_cache) + b * p.vc_stride[0] + slot * p.vc_stride[1] + h * p.vc_stride[2];
 
-    const float pos = static_cast<float>(p.positions[(int64_t)b * p.positions_stride + i]);
-    float s, co;
-    sincosf(pos * rope_inv_freq(c, p.D, p.rope_theta), &s, &co);
-    const float x1 = Dt<T>::to_float(k[c]), x2 = Dt<T>::to_float(k[c + half]);
-    kc[c] = Dt<T>::from_float(x1 * co - x2 * s);
-    kc[c + half] = Dt<T>::from_float(x2 * co + x1 * s);
+    if (p.rotate) {
+      const float pos = static_cast<float>(p.positions[(int64_t)b * p.positions_stride + i]);
+      float s, co;
+      sincosf(pos * rope_inv_freq(c, p.D, p.rope_theta), &s, &co);
+      const float x1 = Dt<T>::to_float(k[c]), x2 = Dt<T>::to_float(k[c + half]);
+      kc[c] = Dt<T>::from_float(x1 * co - x2 * s);
+      kc[c + half] = Dt<T>::from_float(x2 * co + x1 * s);
+    } else {
+      kc[c] = k[c];
+      kc[c + half] = k[c + half];
+    }
     vc[c] = v[c];
     vc[c + half] = v[c + half];
   }

@@ -1,11 +1,10 @@
 // Plain (no tensor core) fp32 forward and the split-KV LSE merge.
 //
 // attention_simple_kernel<D>: one warp per row (b, t, h), grid (ceil(B*Lq*Hq / 4), num_splits),
-// 128 threads. Lane l owns elements d = l + 32 j (j < D / 32); since D / 2 is a multiple of 32,
-// a lane owns both halves of every rotate-half pair and rotates q and the new keys locally.
-// Keys are visited one at a time (dot product by warp shuffles, online softmax in base 2): the
-// split's cache tiles, then its new-token tiles with the mask rule -- the tensor-core kernel's
-// split rule (layout::split_range). Written for fp32 tests against float64, not for speed.
+// 128 threads. Lane l owns elements d = l + 32 j (j < D / 32). q and the new keys are read from
+// p.q_rot / p.k_rot, rotated once per token by rope_qk.cu. Keys are visited one at a time (dot
+// product by warp shuffles, online softmax in base 2): the split's cache tiles, then its
+// new-token tiles with the mask rule -- the tensor-core kernel's split rule (layout::split_range). Written for fp32 tests against float64, not for speed.
 //
 // split_merge_kernel<T, D>: one warp per row; rows whose cache needed one split only were
 // written by that split and are skipped; otherwise out = sum_s 2^(lse_s - max) O_s / sum_s
@@ -30,22 +29,6 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Rotate the lane's elements x[j] (d = lane + 32 j) at position `pos`.
-template <int D>
-__device__ __forceinline__ void rope_lane(float (&x)[D / 32], float pos, float theta, int lane) {
-  constexpr int J = D / 32, H = J / 2;  // x[j + H] is the partner of x[j]
-  float y[J];
-#pragma unroll
-  for (int j = 0; j < H; ++j) {
-    float s, c;
-    sincosf(pos * rope_inv_freq(lane + 32 * j, D, theta), &s, &c);
-    y[j] = x[j] * c - x[j + H] * s;
-    y[j + H] = x[j + H] * c + x[j] * s;
-  }
-#pragma unroll
-  for (int j = 0; j < J; ++j) x[j] = y[j];
-}
-
 template <int D>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simple_kernel(const simsd_attention_params p) {
   constexpr int J = D / 32;
@@ -57,22 +40,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simple_kernel(c
   const int split = blockIdx.y;
   const float scale_log2 = p.softmax_scale * kLog2e;
 
-  const float* qp = static_cast<const float*>(p.q) + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
-  const int64_t* pos = p.positions + (int64_t)b * p.positions_stride;
+  const float* qp = static_cast<const float*>(p.q_rot) + (((int64_t)b * p.Lq + t) * p.Hq + h) * D;
   float q[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) q[j] = qp[lane + 32 * j];
-  rope_lane<D>(q, static_cast<float>(pos[t]), p.rope_theta, lane);
 
   float m = -INFINITY, l = 0.f, o[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) o[j] = 0.f;
 
-  auto visit = [&](const float* kp, const float* vp, bool rotate, float kpos) {
+  auto visit = [&](const float* kp, const float* vp) {
     float k[J];
 #pragma unroll
     for (int j = 0; j < J; ++j) k[j] = kp[lane + 32 * j];
-    if (rotate) rope_lane<D>(k, kpos, p.rope_theta, lane);
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < J; ++j) dot += q[j] * k[j];
@@ -93,16 +73,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simple_kernel(c
   const float* kc = static_cast<const float*>(p.k_cache) + b * p.kc_stride[0] + hkv * p.kc_stride[2];
   const float* vc = static_cast<const float*>(p.v_cache) + b * p.vc_stride[0] + hkv * p.vc_stride[2];
   const int kend = min(cache_len, tr.cache_hi * kBlockN);
-  for (int n = tr.cache_lo * kBlockN; n < kend; ++n) visit(kc + n * p.kc_stride[1], vc + n * p.vc_stride[1], false, 0.f);
+  for (int n = tr.cache_lo * kBlockN; n < kend; ++n) visit(kc + n * p.kc_stride[1], vc + n * p.vc_stride[1]);
 
   const int* lq = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)t * p.labels_stride[1];
-  const float* kn = static_cast<const float*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[2];
+  const float* kn = static_cast<const float*>(p.k_rot) + ((int64_t)b * p.Lq * p.Hkv + hkv) * D;
   const float* vn = static_cast<const float*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[2];
   const int nend = min(p.Lq, tr.new_hi * kBlockN);
   for (int n = tr.new_lo * kBlockN; n < nend; ++n) {
     const int* lk = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)n * p.labels_stride[1];
     if (!mask_allowed(p.mask_mode, lq[0], lq[1], lq[2], lk[0], lk[1], lk[2])) continue;
-    visit(kn + n * p.k_stride[1], vn + n * p.v_stride[1], true, static_cast<float>(pos[n]));
+    visit(kn + (int64_t)n * p.Hkv * D, vn + n * p.v_stride[1]);
   }
 
   const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row that saw nothing -> zeros

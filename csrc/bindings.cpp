@@ -5,6 +5,9 @@
 //   torch.ops.simsd_cuda.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
 //                                  mask_mode, rope_theta, softmax_scale, num_splits=1, block_m=64,
 //                                  split_min_tiles=1, invariant=False) -> out
+//   torch.ops.simsd_cuda.attention_with_kvcache(the same arguments) -> out   (the attention door:
+//       the attention, then the k it rotated once and v of all Lq new tokens written to slots
+//       cache_seqlens[b] + i below the capacity; writes the caches)
 //   torch.ops.simsd_cuda.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens,
 //                                  rope_theta, num_tokens) -> ()   (writes the caches)
 //   torch.ops.simsd_cuda.mask_table(labels, mask_mode) -> (B, L, L) bool   (CPU and CUDA)
@@ -25,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "mask_rule.cuh"
 #include "simsd_attention.h"
@@ -65,11 +69,14 @@ void raise_on_error(int rc, const char* op) {
   TORCH_CHECK(rc == SIMSD_OK, op, ": ", simsd_error_string(rc));
 }
 
-Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
-                      const Tensor& v_cache, const Tensor& cache_seqlens_in, const Tensor& labels_in,
-                      const Tensor& positions_in, int64_t mask_mode, double rope_theta, double softmax_scale,
-                      int64_t num_splits, int64_t block_m, int64_t split_min_tiles, bool invariant) {
-  const char* op = "simsd_cuda::attention";
+// The attention launch of the attention and attention_with_kvcache ops: returns the output and
+// the new keys rotated once (k_rot, contiguous (B, Lq, Hkv, D), in q's dtype).
+std::tuple<Tensor, Tensor> launch_attention(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& k_cache, const Tensor& v_cache,
+                                            const Tensor& cache_seqlens_in, const Tensor& labels_in,
+                                            const Tensor& positions_in, int64_t mask_mode, double rope_theta,
+                                            double softmax_scale, int64_t num_splits, int64_t block_m,
+                                            int64_t split_min_tiles, bool invariant) {
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   const simsd_dtype dtype = to_simsd_dtype(q, op);
   const at::Device dev = q.device();
@@ -111,17 +118,16 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
   const Tensor labels = labels_in.contiguous();
   const Tensor positions = positions_in.contiguous();
   Tensor out = at::empty({B, Lq, Hq, D}, q.options());
-  if (B == 0 || Lq == 0) return out;
+  // RoPE once per token (rope_qk.cu), read by the kernels and written to the cache by the door
+  Tensor q_rot = at::empty({B, Lq, Hq, D}, q.options());
+  Tensor k_rot = at::empty({B, Lq, Hkv, D}, q.options());
+  if (B == 0 || Lq == 0) return {out, k_rot};
 
   const int64_t splits = num_splits > 0 ? num_splits : 1;
-  Tensor o_partial, lse_partial, q_rot, k_rot;
+  Tensor o_partial, lse_partial;
   if (splits > 1) {
     o_partial = at::empty({splits, B, Lq, Hq, D}, q.options().dtype(at::kFloat));
     lse_partial = at::empty({splits, B, Lq, Hq}, q.options().dtype(at::kFloat));
-  }
-  if (dtype != SIMSD_F32) {  // RoPE once per token (rope_qk.cu), read by the tensor-core kernel
-    q_rot = at::empty({B, Lq, Hq, D}, q.options());
-    k_rot = at::empty({B, Lq, Hkv, D}, q.options());
   }
 
   simsd_attention_params p{};
@@ -136,8 +142,8 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
   p.out = out.data_ptr();
   p.o_partial = splits > 1 ? o_partial.data_ptr<float>() : nullptr;
   p.lse_partial = splits > 1 ? lse_partial.data_ptr<float>() : nullptr;
-  p.q_rot = dtype != SIMSD_F32 ? q_rot.data_ptr() : nullptr;
-  p.k_rot = dtype != SIMSD_F32 ? k_rot.data_ptr() : nullptr;
+  p.q_rot = q_rot.data_ptr();
+  p.k_rot = k_rot.data_ptr();
   copy_strides(p.q_stride, q);
   copy_strides(p.k_stride, k);
   copy_strides(p.v_stride, v);
@@ -165,7 +171,59 @@ Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const T
     TORCH_CHECK(false, op, ": ", simsd_error_string(rc), "; q ", q.strides(), ", k ", k.strides(), ", v ",
                 v.strides(), ", k_cache ", k_cache.strides(), " (call .contiguous() on the offending tensor)");
   raise_on_error(rc, op);
-  return out;
+  return {out, k_rot};
+}
+
+Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                      const Tensor& v_cache, const Tensor& cache_seqlens, const Tensor& labels,
+                      const Tensor& positions, int64_t mask_mode, double rope_theta, double softmax_scale,
+                      int64_t num_splits, int64_t block_m, int64_t split_min_tiles, bool invariant) {
+  return std::get<0>(launch_attention("simsd_cuda::attention", q, k, v, k_cache, v_cache, cache_seqlens, labels,
+                                      positions, mask_mode, rope_theta, softmax_scale, num_splits, block_m,
+                                      split_min_tiles, invariant));
+}
+
+// The cache write of append_kv (rotate: RoPE at positions) and of the door (k rotated already).
+void launch_append(const char* op, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& k_cache,
+                   const Tensor& v_cache, const Tensor& cache_seqlens, double rope_theta, int64_t num_tokens,
+                   bool rotate) {
+  simsd_append_kv_params p{};
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.positions = positions.data_ptr<int64_t>();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+  copy_strides(p.k_stride, k);
+  copy_strides(p.v_stride, v);
+  copy_strides(p.kc_stride, k_cache);
+  copy_strides(p.vc_stride, v_cache);
+  p.positions_stride = positions.stride(0);
+  p.B = (int32_t)k.size(0);
+  p.num_tokens = (int32_t)num_tokens;
+  p.Hkv = (int32_t)k.size(2);
+  p.D = (int32_t)k.size(3);
+  p.Lmax = (int32_t)k_cache.size(1);
+  p.rotate = rotate ? 1 : 0;
+  p.rope_theta = (float)rope_theta;
+  raise_on_error(simsd_append_kv(&p, to_simsd_dtype(k, op), c10::cuda::getCurrentCUDAStream().stream()), op);
+}
+
+Tensor attention_with_kvcache_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                                   const Tensor& v_cache, const Tensor& cache_seqlens, const Tensor& labels,
+                                   const Tensor& positions, int64_t mask_mode, double rope_theta,
+                                   double softmax_scale, int64_t num_splits, int64_t block_m, int64_t split_min_tiles,
+                                   bool invariant) {
+  const char* op = "simsd_cuda::attention_with_kvcache";
+  auto res = launch_attention(op, q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
+                              softmax_scale, num_splits, block_m, split_min_tiles, invariant);
+  const Tensor& k_rot = std::get<1>(res);
+  if (k_rot.numel() == 0) return std::get<0>(res);
+  c10::cuda::CUDAGuard guard(q.device());
+  // the attention read the cache below cache_seqlens only: the write of the slots behind it may follow
+  launch_append(op, k_rot, v, positions.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), rope_theta,
+                k_rot.size(1), /*rotate=*/false);
+  return std::get<0>(res);
 }
 
 Tensor attention_meta(const Tensor& q, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -177,7 +235,7 @@ void append_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& positions_in
                     const Tensor& v_cache, const Tensor& cache_seqlens_in, double rope_theta, int64_t num_tokens) {
   const char* op = "simsd_cuda::append_kv";
   TORCH_CHECK(k.is_cuda(), op, ": k must be a CUDA tensor, got ", k.device());
-  const simsd_dtype dtype = to_simsd_dtype(k, op);
+  to_simsd_dtype(k, op);
   const at::Device dev = k.device();
   check_tensor(k, op, "k", 4, k.scalar_type(), dev);
   check_tensor(v, op, "v", 4, k.scalar_type(), dev);
@@ -199,27 +257,8 @@ void append_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& positions_in
   TORCH_CHECK(num_tokens >= 0 && num_tokens <= L, op, ": num_tokens must be in [0, ", L, "], got ", num_tokens);
 
   c10::cuda::CUDAGuard guard(dev);
-  const Tensor positions = positions_in.contiguous();
-  const Tensor cache_seqlens = cache_seqlens_in.contiguous();
-  simsd_append_kv_params p{};
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.positions = positions.data_ptr<int64_t>();
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
-  copy_strides(p.k_stride, k);
-  copy_strides(p.v_stride, v);
-  copy_strides(p.kc_stride, k_cache);
-  copy_strides(p.vc_stride, v_cache);
-  p.positions_stride = positions.stride(0);
-  p.B = (int32_t)B;
-  p.num_tokens = (int32_t)num_tokens;
-  p.Hkv = (int32_t)Hkv;
-  p.D = (int32_t)D;
-  p.Lmax = (int32_t)k_cache.size(1);
-  p.rope_theta = (float)rope_theta;
-  raise_on_error(simsd_append_kv(&p, dtype, c10::cuda::getCurrentCUDAStream().stream()), op);
+  launch_append(op, k, v, positions_in.contiguous(), k_cache, v_cache, cache_seqlens_in.contiguous(), rope_theta,
+                num_tokens, /*rotate=*/true);
 }
 
 void append_kv_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
@@ -268,6 +307,10 @@ TORCH_LIBRARY(simsd_cuda, m) {
       "Tensor labels, Tensor positions, int mask_mode, float rope_theta, float softmax_scale, "
       "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False) -> Tensor");
   m.def(
+      "attention_with_kvcache(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor cache_seqlens, Tensor labels, Tensor positions, int mask_mode, float rope_theta, float softmax_scale, "
+      "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False) -> Tensor");
+  m.def(
       "append_kv(Tensor k, Tensor v, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cache_seqlens, float rope_theta, int num_tokens) -> ()");
   m.def("mask_table(Tensor labels, int mask_mode) -> Tensor");
@@ -275,6 +318,7 @@ TORCH_LIBRARY(simsd_cuda, m) {
 
 TORCH_LIBRARY_IMPL(simsd_cuda, CUDA, m) {
   m.impl("attention", &attention_cuda);
+  m.impl("attention_with_kvcache", &attention_with_kvcache_cuda);
   m.impl("append_kv", &append_kv_cuda);
   m.impl("mask_table", &mask_table_cuda);
 }
@@ -283,6 +327,7 @@ TORCH_LIBRARY_IMPL(simsd_cuda, CPU, m) { m.impl("mask_table", &mask_table_cpu); 
 
 TORCH_LIBRARY_IMPL(simsd_cuda, Meta, m) {
   m.impl("attention", &attention_meta);
+  m.impl("attention_with_kvcache", &attention_meta);
   m.impl("append_kv", &append_kv_meta);
 }
 

@@ -1,7 +1,8 @@
 // rope_qk: RoPE once per token. Rotates the new queries and keys of one attention call into
 // contiguous workspaces (q_rot (B, Lq, Hq, D), k_rot (B, Lq, Hkv, D), input dtype) that the
-// tensor-core kernel reads, so no CTA rotates anything: before, every split re-rotated its Q
-// tile and every m-tile of the last split re-rotated all new keys.
+// tensor-core kernel and the fp32 plain kernel read, so no CTA rotates anything (before, every
+// split re-rotated its Q tile and every m-tile of the last split re-rotated all new keys), and
+// that the attention door writes to the cache as they are (append_kv.cu without rotation).
 //
 // Block (D / 2, kHeadLanes) per token (b, t): thread x owns the pair (x, x + D / 2), computes
 // sincos(pos * inv_freq[x]) once (fp32, precise: the transformers Qwen3 recipe, as
@@ -56,6 +57,8 @@ int launch_rope_qk(const simsd_attention_params& p, simsd_dtype dtype, cudaStrea
       return launch<__half>(p, stream);
     case SIMSD_BF16:
       return launch<__nv_bfloat16>(p, stream);
+    case SIMSD_F32:
+      return launch<float>(p, stream);
     default:
       return SIMSD_ERR_DTYPE;
   }

@@ -26,7 +26,7 @@ enum {
   SIMSD_ERR_HEAD_DIM = -1,  /* D not in {64, 128} */
   SIMSD_ERR_DTYPE = -2,     /* dtype not in simsd_dtype */
   SIMSD_ERR_SHAPE = -3,     /* a size is negative, Hq % Hkv != 0, num_splits < 1, bad block_m / split_min_tiles */
-  SIMSD_ERR_WORKSPACE = -4, /* num_splits > 1 without o_partial / lse_partial, or fp16/bf16 without q_rot / k_rot */
+  SIMSD_ERR_WORKSPACE = -4, /* num_splits > 1 without o_partial / lse_partial, or no q_rot / k_rot */
   SIMSD_ERR_MASK_MODE = -5, /* mask_mode not in 0..3 */
   SIMSD_ERR_ALIGN = -6      /* a pointer or stride breaks the 16-byte alignment */
 };
@@ -36,8 +36,9 @@ enum {
  *   k_cache / v_cache (B, Lmax, Hkv, D): keys stored rotated; row b reads [0, cache_seqlens[b]);
  *   cache_seqlens (B,) int32 on the device; labels (B, Lq, 3) int32 (kind, tau, grp);
  *   positions (B, Lq) int64 RoPE positions; out (B, Lq, Hq, D) in the input dtype.
- *   q_rot (B, Lq, Hq, D), k_rot (B, Lq, Hkv, D): contiguous workspaces in the input dtype (fp16 /
- *   bf16 only), where the launcher writes the rotated new q and k once per token.
+ *   q_rot (B, Lq, Hq, D), k_rot (B, Lq, Hkv, D): contiguous workspaces in the input dtype, where
+ *   the launcher writes the rotated new q and k once per token (the kernels read them; the
+ *   attention door then writes k_rot to the cache with simsd_append_kv, rotate = 0).
  *   Split plan (simsd_kernels/split_plan.py; the rule is simsd::layout::split_range): the grid has
  *   num_splits CTAs along the keys; a row uses split_active(...) of them, each with at least
  *   split_min_tiles tiles of 64 keys (invariant != 0: cut from the cache length only, new tokens in
@@ -84,8 +85,9 @@ int simsd_attention_fwd(const simsd_attention_params* p, simsd_dtype dtype, void
 int simsd_attention_block_n(int head_dim);
 
 /* append_kv: for b < B, i < num_tokens: k_cache[b, cache_seqlens[b] + i] = rope(k[b, i]) at
- * positions[b, i] and v_cache[...] = v[b, i]. Slots >= Lmax are skipped (not written).
- * k / v (B, L, Hkv, D) in the cache dtype; caches (B, Lmax, Hkv, D). */
+ * positions[b, i] (rotate != 0) or k[b, i] as it is (rotate == 0: keys rotated already, e.g.
+ * the k_rot of simsd_attention_fwd; positions unread) and v_cache[...] = v[b, i]. Slots >= Lmax
+ * are skipped (not written). k / v (B, L, Hkv, D) in the cache dtype; caches (B, Lmax, Hkv, D). */
 typedef struct {
   const void* k;
   const void* v;
@@ -99,6 +101,7 @@ typedef struct {
   int64_t vc_stride[3];
   int64_t positions_stride;
   int32_t B, num_tokens, Hkv, D, Lmax;
+  int32_t rotate;
   float rope_theta;
 } simsd_append_kv_params;
 

@@ -35,8 +35,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .reference import append_kv_torch, temporal_attention_torch
-
 log = logging.getLogger("simsd_kernels")
 
 #: the built-in names (:func:`backend_names` adds registered ones)
@@ -97,7 +95,11 @@ class Backend:
     must pass :func:`simsd_kernels.selfcheck.run_check` before use (not the reference itself);
     ``plan_options``: whether ``attention`` also takes the launch-plan keywords ``num_splits``
     (0 = its own plan, n = n splits merged) and ``shape_invariant`` (the fused kernels), so the
-    self-check can force a split-KV plan and the invariant one.
+    self-check can force a split-KV plan and the invariant one; ``kvcache``: the backend's door
+    (:mod:`simsd_kernels.metadata`), ``kvcache(meta) -> run`` called once per forward with the
+    :class:`~simsd_kernels.metadata.AttentionMetadata`, then ``run(q, k, v, k_cache, v_cache,
+    write) -> out`` per layer (RoPE once, the rotated k and v written when ``write``, attention);
+    None: ``attention`` then ``append_kv`` of all new tokens.
     """
     name: str
     attention: Callable
@@ -107,11 +109,13 @@ class Backend:
     auto_devices: tuple = ("cuda",)
     self_check: bool = True
     plan_options: bool = False
+    kvcache: Callable | None = None
 
 
 def _torch_backend() -> Backend:
+    from .torch_backend import append_kv_torch, make_kvcache, temporal_attention_torch
     return Backend("torch", temporal_attention_torch, append_kv_torch, lambda device: (True, ""),
-                   auto_devices=(), self_check=False)
+                   auto_devices=(), self_check=False, kvcache=make_kvcache)
 
 
 # name -> "module:factory"; each factory returns a Backend (imported on first use)

@@ -12,6 +12,10 @@ Ops (same semantics as :func:`simsd_kernels.temporal_attention`, shapes B, Lq, L
   on tensor cores (sm_80+), fp32 on a plain path; head_dim 64/128; ``num_splits`` 0 = the launch
   plan of :mod:`simsd_kernels.split_plan`, n = n splits merged by log-sum-exp;
   ``shape_invariant`` = the plan that never depends on Lq or B (exact verification).
+* ``attention_with_kvcache(the same arguments)``: the attention door
+  (:mod:`simsd_kernels.metadata`): the same attention, then the k it rotated (once, for the
+  attention) and v of all ``Lq`` new tokens written to slots ``cache_seqlens[b] + i`` (slots past
+  the capacity are skipped); mutates ``k_cache``, ``v_cache``.
 * ``append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)``:
   rotated k and v of the first ``num_tokens`` new tokens to slots ``cache_seqlens[b] + i``
   (slots past the capacity are skipped).
@@ -118,6 +122,25 @@ def attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_
                              plan.invariant)
 
 
+def make_kvcache(meta):
+    """The door (:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`): the split plan once per
+    forward, then per layer one ``attention_with_kvcache`` (or ``attention`` without the write)."""
+    if meta.dtype not in SUPPORTED_DTYPES or meta.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"cuda backend: dtype {meta.dtype} / head_dim {meta.head_dim} is not one of "
+                         f"{SUPPORTED_DTYPES} / {SUPPORTED_HEAD_DIMS} (use backend='torch' for float64)")
+    plan = split_plan.plan_for_shape(meta.B, meta.Lq, meta.num_heads, meta.num_kv_heads, meta.head_dim,
+                                     meta.cache_capacity, torch.finfo(meta.dtype).bits // 8, meta.labels.device,
+                                     figures=split_plan.CUDA_FIGURES, invariant=meta.shape_invariant)
+    rest = (meta.cache_seqlens, meta.labels, meta.positions, int(meta.mask_mode), float(meta.rope_theta),
+            float(meta.softmax_scale), plan.num_splits, plan.block_m, plan.min_tiles, plan.invariant)
+
+    def run(q, k, v, k_cache, v_cache, write: bool):
+        with _guard(q):
+            op = ops.attention_with_kvcache if write else ops.attention
+            return op(q, k, v, k_cache, v_cache, *rest)
+    return run
+
+
 def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
     """See :func:`simsd_kernels.append_kv`. Raises ValueError on an unsupported dtype."""
     if k.dtype not in SUPPORTED_DTYPES:
@@ -133,4 +156,4 @@ def mask_table(labels, mask_mode):
 
 def make_backend() -> Backend:
     """The :class:`~simsd_kernels.backends.Backend` for ``cuda`` (the import above already succeeded)."""
-    return Backend("cuda", attention, append_kv, is_available, supports, plan_options=True)
+    return Backend("cuda", attention, append_kv, is_available, supports, plan_options=True, kvcache=make_kvcache)

@@ -1,16 +1,20 @@
-"""``torch.library`` custom ops ``simsd::temporal_attention`` and ``simsd::append_kv``.
+"""``torch.library`` custom ops ``simsd::temporal_attention``, ``simsd::attention_with_kvcache``
+and ``simsd::append_kv``: the door (:mod:`simsd_kernels.metadata`) and the cache write under
+``torch.compile``.
 
 Registering the ops makes them opaque to ``torch.compile`` (no graph break, no tracing into
 Triton or CUDA launch code) and gives them fake (meta) implementations, so compiled graphs and
-CUDA-graph capture see the output shape without running a kernel. The backend is chosen at run
-time by name (``auto | cuda | triton | torch``) and the configuration at hand with
-:func:`simsd_kernels.backends.resolve_backend` (cached; self-checked on first use).
+CUDA-graph capture see the output shape without running a kernel. Eager code calls the door
+directly (no custom-op dispatch per layer); a compiled graph calls these ops, which run the door
+eagerly: the backend is chosen by name (``auto | cuda | triton | torch``) and the configuration at
+hand with :func:`simsd_kernels.backends.resolve_backend` (cached; self-checked on first use).
 
 Schemas (shapes as in :func:`simsd_kernels.temporal_attention`)::
 
     simsd::temporal_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache,
         Tensor cache_seqlens, Tensor labels, Tensor positions, int mask_mode, float rope_theta,
         float softmax_scale, str backend, bool shape_invariant=False) -> Tensor  # (B, Lq, Hq, D)
+    simsd::attention_with_kvcache(the same, with Tensor(a!) k_cache, Tensor(b!) v_cache) -> Tensor
     simsd::append_kv(Tensor k, Tensor v, Tensor positions, Tensor(a!) k_cache,
         Tensor(b!) v_cache, Tensor cache_seqlens, float rope_theta, int num_tokens,
         str backend) -> ()
@@ -21,6 +25,15 @@ import torch
 from torch import Tensor
 
 from .backends import OpConfig, resolve_backend
+from .metadata import prepare_attention
+
+
+def _prepared(q, k, k_cache, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, backend,
+              shape_invariant):
+    return prepare_attention(cache_seqlens, labels, positions, num_heads=q.shape[2], num_kv_heads=k.shape[2],
+                             head_dim=q.shape[3], dtype=q.dtype, cache_capacity=k_cache.shape[1], mask_mode=mask_mode,
+                             rope_theta=rope_theta, softmax_scale=softmax_scale, backend=backend,
+                             shape_invariant=shape_invariant)
 
 
 @torch.library.custom_op("simsd::temporal_attention", mutates_args=())
@@ -28,18 +41,30 @@ def temporal_attention_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
                           cache_seqlens: Tensor, labels: Tensor, positions: Tensor, mask_mode: int,
                           rope_theta: float, softmax_scale: float, backend: str,
                           shape_invariant: bool = False) -> Tensor:
-    impl = resolve_backend(backend, q.device, OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2],
-                                                       mask_mode))
-    # the fused backends take the split plan's invariant rule; the torch reference has no split plan
-    extra = {"shape_invariant": True} if shape_invariant and impl.name != "torch" else {}
-    out = impl.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
-                         rope_theta, softmax_scale, **extra)
-    return out if out.is_contiguous() else out.contiguous()
+    meta = _prepared(q, k, k_cache, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, backend,
+                     shape_invariant)
+    return meta.attend(q, k, v, k_cache, v_cache).contiguous()
 
 
 @temporal_attention_op.register_fake
 def _temporal_attention_fake(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
                              rope_theta, softmax_scale, backend, shape_invariant=False):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("simsd::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              cache_seqlens: Tensor, labels: Tensor, positions: Tensor, mask_mode: int,
+                              rope_theta: float, softmax_scale: float, backend: str,
+                              shape_invariant: bool = False) -> Tensor:
+    meta = _prepared(q, k, k_cache, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, backend,
+                     shape_invariant)
+    return meta.forward(q, k, v, k_cache, v_cache).contiguous()
+
+
+@attention_with_kvcache_op.register_fake
+def _attention_with_kvcache_fake(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
+                                 rope_theta, softmax_scale, backend, shape_invariant=False):
     return q.new_empty(q.shape)
 
 

@@ -1,12 +1,11 @@
-"""PyTorch references of the simsd attention ops (importable without Triton or CUDA).
+"""PyTorch references of the simsd attention op (importable without Triton or CUDA).
 
-* :func:`temporal_attention_torch`: the ``torch`` backend: per row, one SDPA call per group
-  of query tokens that see the same keys (:mod:`simsd_kernels.mask_rule`), over exactly
-  those keys, so a token's bits do not depend on the other tokens of the forward;
 * :func:`temporal_attention_dense`: SDPA with a dense boolean mask (a shape-dependent baseline).
 * :func:`temporal_attention_naive`: explicit softmax math in the input dtype (float64 in
   tests), the ground truth the kernels are compared with.
-* :func:`append_kv_torch`: rotates the new keys and writes K/V into the cache.
+
+The ``torch`` backend itself (SDPA over exactly the keys each token sees, the cache write) is
+:mod:`simsd_kernels.torch_backend`.
 """
 from __future__ import annotations
 
@@ -40,55 +39,12 @@ def _expand_kv(x, groups):
     return x.repeat_interleave(groups, dim=2).transpose(1, 2)
 
 
-def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
-                             mask_mode, rope_theta, softmax_scale):
-    """SDPA over exactly the keys each query token may see; same contract as
-    :func:`simsd_kernels.temporal_attention`.
-
-    For every batch row, the query tokens that see the same keys (a bidirectional block, an
-    exact-mode copy, a block-causal group, one paper-mode slot pattern) run as one SDPA call
-    over those keys alone -- the row's visible cache prefix, then the visible new tokens in
-    order -- without a mask, on freshly gathered (contiguous) tensors. A token's output thus
-    depends only on its group's tokens and the keys it sees, never on the other tokens of the
-    forward, on its batch neighbours or on padding: an exact-mode copy gets the same bits as a
-    denoise forward of that state, in every dtype (docs/design.md §4.2; padding keys to a common
-    length, or a dense mask over all new tokens, would change SDPA's blocking and hence the
-    rounding). The grouping reads the labels and cache lengths on the host (this backend is
-    not CUDA-graph safe).
-    """
-    B, Lq, Hq, D = q.shape
-    groups = Hq // k.shape[2]
-    qr = apply_rope(q, positions, rope_theta)
-    kr = apply_rope(k, positions, rope_theta)
-    lengths = cache_seqlens.tolist()
-    visible = dense_new_token_mask(labels, mask_mode).cpu().tolist()
-    out = torch.zeros_like(q)  # a token that sees nothing gets zeros
-    for b in range(B):
-        by_keys: dict = {}
-        for i, row in enumerate(visible[b]):
-            by_keys.setdefault(tuple(row), []).append(i)
-        n = lengths[b]
-        for row, members in by_keys.items():
-            cols = [j for j, seen in enumerate(row) if seen]
-            if n == 0 and not cols:
-                continue
-            pick = torch.tensor(members, device=q.device)
-            take = torch.tensor(cols, dtype=torch.int64, device=q.device)
-            keys = torch.cat([k_cache[b, :n], kr[b].index_select(0, take)])[None]
-            vals = torch.cat([v_cache[b, :n], v[b].index_select(0, take)])[None]
-            qg = qr[b].index_select(0, pick)[None]
-            o = F.scaled_dot_product_attention(qg.transpose(1, 2), _expand_kv(keys, groups), _expand_kv(vals, groups),
-                                               scale=softmax_scale).transpose(1, 2)
-            out[b].index_copy_(0, pick, o[0])
-    return out
-
-
 def temporal_attention_dense(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
                              mask_mode, rope_theta, softmax_scale):
     """SDPA with a dense boolean mask over the whole query and every new token, one call per
     distinct cache length (rows of equal length share it). Same results as
-    :func:`temporal_attention_torch` up to rounding, but a token's bits depend on the shape of
-    the forward (the other query tokens, the padding): kept as a baseline and for measuring
+    :func:`simsd_kernels.torch_backend.temporal_attention_torch` up to rounding, but a token's bits
+    depend on the shape of the forward (the other query tokens, the padding): kept as a baseline and for measuring
     the cost of the grouped reference."""
     lengths = cache_seqlens.tolist()
     if len(set(lengths)) > 1:
@@ -131,15 +87,3 @@ def temporal_attention_naive(q, k, v, k_cache, v_cache, cache_seqlens, labels, p
     denom = p.sum(dim=-1, keepdim=True)
     p = torch.where(denom > 0, p / denom.clamp_min(torch.finfo(compute_dtype).tiny), torch.zeros_like(p))
     return torch.einsum("bhqk,bhkd->bqhd", p, vx)
-
-
-def append_kv_torch(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
-    """Write rotated ``k[:, :num_tokens]`` and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``."""
-    if num_tokens == 0:
-        return
-    kr = apply_rope(k[:, :num_tokens], positions[:, :num_tokens], rope_theta)
-    B = k.shape[0]
-    rows = torch.arange(B, device=k.device)[:, None]
-    cols = cache_seqlens.to(torch.int64)[:, None] + torch.arange(num_tokens, device=k.device)[None, :]
-    k_cache[rows, cols] = kr.to(k_cache.dtype)
-    v_cache[rows, cols] = v[:, :num_tokens].to(v_cache.dtype)

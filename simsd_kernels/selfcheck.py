@@ -9,7 +9,9 @@ bfloat16's rounding of the largest outputs (a softmax scale 1% off reaches 0.6-0
 mean catches it (tests/kernels/test_backend_selfcheck.py keeps a 1% scale and a 0.1% RoPE-angle
 error failing in bfloat16). The backend gets caches whose unread slots hold NaN and must return
 finite values of the right shape and dtype; ``append_kv`` must write exactly its slots (v
-bit-exact).
+bit-exact). A backend with its own door (``Backend.kvcache``: the write-then-attend path the model
+runs) runs each case through it too: the same output bound, and exactly the new tokens' slots
+written (v bit-exact, k rotated within the bound).
 
 Cases (:data:`CASES`, the same on every device): an empty and a short cache row (the backend's own
 plan); a row of 300 keys beside an empty one under a forced 3-way split-KV plan (partials + merge;
@@ -27,13 +29,15 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
 from .mask_rule import KIND_DRAFT, KIND_KNOWN, KIND_MASK, SHARED_GRP, TAU_INF, MaskMode, dense_new_token_mask
-from .reference import temporal_attention_naive, temporal_attention_torch
+from .reference import temporal_attention_naive
 from .rope import apply_rope
+from .torch_backend import temporal_attention_torch
 
 #: max-error floor per dtype, added to 2x the max error of plain PyTorch at the same dtype
 ERR_FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
@@ -222,7 +226,54 @@ def check_attention_case(backend, device, dtype, head_dim, group, mask_mode, cas
                 res.detail += " (plan: " + ", ".join(f"{k}={v}" for k, v in plan.items()) + ")"
             return res
         worst = res if worst is None or res.max_err > worst.max_err else worst
+    if getattr(backend, "kvcache", None) is not None:
+        res = check_door(backend, clean, poisoned, mask_mode, scale, ref, baseline, case.cache_lens,
+                         any(p.get("shape_invariant") for p in case.plans))
+        if not res.ok:
+            return res
+        worst = res if res.max_err > worst.max_err else worst
     return worst
+
+
+def check_door(backend, clean, poisoned, mask_mode, scale, ref, baseline: Baseline, cache_lens,
+               invariant: bool) -> CheckResult:
+    """The backend's door (``Backend.kvcache``, the path the model runs) on one case: its output
+    judged as the attention's, then the cache: the rotated k and v of every new token at
+    ``cache_seqlens[b] + i`` below the capacity (v exact, k within 2x the torch error + the floor),
+    nothing else written."""
+    q, k, v, kc, vc, seqlens, labels, positions = poisoned
+    kc, vc = kc.clone(), vc.clone()
+    B, Lq, Hq, D = q.shape
+    # the fields of simsd_kernels.metadata.AttentionMetadata that a backend's plan reads
+    meta = SimpleNamespace(backend=backend, cache_seqlens=seqlens, labels=labels, positions=positions,
+                           mask_mode=MaskMode(int(mask_mode)), rope_theta=THETA, softmax_scale=scale,
+                           shape_invariant=invariant, num_heads=Hq, num_kv_heads=k.shape[2], group=Hq // k.shape[2],
+                           head_dim=D, dtype=q.dtype, cache_capacity=kc.shape[1], B=B, Lq=Lq)
+    out = backend.kvcache(meta)(q, k, v, kc, vc, True)
+    res = judge(out, clean, ref, baseline, cache_lens)
+    if not res.ok:
+        res.detail = "door: " + res.detail
+        return res
+    cap = kc.shape[1]
+    written = torch.zeros(B, cap, dtype=torch.bool)
+    for b, c in enumerate(cache_lens):
+        written[b, :min(c + Lq, cap)] = True
+    written = written.to(kc.device)
+    if not torch.equal(kc.isnan().all(-1).all(-1), ~written) or not torch.equal(vc.isnan().all(-1).all(-1), ~written):
+        return CheckResult(False, float("inf"), 0.0, "door wrote other slots than cache_seqlens[b] + i (below the "
+                                                     "capacity)")
+    rows, cols = written.nonzero(as_tuple=True)
+    new = cols >= seqlens.to(torch.int64)[rows]
+    rows, cols = rows[new], cols[new]
+    tok = cols - seqlens.to(torch.int64)[rows]
+    if not torch.equal(vc[rows, cols], v[rows, tok]):
+        return CheckResult(False, float("inf"), 0.0, "door: the cached v differs from the input")
+    exact = apply_rope(k.to(torch.float64), positions, THETA)[rows, tok]
+    err, base_err = max_err(kc[rows, cols], exact), max_err(apply_rope(k, positions, THETA)[rows, tok], exact)
+    tol = 2 * base_err + ERR_FLOOR[q.dtype]
+    if not err <= tol:
+        return CheckResult(False, err, tol, f"door: cached rotated k error {err:.3g} > tolerance {tol:.3g}")
+    return res
 
 
 def check_append_kv(backend, device, dtype, head_dim, seed: int = 0) -> CheckResult:

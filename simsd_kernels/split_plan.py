@@ -320,18 +320,25 @@ def limits_for(device) -> DeviceLimits:
 
 def plan_for(q, k, k_cache, *, figures: Mapping, num_splits: int = 0, invariant: bool = False) -> SplitPlan:
     """The plan of one call ``q (B, Lq, Hq, D)``, ``k (B, Lq, Hkv, D)``, ``k_cache (B, Lmax, Hkv, D)``
-    for a backend whose kernel configs have ``figures`` (:data:`CUDA_FIGURES`, :data:`TRITON_FIGURES`).
+    for a backend whose kernel configs have ``figures`` (:data:`CUDA_FIGURES`, :data:`TRITON_FIGURES`):
+    :func:`plan_for_shape` of their sizes."""
+    B, Lq, Hq, D = q.shape
+    return plan_for_shape(B, Lq, Hq, k.shape[2], D, k_cache.shape[1], k_cache.element_size(), q.device,
+                          figures=figures, num_splits=num_splits, invariant=invariant)
+
+
+def plan_for_shape(batch: int, q_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_capacity: int,
+                   elt_bytes: int, device, *, figures: Mapping, num_splits: int = 0,
+                   invariant: bool = False) -> SplitPlan:
+    """The plan of one forward's attention on ``device`` (the attention door plans once per forward).
 
     ``num_splits`` > 0 forces that many splits (every split active down to one tile; the query
     tile stays the natural one, or :data:`INVARIANT_BLOCK_M` with ``invariant``).
     """
-    B, Lq, Hq, D = q.shape
-    Hkv = k.shape[2]
     if num_splits:
-        bm = INVARIANT_BLOCK_M if invariant else natural_block_m(Lq * (Hq // Hkv))
+        bm = INVARIANT_BLOCK_M if invariant else natural_block_m(q_len * (num_q_heads // num_kv_heads))
         return fixed_plan(int(num_splits), bm, invariant)
-    limits = limits_for(q.device)
-    return plan_attention(batch=B, q_len=Lq, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                          cache_capacity=k_cache.shape[1], num_sms=limits.num_sms,
-                          ctas_per_sm=residency(figures, D, limits), elt_bytes=k_cache.element_size(),
-                          invariant=invariant)
+    limits = limits_for(device)
+    return plan_attention(batch=batch, q_len=q_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, cache_capacity=cache_capacity, num_sms=limits.num_sms,
+                          ctas_per_sm=residency(figures, head_dim, limits), elt_bytes=elt_bytes, invariant=invariant)

@@ -89,6 +89,9 @@ TP = "tests/simsd/engine/test_tp.py"
 MEMORY = "tests/simsd/engine/test_memory.py"
 SERVE_CLI = "tests/simsd/entrypoints/test_serve_cli.py"
 API_ENGINE = "tests/simsd/entrypoints/test_api_engine.py"
+DOOR = "tests/kernels/test_door.py"
+ROWS = "tests/kernels/test_reference_rows.py"
+FWD_CTX = "tests/simsd/models/test_forward_context.py"
 
 
 @dataclass(frozen=True)
@@ -556,6 +559,25 @@ MUTANTS = [
     m("graph self-check", GR, "diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0",
       "diff = (a.double() - b.double()).max().item() if a.numel() else 0.0", GRAPH_CHECK,
       note="the replay's difference signed (a replay that writes K/V too small passes)"),
+    # issue 24, the model half: the attention door, the torch backend's plan, merged projections --------
+    m("attention door", "simsd_kernels/torch_backend.py",
+      "slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lq, device=device)",
+      "slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(1, Lq + 1, device=device)", DOOR,
+      note="the torch door writes the new K/V one slot too far"),
+    m("attention door", "simsd_kernels/torch_backend.py", "if self.mode in (MaskMode.BIDIRECTIONAL, MaskMode.PAPER):",
+      "if self.mode in (MaskMode.BIDIRECTIONAL, MaskMode.PAPER, MaskMode.EXACT):", DOOR, ROWS,
+      note="exact mode through the unmasked per-run SDPA path (copies see each other)"),
+    m("attention door", "simsd_kernels/metadata.py", "if got != self._shapes or q.dtype != self.dtype:", "if False:",
+      DOOR, note="a layer's tensors of other shapes than the forward was prepared for accepted"),
+    m("attention door", "simsd_kernels/rope.py", "return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)",
+      "return cos, torch.cat((sin[..., :half], -sin[..., half:]), dim=-1)", DOOR,
+      note="the signed sine's sign on the wrong half (RoPE by the negated angle)"),
+    m("merged projections", "simsd/models/model.py", "for name, part in zip(parts, w.split(sizes(), 0)):",
+      "for name, part in zip(parts[::-1], w.split(sizes()[::-1], 0)):", FWD_CTX,
+      note="state_dict splits the merged rows in the reverse order (k and v or gate and up swapped)"),
+    m("merged projections", "simsd/engine/tp.py", "((Hq + rank * hkv) * D, (Hq + (rank + 1) * hkv) * D),",
+      "((Hq + rank * hq) * D, (Hq + (rank + 1) * hq) * D),", TP,
+      note="a rank's k rows of the merged q/k/v projection cut by the q head count"),
 ]
 
 

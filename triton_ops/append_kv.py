@@ -1,9 +1,11 @@
-"""Triton kernel: write RoPE-rotated new keys and their values into the KV cache.
+"""Triton kernel: write the new keys (RoPE-rotated here, or already rotated) and their values into
+the KV cache.
 
 One program per (batch row b, kv head, tile of ``BLOCK_T`` new tokens): token ``i < num_tokens``
-goes to slot ``cache_seqlens[b] + i``; the key is rotated (rotate-half, fp32 math) at its int64
-position. Slots at or beyond the cache capacity ``Lmax`` are not written (no out-of-bounds
-store; the caller owns capacity).
+goes to slot ``cache_seqlens[b] + i``; with ``ROTATE`` the key is rotated (rotate-half, fp32
+math) at its int64 position, without it (the attention door's write of the keys that
+``rope_qk_kernel`` rotated) it is copied. Slots at or beyond the cache capacity ``Lmax`` are not
+written (no out-of-bounds store; the caller owns capacity).
 """
 import triton
 import triton.language as tl
@@ -15,7 +17,7 @@ from .common import rope_inv_freq, round_to
 def append_kv_kernel(K, V, POS, KC, VC, SEQLENS, num_tokens, Lmax,
                      skb, skt, skh, svb, svt, svh, spb, spt,
                      skcb, skct, skch, svcb, svct, svch, log2_theta_hi, log2_theta_lo,
-                     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -26,15 +28,20 @@ def append_kv_kernel(K, V, POS, KC, VC, SEQLENS, num_tokens, Lmax,
     offs_d = tl.arange(0, HEAD_DIM)
 
     k_ptr = K + b * skb + t[:, None] * skt + h * skh + offs_h[None, :]
-    k_lo = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-    k_hi = tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-    pos = tl.load(POS + b * spb + t * spt, mask=ok, other=0).to(tl.float32)
-    ang = pos[:, None] * rope_inv_freq(HALF, HEAD_DIM, log2_theta_hi, log2_theta_lo)[None, :]
-    cos = tl.cos(ang)
-    sin = tl.sin(ang)
     kc_ptr = KC + b * skcb + slot[:, None] * skct + h * skch + offs_h[None, :]
-    tl.store(kc_ptr, round_to(k_lo * cos - k_hi * sin, KC.dtype.element_ty), mask=ok[:, None])
-    tl.store(kc_ptr + HALF, round_to(k_hi * cos + k_lo * sin, KC.dtype.element_ty), mask=ok[:, None])
+    if ROTATE:
+        k_lo = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
+        k_hi = tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        pos = tl.load(POS + b * spb + t * spt, mask=ok, other=0).to(tl.float32)
+        ang = pos[:, None] * rope_inv_freq(HALF, HEAD_DIM, log2_theta_hi, log2_theta_lo)[None, :]
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+        tl.store(kc_ptr, round_to(k_lo * cos - k_hi * sin, KC.dtype.element_ty), mask=ok[:, None])
+        tl.store(kc_ptr + HALF, round_to(k_hi * cos + k_lo * sin, KC.dtype.element_ty), mask=ok[:, None])
+    else:
+        tl.store(kc_ptr, tl.load(k_ptr, mask=ok[:, None], other=0.0).to(KC.dtype.element_ty), mask=ok[:, None])
+        tl.store(kc_ptr + HALF, tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(KC.dtype.element_ty),
+                 mask=ok[:, None])
 
     v = tl.load(V + b * svb + t[:, None] * svt + h * svh + offs_d[None, :], mask=ok[:, None], other=0.0)
     tl.store(VC + b * svcb + slot[:, None] * svct + h * svch + offs_d[None, :],

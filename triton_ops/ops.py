@@ -91,7 +91,18 @@ def rope_qk_fwd(q, k, positions, rope_theta):
 def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
                            rope_theta, softmax_scale, *, out=None, num_splits=1, block_m=None, min_tiles=1,
                            invariant=False):
-    """Run the fused kernels; returns ``out (B, Lq, Hq, D)`` in q's dtype.
+    """RoPE (:func:`rope_qk_fwd`) then :func:`attention_rotated_fwd`; returns ``out (B, Lq, Hq, D)``."""
+    _check_backend_args(q)
+    q_rot, k_rot = rope_qk_fwd(q, k, positions, rope_theta)
+    return attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, mask_mode, softmax_scale,
+                                 out=out, num_splits=num_splits, block_m=block_m, min_tiles=min_tiles,
+                                 invariant=invariant)
+
+
+def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, mask_mode, softmax_scale, *,
+                          out=None, num_splits=1, block_m=None, min_tiles=1, invariant=False):
+    """Run the fused kernels on already rotated ``q_rot``, ``k_rot`` (contiguous, as
+    :func:`rope_qk_fwd` returns them); returns ``out (B, Lq, Hq, D)`` in q's dtype.
 
     Launch plan (``simsd_kernels.split_plan.SplitPlan`` fields): ``num_splits`` programs along the
     keys (None: 1), ``block_m`` packed query rows per program (default: the natural tile for ``Lq * G``),
@@ -101,12 +112,12 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
     Raises:
         ValueError: dtype other than fp16/bf16/fp32, head_dim not 64/128, a bad plan.
     """
-    _check_backend_args(q)
-    B, Lq, Hq, D = q.shape
-    Hkv = k.shape[2]
+    _check_backend_args(q_rot)
+    B, Lq, Hq, D = q_rot.shape
+    Hkv = k_rot.shape[2]
     group = Hq // Hkv
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q_rot.shape, dtype=q_rot.dtype, device=q_rot.device)
     if B == 0 or Lq == 0:
         return out
     rows = Lq * group
@@ -116,14 +127,13 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
         raise ValueError(f"triton backend: block_m must be in {BLOCK_MS}, num_splits in [1, 65535] and "
                          f"min_tiles >= 1, got {block_m}, {num_splits}, {min_tiles}")
     num_splits, min_tiles, invariant = int(num_splits), int(min_tiles), int(bool(invariant))
-    q_rot, k_rot = rope_qk_fwd(q, k, positions, rope_theta)
     total_rows = B * Lq * Hq
     if num_splits > 1:
-        o_part = torch.empty((num_splits, total_rows, D), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
+        o_part = torch.empty((num_splits, total_rows, D), device=q_rot.device, dtype=torch.float32)
+        lse_part = torch.empty((num_splits, total_rows), device=q_rot.device, dtype=torch.float32)
     else:  # never written (a single split writes out); any valid pointer will do
         o_part, lse_part = out, out
-    fp32 = q.dtype == torch.float32
+    fp32 = q_rot.dtype == torch.float32
     block_m, warps, stages = tile_config(block_m, D, fp32)
     grid = (triton.cdiv(rows, block_m), B * Hkv, num_splits)
     temporal_attn_fwd_kernel[grid](
@@ -148,10 +158,11 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
     return out
 
 
-def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
-    """Write rotated ``k[:, :num_tokens]`` and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``.
+def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens, rotate=True):
+    """Write ``k[:, :num_tokens]`` (rotated at ``positions``; as it is without ``rotate``: keys
+    that :func:`rope_qk_fwd` rotated) and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``.
 
-    Same contract as :func:`simsd_kernels.reference.append_kv_torch`; slots at or beyond the
+    Same contract as :func:`simsd_kernels.torch_backend.append_kv_torch`: slots at or beyond the
     cache capacity are skipped instead of written out of bounds.
     """
     _check_backend_args(k)
@@ -166,7 +177,7 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
         positions.stride(0), positions.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *_split_f64(math.log2(rope_theta)),
-        HEAD_DIM=D, BLOCK_T=block_t, num_warps=2,
+        HEAD_DIM=D, BLOCK_T=block_t, ROTATE=bool(rotate), num_warps=2,
     )
 
 

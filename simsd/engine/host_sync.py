@@ -34,7 +34,9 @@ class HostReads(TorchFunctionMode):
     """Context manager counting host reads of tensor data (:data:`READ_OPS`, and ``.to`` a CPU
     device from another device). ``count``: reads so far; ``where``: a short stack per read
     (with ``trace=True``), to find an unwanted sync. Operations inside a custom op's own
-    implementation (e.g. the torch attention reference) are not seen."""
+    implementation and the torch attention backend's plan (its one read of the cache lengths
+    and labels per forward, :mod:`simsd_kernels.torch_backend`; the fused backends read nothing)
+    are not seen."""
 
     def __init__(self, trace: bool = False):
         super().__init__()

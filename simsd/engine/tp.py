@@ -1,9 +1,10 @@
 """Tensor-parallel target over ``torch.distributed`` (docs/design.md §6).
 
 Megatron-style sharding of the SDAR decoder across ``world`` ranks: each rank keeps
-``Hq / world`` query heads and ``Hkv / world`` kv heads (their q/k/v projection rows and
-``o_proj`` columns) and ``intermediate / world`` MLP channels (``gate/up`` rows, ``down``
-columns); ``o_proj`` and ``down_proj`` outputs are summed with one all-reduce each per layer.
+``Hq / world`` query heads and ``Hkv / world`` kv heads (their rows of the merged q/k/v
+projection and ``o_proj`` columns) and ``intermediate / world`` MLP channels (their rows of the
+merged gate/up projection, ``down`` columns); ``o_proj`` and ``down_proj`` outputs are summed
+with one all-reduce each per layer.
 A mixture-of-experts layer (:class:`simsd.models.moe.SparseMoeBlock`) keeps its router whole and
 ``moe_intermediate_size / world`` channels of every expert (as vLLM's fused MoE shards them):
 every rank routes every token to the same experts, and the block's output is summed with one
@@ -47,8 +48,9 @@ class AllReduce(nn.Module):
         return y
 
 
-def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
-    w = linear.weight.data[start:stop].clone()
+def _rows(linear: nn.Linear, spans: list) -> nn.Linear:
+    """A linear of the rows ``[start, stop)`` of each span of ``linear``, in order."""
+    w = torch.cat([linear.weight.data[start:stop] for start, stop in spans], 0)
     out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     out.weight.data = w
     return out
@@ -95,10 +97,12 @@ def shard_model(model, rank: int, world: int, group=None):
     D = model.config.head_dim
     for layer in model.model.layers:
         att = layer.self_attn
-        hq, hkv = att.num_heads // world, att.num_kv_heads // world
-        att.q_proj = _rows(att.q_proj, rank * hq * D, (rank + 1) * hq * D)
-        att.k_proj = _rows(att.k_proj, rank * hkv * D, (rank + 1) * hkv * D)
-        att.v_proj = _rows(att.v_proj, rank * hkv * D, (rank + 1) * hkv * D)
+        Hq, Hkv = att.num_heads, att.num_kv_heads
+        hq, hkv = Hq // world, Hkv // world
+        # the merged q/k/v rows: this rank's q heads, then its k heads, then its v heads
+        att.qkv_proj = _rows(att.qkv_proj, [(rank * hq * D, (rank + 1) * hq * D),
+                                            ((Hq + rank * hkv) * D, (Hq + (rank + 1) * hkv) * D),
+                                            ((Hq + Hkv + rank * hkv) * D, (Hq + Hkv + (rank + 1) * hkv) * D)])
         att.o_proj = AllReduce(_cols(att.o_proj, rank * hq * D, (rank + 1) * hq * D), group)
         att.num_heads, att.num_kv_heads = hq, hkv
         mlp = layer.mlp
@@ -106,10 +110,12 @@ def shard_model(model, rank: int, world: int, group=None):
             _shard_experts(mlp.experts, rank, world)
             layer.mlp = AllReduce(mlp, group)
             continue
-        i = mlp.gate_proj.weight.shape[0] // world
-        mlp.gate_proj = _rows(mlp.gate_proj, rank * i, (rank + 1) * i)
-        mlp.up_proj = _rows(mlp.up_proj, rank * i, (rank + 1) * i)
+        inter = mlp.gate_up_proj.weight.shape[0] // 2
+        i = inter // world
+        mlp.gate_up_proj = _rows(mlp.gate_up_proj,
+                                 [(rank * i, (rank + 1) * i), (inter + rank * i, inter + (rank + 1) * i)])
         mlp.down_proj = AllReduce(_cols(mlp.down_proj, rank * i, (rank + 1) * i), group)
+    model.num_local_heads = model.config.num_attention_heads // world
     model.num_local_kv_heads = model.config.num_key_value_heads // world
     model.tp = (rank, world)
     return model

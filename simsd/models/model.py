@@ -3,11 +3,16 @@
 RMSNorm (eps from the config) -> attention -> residual -> RMSNorm -> SwiGLU MLP -> residual;
 final norm; ``lm_head``. Attention: q/k/v/o projections without bias, GQA, per-head RMSNorm
 on q and k (weights of size ``head_dim``) before rotate-half RoPE, scale ``head_dim ** -0.5``.
-Parameter names equal Qwen3's, so HF state dicts load as they are.
+Hidden states stay 2-D ``(tokens, hidden)`` through the layers; q, k, v come from one merged
+projection and gate, up from another (as nano-vllm / vLLM merge them), q and k are normalised
+in one pass over their heads. Parameter names (``state_dict``, ``load_state_dict``) equal
+Qwen3's, so HF state dicts load as they are.
 
-The forward takes explicit position ids and per-token mask labels and runs attention through
-:func:`simsd_kernels.temporal_attention` over a static :class:`~simsd.models.cache.KVCache`.
-No shift: the logits at position ``p`` predict the token at ``p`` (SDAR).
+The forward takes explicit position ids and per-token mask labels. It builds one
+:class:`~simsd.models.context.ForwardContext` (write counts, the attention prepared once:
+:func:`simsd_kernels.prepare_attention`) that every layer reads; each layer's attention is one
+call of the door over a static :class:`~simsd.models.cache.KVCache` (RoPE once, the new K/V
+written, attention). No shift: the logits at position ``p`` predict the token at ``p`` (SDAR).
 
 Shape-invariant numerics (``SDARForCausalLM.invariant``, docs/design.md §4.2): a token's logits
 must not depend on how many other tokens share its forward, so that an exact-mode verify
@@ -18,8 +23,8 @@ token-wise part of a layer (norms, projections, RoPE inputs, MLP) runs separatel
 *unit* of ``unit`` consecutive tokens of a row (the block length: a denoise block, a verify
 copy, a commit, a prefill block), on a fresh contiguous tensor: a unit's result is the result
 of the same call on the same data wherever the unit sits. Attention is invariant in the torch
-backend (:func:`simsd_kernels.reference.temporal_attention_torch` computes each group of
-tokens over exactly its visible keys); with ``invariant`` the Triton and CUDA kernels get
+backend (:mod:`simsd_kernels.torch_backend` computes each group of tokens over exactly its visible
+keys); with ``invariant`` the Triton and CUDA kernels get
 ``shape_invariant=True``: a split plan (query tile, split count and boundaries) that depends on
 the cache capacity and the device only, not on the query length or the batch (see the README
 for what is tested and what is not promised).
@@ -30,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import simsd_kernels
-from simsd_kernels import KIND_KNOWN
+from simsd_kernels import KIND_KNOWN, prepare_attention
 
 from .cache import KVCache
 from .config import ModelConfig
+from .context import ForwardContext, per_unit
 from .moe import SparseMoeBlock
 
 
@@ -48,23 +53,11 @@ def labels_for(n: int, device, kind: int = KIND_KNOWN, tau: int = 0, grp=0) -> t
     return lab
 
 
-def per_unit(fn, unit: int, x: torch.Tensor):
-    """``fn`` applied separately to each unit of ``unit`` consecutive tokens of each row of
-    ``x (B, L, ...)`` (the last unit of a row may be shorter), each unit a fresh contiguous
-    ``(1, U, ...)`` tensor; the results (a tensor or a tuple of tensors ``(1, U, ...)``) are
-    concatenated back to ``(B, L, ...)``. A unit's result is then that of one fixed call on
-    its own data, whatever else the forward holds."""
-    B, L = x.shape[:2]
-    rows = []
-    for b in range(B):
-        outs = [fn(x[b:b + 1, s:s + unit].clone()) for s in range(0, L, unit)]
-        if isinstance(outs[0], tuple):
-            rows.append(tuple(torch.cat(parts, 1) for parts in zip(*outs)))
-        else:
-            rows.append(torch.cat(outs, 1))
-    if isinstance(rows[0], tuple):
-        return tuple(torch.cat(parts, 0) for parts in zip(*rows))
-    return torch.cat(rows, 0)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm over the last dim: normalised in float32, cast back to x's dtype, times
+    ``weight`` (transformers' ``Qwen3RMSNorm``; the normalisation is ``F.rms_norm``, the same
+    bits)."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
 
 
 class RMSNorm(nn.Module):
@@ -74,67 +67,78 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32) if dtype != torch.float64 else x
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def merged_names(module: nn.Module, merged: str, parts: tuple, sizes) -> None:
+    """Keep the checkpoint's names for a merged projection (nano-vllm / vLLM merged linears): the
+    module holds ``merged.weight``, the rows of the ``parts`` (e.g. q, k, v) one after another;
+    ``state_dict`` splits it into ``<part>.weight`` (``sizes()``: their row counts) and
+    ``load_state_dict`` concatenates them back."""
+    def split(mod, state, prefix, local_metadata):
+        w = state.pop(prefix + merged + ".weight", None)
+        if w is not None:
+            for name, part in zip(parts, w.split(sizes(), 0)):
+                state[prefix + name + ".weight"] = part
+
+    def concat(mod, state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        names = [prefix + name + ".weight" for name in parts]
+        if all(n in state for n in names):
+            state[prefix + merged + ".weight"] = torch.cat([state.pop(n) for n in names], 0)
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(concat)
 
 
 class Attention(nn.Module):
+    """Qwen3 attention on ``(tokens, hidden)`` inputs; q, k and v from one merged projection
+    (``qkv_proj``; the checkpoint's ``q_proj``, ``k_proj``, ``v_proj`` rows), q and k normalised
+    per head in one pass, the rest through the forward's attention door (RoPE, cache write)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.rope_theta = c.rope_theta
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim,
+                                  bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        merged_names(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                     lambda: [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2)
 
-    def qkv(self, x):
-        """Projections of ``x (B, L, hidden)``: q ``(B, L, Hq, D)``, k and v ``(B, L, Hkv, D)``
-        (q and k RMS-normalised per head, not rotated)."""
-        B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, L, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
-        return q, k, v
+    def qkv(self, x: torch.Tensor):
+        """``x (T, hidden)`` -> q ``(T, Hq, D)``, k and v ``(T, Hkv, D)`` (q and k RMS-normalised
+        per head, not rotated; v a view of the projection)."""
+        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        h = F.rms_norm(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), (D,), eps=self.q_norm.eps)
+        return h[:, :Hq] * self.q_norm.weight, h[:, Hq:] * self.k_norm.weight, qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
 
-    def forward(self, x, positions, labels, mask_mode, cache: KVCache, num_write: int, backend: str):
-        q, k, v = self.qkv(x)
-        return self.o_proj(self.attend(q, k, v, positions, labels, mask_mode, cache, num_write, backend))
-
-    def attend(self, q, k, v, positions, labels, mask_mode, cache: KVCache, num_write: int, backend: str,
-               invariant: bool = False):
-        """Attention over the cache and the new tokens, and their cache write; ``(B, L, Hq * D)``.
-        ``invariant``: the fused kernels' shape-invariant split plan (``shape_invariant``)."""
-        B, L = q.shape[:2]
-        kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        out = simsd_kernels.temporal_attention(
-            q, k, v, kc, vc, cache.seqlens, labels, positions,
-            mask_mode=mask_mode, rope_theta=self.rope_theta, backend=backend, shape_invariant=invariant,
-        )
-        if isinstance(num_write, torch.Tensor):  # per-row counts: write all L, rows advance by their own
-            simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
-                                    num_tokens=L, backend=backend)
-        elif num_write:
-            simsd_kernels.append_kv(k, v, positions, kc, vc, cache.seqlens, rope_theta=self.rope_theta,
-                                    num_tokens=num_write, backend=backend)
-        return out.reshape(B, L, self.num_heads * self.head_dim)
+    def attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """The door of the forward (:meth:`simsd_kernels.AttentionMetadata.forward`): RoPE, the
+        new K/V written to this layer's cache, attention; ``(T, Hq * D)``."""
+        B, L, D = ctx.B, ctx.L, self.head_dim
+        out = ctx.attention.forward(q.view(B, L, self.num_heads, D), k.view(B, L, self.num_kv_heads, D),
+                                    v.view(B, L, self.num_kv_heads, D), ctx.cache.k[self.layer_idx],
+                                    ctx.cache.v[self.layer_idx])
+        return out.reshape(B * L, self.num_heads * D)
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up from one merged projection (``gate_up_proj``)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        merged_names(self, "gate_up_proj", ("gate_proj", "up_proj"),
+                     lambda: [self.gate_up_proj.weight.shape[0] // 2] * 2)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -145,16 +149,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, labels, mask_mode, cache, num_write, backend, unit=None):
-        """``unit``: run the token-wise parts per unit of that many tokens (:func:`per_unit`)."""
-        if unit is None:
-            x = x + self.self_attn(self.input_layernorm(x), positions, labels, mask_mode, cache, num_write, backend)
-            return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``x (B * L, hidden)``; with ``ctx.unit`` the token-wise parts run per unit (:func:`per_unit`)."""
         att = self.self_attn
-        q, k, v = per_unit(lambda t: att.qkv(self.input_layernorm(t)), unit, x)
-        out = att.attend(q, k, v, positions, labels, mask_mode, cache, num_write, backend, invariant=True)
-        x = x + per_unit(att.o_proj, unit, out)
-        return x + per_unit(lambda t: self.mlp(self.post_attention_layernorm(t)), unit, x)
+        if ctx.unit is None:
+            x = x + att.o_proj(att.attend(*att.qkv(self.input_layernorm(x)), ctx))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = per_unit(lambda t: att.qkv(self.input_layernorm(t)), ctx, x)
+        x = x + per_unit(att.o_proj, ctx, att.attend(q, k, v, ctx))
+        return x + per_unit(lambda t: self.mlp(self.post_attention_layernorm(t)), ctx, x)
 
 
 class SDARBackbone(nn.Module):
@@ -168,9 +171,10 @@ class SDARBackbone(nn.Module):
 class SDARForCausalLM(nn.Module):
     """SDAR / Qwen3 decoder with simsd's cache-aware forward.
 
-    Attribute ``attention_backend`` (``auto | cuda | triton | torch``) is passed to every
-    attention call. Attribute ``invariant`` (bool, default False): shape-invariant numerics
-    (module doc) for forwards that pass ``unit``.
+    Attribute ``attention_backend`` (``auto | cuda | triton | torch``) is resolved once per
+    forward. Attribute ``invariant`` (bool, default False): shape-invariant numerics (module
+    doc) for forwards that pass ``unit``. ``state_dict`` / ``load_state_dict`` use the
+    checkpoint's (Qwen3's) parameter names, merged projections included.
     """
 
     def __init__(self, config: ModelConfig):
@@ -180,7 +184,8 @@ class SDARForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.attention_backend = "auto"
         self.invariant = False
-        #: kv heads held by this process (fewer under tensor parallelism, see :mod:`simsd.engine.tp`)
+        #: q / kv heads held by this process (fewer under tensor parallelism, see :mod:`simsd.engine.tp`)
+        self.num_local_heads = config.num_attention_heads
         self.num_local_kv_heads = config.num_key_value_heads
         self.tp = (0, 1)
 
@@ -197,8 +202,28 @@ class SDARForCausalLM(nn.Module):
         return KVCache(c.num_hidden_layers, batch_size, max_len, self.num_local_kv_heads, c.head_dim, self.dtype,
                        self.device)
 
+    def context(self, positions, labels, mask_mode, cache: KVCache, num_write=0,
+                unit: int | None = None) -> ForwardContext:
+        """The :class:`~simsd.models.context.ForwardContext` of a forward (arguments as
+        :meth:`forward`): write counts as a ``(B,)`` int32 tensor, the attention prepared once
+        (backend resolved and self-checked, RoPE tables, the backend's plan)."""
+        B = positions.shape[0]
+        if isinstance(num_write, torch.Tensor):
+            if num_write.shape != (B,):
+                raise ValueError(f"num_write must be an int or a (B={B},) tensor, got shape {tuple(num_write.shape)}")
+            num_write = num_write if num_write.dtype == torch.int32 else num_write.to(torch.int32)
+        else:
+            num_write = torch.full((B,), int(num_write), dtype=torch.int32, device=positions.device)
+        unit = unit if self.invariant else None
+        c = self.config
+        attention = prepare_attention(cache.seqlens, labels, positions, num_heads=self.num_local_heads,
+                                      num_kv_heads=self.num_local_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
+                                      cache_capacity=cache.max_len, mask_mode=mask_mode, rope_theta=c.rope_theta,
+                                      backend=self.attention_backend, shape_invariant=unit is not None)
+        return ForwardContext(positions, labels, mask_mode, cache, num_write, attention, unit)
+
     @torch.no_grad()
-    def forward(self, input_ids, positions, labels, mask_mode, cache: KVCache, num_write: int = 0,
+    def forward(self, input_ids, positions, labels, mask_mode, cache: KVCache, num_write=0,
                 logits_slice: slice | None = slice(None), unit: int | None = None):
         """One forward of ``L`` new tokens per row over the cache.
 
@@ -207,13 +232,13 @@ class SDARForCausalLM(nn.Module):
             positions: ``(B, L)`` int64 RoPE positions.
             labels: ``(B, L, 3)`` int32 ``(kind, tau, grp)`` (see :mod:`simsd_kernels.mask_rule`).
             mask_mode: ``"bidirectional" | "block_causal" | "exact" | "paper"``.
-            cache: the static cache; rows read ``[0, cache.seqlens[b])``.
-            num_write: the first ``num_write`` tokens of every row are written into the cache
-                and ``cache.seqlens`` advances by it after the forward (0: read-only forward).
-                A ``(B,)`` int tensor gives per-row counts: then all ``L`` tokens of every row
-                are written at ``seqlens[b]..`` and row ``b`` advances by ``num_write[b]``; the
-                slots past a row's new length are never read and are overwritten by its next
-                write, but the cache needs ``L`` free slots past every row's length.
+            cache: the static cache; rows read ``[0, cache.seqlens[b])``. Every layer writes the
+                K/V of all ``L`` tokens of row ``b`` at ``seqlens[b]..`` (slots past the capacity
+                are skipped: keep ``L`` free slots past every row's length); row ``b`` then
+                advances by ``num_write[b]``: the slots past its new length are never read and
+                are overwritten by its next write.
+            num_write: ``(B,)`` int tensor of the tokens each row keeps, or an int for every row
+                (0: a read-only forward).
             logits_slice: which of the ``L`` tokens get logits (None: no lm_head at all).
             unit: with ``invariant`` set, the token-wise parts of every layer, the final norm
                 and ``lm_head`` run per unit of ``unit`` consecutive tokens of a row (the block
@@ -221,16 +246,25 @@ class SDARForCausalLM(nn.Module):
 
         Returns:
             float32 logits ``(B, L', vocab)`` for the sliced tokens, or None.
+
+        Raises:
+            ValueError: inputs that do not fit (named), a cache overflow
+                (:meth:`~simsd.models.cache.KVCache.advance`).
         """
-        unit = unit if self.invariant else None
-        x = self.model.embed_tokens(input_ids)
+        ctx = self.context(positions, labels, mask_mode, cache, num_write, unit)
+        B, L = input_ids.shape
+        x = self.model.embed_tokens(input_ids.reshape(B * L))
         for layer in self.model.layers:
-            x = layer(x, positions, labels, mask_mode, cache, num_write, self.attention_backend, unit)
-        if isinstance(num_write, torch.Tensor) or num_write:
-            cache.advance(num_write)
+            x = layer(x, ctx)
+        cache.advance(ctx.num_write)
         if logits_slice is None:
             return None
-        x = x[:, logits_slice]
-        if unit is None:
-            return self.lm_head(self.model.norm(x)).float()
-        return per_unit(lambda t: self.lm_head(self.model.norm(t)), unit, x).float()
+        if logits_slice != slice(None):
+            x = x.view(B, L, -1)[:, logits_slice]
+            L = x.shape[1]
+            x = x.reshape(B * L, -1)
+        if ctx.unit is None:
+            logits = self.lm_head(self.model.norm(x))
+        else:
+            logits = per_unit(lambda t: self.lm_head(self.model.norm(t)), ctx.unit, x, L)
+        return logits.view(B, L, -1).float()

@@ -4,8 +4,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from simsd_kernels.reference import append_kv_torch  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
+from simsd_kernels.torch_backend import append_kv_torch  # noqa: E402
 from tests.kernels.helpers import max_err  # noqa: E402
 from triton_ops.ops import append_kv_fwd  # noqa: E402
 

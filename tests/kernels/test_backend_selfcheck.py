@@ -15,7 +15,7 @@ import torch
 import simsd_kernels as sk
 from simsd_kernels import backends, selfcheck
 from simsd_kernels.backends import Backend, BackendCheckError, BackendCheckWarning, OpConfig
-from simsd_kernels.reference import append_kv_torch, temporal_attention_torch
+from simsd_kernels.torch_backend import append_kv_torch, temporal_attention_torch
 from tests.kernels.helpers import make_inputs
 
 CPU = torch.device("cpu")
@@ -413,3 +413,37 @@ def test_the_triton_kernels_pass_the_selfcheck_in_bfloat16():
     for config in (OpConfig("attention", torch.bfloat16, 128, 4, 3), OpConfig("attention", torch.bfloat16, 128, 2, 2)):
         res = selfcheck.run_check(triton, CPU, config)
         assert res.ok, (config.describe(), res.detail)
+
+
+def _door_backend(name, wrong):
+    """The torch backend's attention and append_kv, with a door (``kvcache``) that is wrong in one way."""
+    from simsd_kernels.torch_backend import make_kvcache
+
+    def kvcache(meta):
+        run = make_kvcache(meta)
+
+        def door(q, k, v, k_cache, v_cache, write):
+            if wrong == "unrotated k":  # the new keys cached as they came (RoPE forgotten in the write)
+                out = run(q, k, v, k_cache.clone(), v_cache, write)
+                rows = torch.arange(q.shape[0])[:, None]
+                slots = meta.cache_seqlens.long()[:, None] + torch.arange(q.shape[1])
+                keep = slots < k_cache.shape[1]
+                k_cache[rows.expand_as(slots)[keep], slots[keep]] = k[keep]
+                return out
+            if wrong == "no write":
+                return run(q, k, v, k_cache, v_cache, False)
+            return run(q, k, v, k_cache, v_cache, write)
+        return door
+    return Backend(name, temporal_attention_torch, append_kv_torch, lambda device: (True, ""),
+                   auto_devices=("cpu",), kvcache=kvcache)
+
+
+@pytest.mark.parametrize("wrong", ["unrotated k", "no write", None])
+def test_the_door_of_a_backend_is_checked_too(wrong):
+    """A backend's own write-then-attend path (the one the model runs) is held to the same bound and
+    must cache exactly the new tokens, rotated: a correct attention does not hide a wrong door."""
+    config = OpConfig("attention", torch.bfloat16, 64, 2, int(sk.MaskMode.EXACT))
+    res = selfcheck.run_check(_door_backend("door", wrong), CPU, config)
+    assert res.ok == (wrong is None), res
+    if wrong:
+        assert "door" in res.detail, res.detail

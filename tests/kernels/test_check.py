@@ -7,7 +7,7 @@ import torch
 
 from simsd_kernels import backends, check
 from simsd_kernels.backends import Backend
-from simsd_kernels.reference import append_kv_torch, temporal_attention_torch
+from simsd_kernels.torch_backend import append_kv_torch, temporal_attention_torch
 
 SMALL = ["--dtypes", "float32,bfloat16", "--head-dims", "64,96", "--mask-modes", "paper,exact", "--groups", "4",
          "--caches", "empty,short"]

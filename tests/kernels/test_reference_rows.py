@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from simsd_kernels import MaskMode
-from simsd_kernels.reference import temporal_attention_torch
+from simsd_kernels.torch_backend import temporal_attention_torch
 
 
 @pytest.mark.bitwise

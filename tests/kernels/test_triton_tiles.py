@@ -15,9 +15,10 @@ import torch
 pytest.importorskip("triton")
 
 from simsd_kernels.mask_rule import MaskMode  # noqa: E402
-from simsd_kernels.reference import temporal_attention_naive, temporal_attention_torch  # noqa: E402
+from simsd_kernels.reference import temporal_attention_naive  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
 from simsd_kernels.split_plan import TRITON_FIGURES, active_splits, plan_for  # noqa: E402
+from simsd_kernels.torch_backend import temporal_attention_torch  # noqa: E402
 from simsd_kernels.triton_backend import _attention as triton_attention  # noqa: E402
 from tests.kernels.helpers import make_inputs, max_err  # noqa: E402
 from triton_ops.ops import rope_qk_fwd, temporal_attention_fwd  # noqa: E402

@@ -160,8 +160,9 @@ def test_batch_rows_do_not_change_a_rows_bits():
 
 
 def test_per_unit_concatenates_in_order():
-    x = torch.arange(2 * 7 * 3).view(2, 7, 3)
+    """Rows of 7 tokens (2-D hidden states ``(B * L, hidden)``) in units of 3: 3, 3, 1 per row."""
+    x = torch.arange(2 * 7 * 3).view(2 * 7, 3)
     seen = []
-    out = per_unit(lambda t: (seen.append(tuple(t.shape)) or t * 2, t + 1), 3, x)
-    assert seen == [(1, 3, 3), (1, 3, 3), (1, 1, 3)] * 2
+    out = per_unit(lambda t: (seen.append((tuple(t.shape), int(t[0, 0]) // 3)) or t * 2, t + 1), 3, x, 7)
+    assert seen == [((3, 3), 0), ((3, 3), 3), ((1, 3), 6), ((3, 3), 7), ((3, 3), 10), ((1, 3), 13)]
     assert torch.equal(out[0], x * 2) and torch.equal(out[1], x + 1)

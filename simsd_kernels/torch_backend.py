@@ -1,0 +1,202 @@
+"""The ``torch`` backend of the attention door: SDPA over exactly the keys each query token sees.
+
+:class:`TorchAttention` is built once per forward (:func:`simsd_kernels.prepare_attention`): it
+reads the cache lengths on the host (the forward's one host read: this backend is not CUDA-graph
+safe), computes the RoPE tables for the forward's positions, the cache slots the new tokens are
+written to, and which SDPA calls the mask mode needs. Every layer then calls it once: q and k are
+rotated (:func:`simsd_kernels.rope.rotate`), the rotated k and v written to the cache (when
+asked), and the calls run:
+
+* ``bidirectional``: one call per run of consecutive rows with the same cache length, over the
+  cache view ``[0, n + Lq)`` (the new keys just written behind the cache), without a mask;
+* ``exact`` and ``block_causal``: per row, one call per group of query tokens that see the same
+  keys (an exact-mode copy, the shared prefix, a prefill block), over exactly those keys: the
+  row's cache prefix then its visible new tokens in order -- a cache view when they are the
+  first new tokens (a block-causal block, the first copy), else a gathered copy. A token's
+  output thus depends only on its group's tokens and the keys it sees, never on the other tokens
+  of the forward, its batch neighbours or padding: an exact-mode copy gets the bits of a denoise
+  forward of that state, in every dtype (docs/design.md §4.2; a dense mask over all new tokens,
+  or keys padded to a common length, would change SDPA's blocking and hence the rounding);
+* ``paper`` (no such promise): one masked call per run of rows with the same cache length, the
+  boolean mask built here once for all layers.
+
+The plan's host reads (cache lengths, labels) are made once per forward, outside any
+``TorchFunctionMode`` (:class:`simsd.engine.host_sync.HostReads` counts the decoding loop's
+reads). Rows without ``Lq`` free slots past their length get their keys gathered (the write skips the
+slots past the capacity, as the kernels do). GQA through SDPA's ``enable_gqa`` (the same bits as
+repeating the kv heads, without the copies). A token that sees no key gets zeros.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .mask_rule import MaskMode, dense_new_token_mask
+from .rope import rope_tables, rotate
+
+
+def _span(idx: list):
+    """``slice(a, b)`` when ``idx`` is the consecutive run ``a..b-1``, else None."""
+    return slice(idx[0], idx[-1] + 1) if idx and idx[-1] - idx[0] + 1 == len(idx) else None
+
+
+class _Group:
+    """One SDPA call of one row: query tokens ``pick`` (a slice or an index tensor) see the cache
+    prefix and the new tokens ``cols`` (a slice, an index tensor or None); ``prefix``: the number
+    of new tokens when ``cols`` are the first ones (the keys are then a cache view once written)."""
+    __slots__ = ("row", "pick", "cols", "prefix")
+
+    def __init__(self, row, pick, cols, prefix):
+        self.row, self.pick, self.cols, self.prefix = row, pick, cols, prefix
+
+
+class TorchAttention:
+    """The torch backend's attention for one forward; ``self(q, k, v, k_cache, v_cache, write)``
+    per layer (shapes as :func:`simsd_kernels.temporal_attention`). ``write``: store the rotated
+    k and v of all ``Lq`` new tokens at slots ``cache_seqlens[b] + i`` (below the capacity)."""
+
+    def __init__(self, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim: int,
+                 dtype, capacity: int, group: int):
+        # The plan is the backend's own work, made outside any TorchFunctionMode, as it was when
+        # this backend ran inside a custom op: simsd.engine.host_sync.HostReads counts the
+        # decoding loop's reads, not this backend's one read per forward (the fused backends
+        # read nothing on the host).
+        with torch._C.DisableTorchFunction():
+            self._plan(cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim, dtype,
+                       capacity, group)
+
+    def _plan(self, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim, dtype,
+              capacity, group) -> None:
+        B, Lq = labels.shape[:2]
+        device = labels.device
+        self.mode, self.scale, self.gqa = MaskMode(mask_mode), float(softmax_scale), group > 1
+        self.cos, self.sin = rope_tables(positions, head_dim, rope_theta, dtype)
+        lengths = cache_seqlens.tolist()  # the forward's host read
+        self.lengths, self.Lq = lengths, Lq
+        self.room = [n + Lq <= capacity for n in lengths]
+        slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lq, device=device)
+        self.rows = torch.arange(B, device=device)[:, None]
+        if all(self.room):
+            self.slots, self.keep = slots, None
+        else:  # rows near the capacity write only the slots that exist
+            keep = (slots < capacity).nonzero(as_tuple=True)
+            self.slots, self.keep = slots[keep], keep
+        self.runs, self.groups, self.masks = [], [], []
+        if self.mode in (MaskMode.BIDIRECTIONAL, MaskMode.PAPER):
+            a = 0
+            for b in range(1, B + 1):
+                if b == B or lengths[b] != lengths[a]:
+                    self.runs.append((a, b))
+                    a = b
+            if self.mode == MaskMode.PAPER:
+                self.masks = [self._paper_mask(labels[a:b], lengths[a]) for a, b in self.runs]
+        else:
+            visible = dense_new_token_mask(labels, self.mode).cpu().tolist()
+            for b in range(B):
+                self._plan_row(b, visible[b], device)
+        self.empty = self.mode == MaskMode.PAPER and any(bool((~m.any(-1)).any()) for m in self.masks)
+
+    def _paper_mask(self, labels, n: int):
+        new = dense_new_token_mask(labels, self.mode)
+        cache = torch.ones(new.shape[0], new.shape[1], n, dtype=torch.bool, device=new.device)
+        return torch.cat([cache, new], -1)[:, None]
+
+    def _plan_row(self, b: int, visible: list, device) -> None:
+        by_keys: dict = {}
+        for i, row in enumerate(visible):
+            by_keys.setdefault(tuple(row), []).append(i)
+        for row, members in by_keys.items():
+            cols = [j for j, seen in enumerate(row) if seen]
+            if self.lengths[b] == 0 and not cols:
+                continue  # sees nothing: zeros
+            pick = _span(members) or torch.tensor(members, device=device)
+            prefix = len(cols) if cols == list(range(len(cols))) else None
+            take = None if not cols else (_span(cols) or torch.tensor(cols, device=device))
+            self.groups.append(_Group(b, pick, take, prefix))
+
+    def __call__(self, q, k, v, k_cache, v_cache, write: bool):
+        qr, kr = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+        if write:
+            self._write(kr, v, k_cache, v_cache)
+        if self.groups:
+            return self._grouped(qr, kr, v, k_cache, v_cache, write)
+        return self._runs(qr, kr, v, k_cache, v_cache, write)
+
+    def _write(self, kr, v, k_cache, v_cache) -> None:
+        if self.keep is None:
+            k_cache.index_put_((self.rows, self.slots), kr)
+            v_cache.index_put_((self.rows, self.slots), v)
+        else:
+            k_cache.index_put_((self.keep[0], self.slots), kr[self.keep])
+            v_cache.index_put_((self.keep[0], self.slots), v[self.keep])
+
+    def _sdpa(self, q, k, v, mask=None):
+        """``q (b, m, Hq, D)`` over ``k, v (b, S, Hkv, D)`` -> ``(b, m, Hq, D)`` (a transposed view)."""
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           scale=self.scale, enable_gqa=self.gqa)
+        return o.transpose(1, 2)
+
+    def _runs(self, qr, kr, v, k_cache, v_cache, write: bool):
+        outs = []
+        for i, (a, b) in enumerate(self.runs):
+            n = self.lengths[a]
+            if write and self.room[a]:
+                keys, vals = k_cache[a:b, :n + self.Lq], v_cache[a:b, :n + self.Lq]
+            else:
+                keys, vals = torch.cat([k_cache[a:b, :n], kr[a:b]], 1), torch.cat([v_cache[a:b, :n], v[a:b]], 1)
+            outs.append(self._sdpa(qr[a:b], keys, vals, self.masks[i] if self.masks else None))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        if self.empty:  # SDPA gives NaN where a query sees nothing; the op's answer is zeros
+            seen = torch.cat([m.any(-1) for m in self.masks], 0).transpose(1, 2)[..., None]
+            out = torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+
+    def _grouped(self, qr, kr, v, k_cache, v_cache, write: bool):
+        out = torch.zeros_like(qr)
+        for g in self.groups:
+            b, n = g.row, self.lengths[g.row]
+            r = slice(b, b + 1)
+            if g.cols is None:  # only the cache
+                keys, vals = k_cache[r, :n], v_cache[r, :n]
+            elif g.prefix is not None and write and self.room[b]:
+                keys, vals = k_cache[r, :n + g.prefix], v_cache[r, :n + g.prefix]
+            elif isinstance(g.cols, slice):
+                keys = torch.cat([k_cache[r, :n], kr[r, g.cols]], 1)
+                vals = torch.cat([v_cache[r, :n], v[r, g.cols]], 1)
+            else:
+                keys = torch.cat([k_cache[r, :n], kr[r].index_select(1, g.cols)], 1)
+                vals = torch.cat([v_cache[r, :n], v[r].index_select(1, g.cols)], 1)
+            if isinstance(g.pick, slice):
+                out[r, g.pick] = self._sdpa(qr[r, g.pick], keys, vals)
+            else:
+                out[r].index_copy_(1, g.pick, self._sdpa(qr[r].index_select(1, g.pick), keys, vals))
+        return out
+
+
+def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
+                             softmax_scale):
+    """The torch backend's attention without a cache write (the :class:`~simsd_kernels.backends.Backend`
+    ``attention`` entry; the self-check's SDPA baseline): :class:`TorchAttention` for one call."""
+    plan = TorchAttention(cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, q.shape[3],
+                          q.dtype, k_cache.shape[1], q.shape[2] // k.shape[2])
+    out = plan(q, k, v, k_cache, v_cache, False)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def append_kv_torch(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
+    """Write rotated ``k[:, :num_tokens]`` and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``
+    (slots past the capacity are skipped, as the kernels do)."""
+    if num_tokens == 0:
+        return
+    k, v, positions = k[:, :num_tokens], v[:, :num_tokens], positions[:, :num_tokens]
+    kr = rotate(k, *rope_tables(positions, k.shape[-1], rope_theta, k.dtype))
+    slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(num_tokens, device=k.device)
+    keep = (slots < k_cache.shape[1]).nonzero(as_tuple=True)
+    k_cache.index_put_((keep[0], slots[keep]), kr[keep].to(k_cache.dtype))
+    v_cache.index_put_((keep[0], slots[keep]), v[keep].to(v_cache.dtype))
+
+
+def make_kvcache(meta) -> TorchAttention:
+    """The door's per-forward object for the torch backend (:attr:`Backend.kvcache`)."""
+    return TorchAttention(meta.cache_seqlens, meta.labels, meta.positions, meta.mask_mode, meta.rope_theta,
+                          meta.softmax_scale, meta.head_dim, meta.dtype, meta.cache_capacity, meta.group)
