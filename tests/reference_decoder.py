@@ -426,3 +426,62 @@ def reference_paper_generate(target: ReferenceModel, draft: ReferenceModel, prom
         if t in stops:
             break
     return ReferenceResult(out, trace)
+
+
+def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, prompt: list, *, block_length: int,
+                               steps: int | None = None, strategy: str = "static", threshold: float | None = None,
+                               max_new_tokens: int = 16, stop_ids=None) -> ReferenceResult:
+    """Greedy SimSD as the SimSD release's loop runs it (``configs/experiments/sdar.yaml``,
+    method ``ours``), recomputing everything from scratch. Written from the release's
+    description, not from simsd's code:
+
+    A round: the known tokens of the block are a prefix (the prompt tail, then committed
+    tokens); the draft denoises the rest with ``steps`` steps of its own, step ``s`` (1-based)
+    revealing ``ceil(masked / (steps - s + 1))`` positions counted before the step, until no
+    MASK is left; the target reads every drafted position at its M slot (paper layout, RoPE
+    copy); positions are judged from left to right; the first one whose draft token is not the
+    target's argmax takes the argmax, and the positions after it become MASK again; if none is
+    rejected the draft's tokens are committed and nothing else. ``trace``: per block, per
+    round, ``(positions, tokens)`` committed.
+    """
+    B = block_length
+    steps = steps or B
+    if threshold is None:
+        threshold = DEFAULT_THRESHOLD.get(strategy)
+    mask_id = target.mask_id
+    stops = set(target.stop_ids if stop_ids is None else stop_ids)
+    cut = len(prompt) - len(prompt) % B
+    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    generated, trace = [], []
+    while True:
+        known = list(tail)
+        first, tail, rounds = len(known), [], []
+        while len(known) < B:
+            state, tau, s = known + [mask_id] * (B - len(known)), [INF] * B, 0
+            while mask_id in state:
+                s += 1
+                masked = state.count(mask_id)
+                k = -(-masked // max(steps - s + 1, 1))
+                state, pos = greedy_step(draft, context, state, B, strategy, k, threshold)
+                for i in pos:
+                    tau[i] = s
+            block = known + [mask_id] * (B - len(known))
+            best = paper_verify(target, context, block, state, tau, B, True)
+            committed = []
+            for p in range(len(known), B):
+                committed.append(best[p] if state[p] != best[p] else state[p])
+                if state[p] != best[p]:
+                    break
+            rounds.append((list(range(len(known), len(known) + len(committed))), committed))
+            known += committed
+        trace.append(rounds)
+        context += known
+        generated += known[first:]
+        if stops & set(known[first:]) or len(generated) >= max_new_tokens:
+            break
+    out = []
+    for t in generated[:max_new_tokens]:
+        out.append(t)
+        if t in stops:
+            break
+    return ReferenceResult(out, trace)

@@ -37,7 +37,7 @@ from ..engine.batching import BatchEngine, round_capacity
 from ..engine.memory import fmt_bytes, parameter_count
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
-from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
+from ..speculative.decoder import PAPER_VARIANTS, SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
 from .encoding import encode_prompt, is_ids, is_messages, template_stop_ids
 from .errors import ParamError, SimsdWarning
@@ -118,8 +118,10 @@ class LLM:
             ``qwen3`` without ``block_size``), which is otherwise refused (README "Checkpoints").
         mask_token_id: the mask token's id, for checkpoints that name none in ``mask_token_id`` or
             the tokenizer's ``mask_token`` (refused otherwise); must agree with one they name.
-        fold_commit, on_reject, rope_copy, optimistic: as ``simsd generate``'s
-            ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``.
+        fold_commit, on_reject, rope_copy, optimistic, paper_variant: as ``simsd generate``'s
+            ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``,
+            ``--paper-variant`` (paper mode: ``described`` as in the paper, or ``release`` as the
+            SimSD release's code runs it; docs/design.md §4.3).
         max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to the block
             length, None: the block length), and the ``gamma`` of requests that give none; the caches' margin holds
             the longest forward it allows, ``(max_gamma + 2) x block_length`` tokens per row.
@@ -159,7 +161,7 @@ class LLM:
                  kv_cache_memory: int | None = None, max_waiting: int = 64, block_length: int | None = None,
                  mask_token_id: int | None = None,
                  fold_commit: bool = False, on_reject: str = "redraft", rope_copy: bool = True,
-                 optimistic: bool | None = None, max_gamma: int | None = None,
+                 optimistic: bool | None = None, max_gamma: int | None = None, paper_variant: str = "described",
                  attention_backend: str | None = None, cuda_graphs: bool = False,
                  invariant: bool | None = None, tp: int = 1, threads: int | None = None,
                  scheduler_thread: bool | None = None, default_params: SamplingParams | None = None):
@@ -181,6 +183,10 @@ class LLM:
                 raise ValueError(f"{', '.join(given)}: used by the paper and exact modes only (mode is vanilla)")
         if not rope_copy and mode != "paper":
             raise ValueError("rope_copy=False is an ablation of paper mode")
+        if paper_variant not in PAPER_VARIANTS:
+            raise ValueError(f"paper_variant must be one of {', '.join(PAPER_VARIANTS)}, got {paper_variant!r}")
+        if paper_variant != "described" and mode != "paper":
+            raise ValueError(f"paper_variant={paper_variant!r} is a variant of paper mode (mode is {mode})")
         if tp > 1 and world()[1] != tp:
             raise ValueError(f"tp {tp}: this process group has {world()[1]} rank(s); start one process per rank "
                              f"(torchrun --nproc-per-node {tp}) and create the LLM in each")
@@ -235,11 +241,12 @@ class LLM:
             self.draft = self._load(infos["draft"], dtype, draft_device or device, attention_backend)
         self.models = [m for m in (self.target, self.draft) if m is not None]
         self.settings = Settings(mode, block_length, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic,
-                                 max_gamma)
+                                 max_gamma, paper_variant)
         if mode != "vanilla":  # the combinations the row programs refuse (fold_commit with optimistic drafting)
             SpeculativeDecoder(self.target, self.draft,
                                DecodeConfig(block_length=block_length, fold_commit=fold_commit),
-                               SpecConfig(mode, on_reject=on_reject, rope_copy=rope_copy, optimistic=optimistic),
+                               SpecConfig(mode, gamma=max_gamma, on_reject=on_reject, rope_copy=rope_copy,
+                                          optimistic=optimistic, paper_variant=paper_variant),
                                check=False)
         self._make_engine(batch_size, kv_cache_memory, cuda_graphs)
         self.scheduler = Scheduler(self.engine, max_waiting)

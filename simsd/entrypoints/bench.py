@@ -126,6 +126,11 @@ def counters(mode: str, results: list) -> dict:
     return row
 
 
+def mode_label(mode: str, args) -> str:
+    """How tables name a mode: ``paper-release`` for paper mode with ``--paper-variant release``."""
+    return "paper-release" if mode == "paper" and getattr(args, "paper_variant", None) == "release" else mode
+
+
 def bench_modes(args) -> int:
     modes = modes_of(args)
     check_json_path(args.json)
@@ -169,7 +174,7 @@ def bench_modes(args) -> int:
     tps = {m: [t / s if s else float("nan") for t, s in zip(tokens[m], seconds[m])] for m in modes}
     rows = []
     for mode in modes:
-        row = {"mode": mode, "prompts": len(prompts), "batch_size": n, "repeats": args.repeats,
+        row = {"mode": mode_label(mode, args), "prompts": len(prompts), "batch_size": n, "repeats": args.repeats,
                "decode_seconds": statistics.median(seconds[mode]),
                "tokens_per_second": statistics.median(tps[mode]), "tokens_per_second_runs": tps[mode],
                "tokens_per_second_spread": spread(tps[mode]), **counters(mode, results[mode])}
@@ -184,7 +189,7 @@ def bench_modes(args) -> int:
         else:
             row.update({"speedup": float("nan"), "speedup_runs": [], "speedup_spread": float("nan"),
                         "forwards_ratio_vs_vanilla": float("nan")})
-        if mode == "paper":
+        if mode == "paper" and (args.paper_variant or "described") == "described":
             row.update(paper_agreement(llms[mode], requests, params[mode]))
         row["unstable"] = is_unstable(row, args.repeats)
         rows.append(row)

@@ -82,6 +82,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "with vanilla target denoising when fewer than gamma positions remain")
     p.add_argument("--no-rope-copy", action="store_true",
                    help="ablation (paper mode): mask slots get fresh positions after the draft slots")
+    p.add_argument("--paper-variant", default=None, choices=["described", "release"],
+                   help="paper mode as the paper describes it (default: acceptance in the draft's temporal order) "
+                        "or as the SimSD release's code runs it (position order, the rest re-drafted with a fresh "
+                        "schedule, no bonus token; no --gamma, no --on-reject fallback)")
     p.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
     p.add_argument("--draft-threshold", type=float, default=None,
                    help="the draft's threshold, in its strategy's range (default: --threshold when the draft runs "

@@ -278,6 +278,7 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None):
               rope_copy=not (args.no_rope_copy and mode == "paper"),
               optimistic={None: None, "auto": None, "on": True, "off": False}[args.optimistic] if spec else None,
               max_gamma=args.gamma if spec else None,
+              paper_variant=(getattr(args, "paper_variant", None) or "described") if mode == "paper" else "described",
               attention_backend=args.attention_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
               invariant=getattr(args, "invariant", False), tp=getattr(args, "tp", 1),
               threads=getattr(args, "threads", None), scheduler_thread=False)

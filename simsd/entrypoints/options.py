@@ -168,6 +168,7 @@ def check_options(args, modes, names: dict | None = None) -> None:
                          f"when fewer than gamma positions remain)")
     if getattr(args, "no_rope_copy", False) and "paper" not in modes:
         raise UsageError(f"{n('no_rope_copy')} is an ablation of paper mode")
+    check_paper_variant(args, modes, names)
     if speculative and getattr(args, "fold_commit", False):
         optimistic = getattr(args, "optimistic", None)
         target_dev, draft_dev = getattr(args, "device", None), getattr(args, "draft_device", None)
@@ -188,6 +189,22 @@ def check_options(args, modes, names: dict | None = None) -> None:
                          f"chat template")
     if getattr(args, "tp", 1) > 1:  # last: it loads torch (unless the device is the CPU)
         check_tp_devices(getattr(args, "device", None), args.tp, n("tp"))
+
+
+def check_paper_variant(args, modes, names: dict | None = None) -> None:
+    """``UsageError`` for ``paper_variant`` outside paper mode, and for the release variant with
+    a ``gamma`` or ``on_reject`` fallback (it drafts the whole rest of the block every round)."""
+    n = lambda attr: option_name(attr, names)  # noqa: E731
+    variant = getattr(args, "paper_variant", None)
+    if variant is None:
+        return
+    if not {"paper", "paper-release"} & set(modes):
+        raise UsageError(f"{n('paper_variant')} is a variant of paper mode (this run: {', '.join(modes)})")
+    if variant == "release":
+        for attr, bad in (("gamma", _given(args, "gamma")), ("on_reject", getattr(args, "on_reject", None) == "fallback")):
+            if bad:
+                raise UsageError(f"{n(attr)}: the release variant of paper mode ({n('paper_variant')} release) drafts "
+                                 f"the whole rest of the block every round (no gamma, no fallback)")
 
 
 def check_tp_devices(device, tp: int, name: str = "--tp") -> None:

@@ -29,6 +29,7 @@ MAX_SEED = 2 ** 63
 #: SamplingParams (a vLLM habit for some), they are refused by name, not with a bare TypeError
 LLM_SETTINGS = ("mode", "device", "draft_device", "dtype", "batch_size", "max_model_len", "kv_cache_memory",
                 "max_waiting", "block_length", "fold_commit", "on_reject", "rope_copy", "optimistic", "max_gamma",
+                "paper_variant",
                 "attention_backend", "cuda_graphs", "invariant", "tp", "threads", "scheduler_thread", "mask_token_id")
 
 
@@ -166,6 +167,8 @@ class Settings:
     optimistic: bool | None = None
     #: the most draft steps a request may verify per round (None: the block length)
     max_gamma: int | None = None
+    #: paper mode as ``described`` in the paper or as the SimSD ``release`` runs it (SpecConfig)
+    paper_variant: str = "described"
 
 
 def resolve(params: SamplingParams, settings: Settings) -> tuple:
@@ -190,6 +193,9 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     if params.gamma is not None and params.gamma > block_length:
         raise ParamError("gamma", f"gamma {params.gamma} exceeds the block length {block_length} "
                                   f"(a block is finished in at most {block_length} steps)")
+    if params.gamma is not None and settings.paper_variant == "release":
+        raise ParamError("gamma", "gamma: the release variant of paper mode drafts the whole rest of the block every "
+                                  "round (it verifies no fixed number of draft steps)")
     if params.gamma is not None and settings.max_gamma is not None and params.gamma > settings.max_gamma:
         raise ParamError("gamma", f"gamma {params.gamma} exceeds this LLM's max_gamma {settings.max_gamma} "
                                   f"(its caches hold the verify forwards of at most that many draft steps)")
@@ -206,5 +212,6 @@ def resolve(params: SamplingParams, settings: Settings) -> tuple:
     if not vanilla:
         spec = SpecConfig(mode=settings.mode, gamma=gamma, on_reject=settings.on_reject,
                           rope_copy=settings.rope_copy, draft_strategy=params.draft_strategy,
+                          paper_variant=settings.paper_variant,
                           optimistic=settings.optimistic, draft_threshold=params.draft_threshold)
     return cfg, spec, seed

@@ -55,6 +55,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
                    help="after a rejection: draft again, or let the target finish the block (default: redraft)")
     g.add_argument("--no-rope-copy", action="store_true", help="ablation (paper mode)")
+    g.add_argument("--paper-variant", default=None, choices=["described", "release"],
+                   help="paper mode as described (default) or as the SimSD release runs it (see simsd generate)")
     g.add_argument("--optimistic", default=None, choices=["auto", "on", "off"],
                    help="draft the next round while the target verifies (auto: when the devices differ)")
     g.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (engine rows)")
@@ -113,6 +115,8 @@ def check_serve_options(args) -> None:
             raise UsageError(f"{', '.join(given)}: used by the paper and exact modes only (this server is vanilla)")
     if args.no_rope_copy and args.mode != "paper":
         raise UsageError("--no-rope-copy is an ablation of paper mode")
+    from .options import check_paper_variant
+    check_paper_variant(args, [args.mode])
     for name in ("max_batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
@@ -151,6 +155,7 @@ def build_llm(args):
                   max_waiting=args.max_waiting, block_length=args.block_length, mask_token_id=args.mask_token_id,
                   fold_commit=args.fold_commit,
                   on_reject=args.on_reject or "redraft", rope_copy=not args.no_rope_copy, optimistic=optimistic,
+                  paper_variant=args.paper_variant or "described",
                   attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
                   invariant=args.invariant, threads=args.threads, default_params=params)
     except ParamError as exc:

@@ -3,7 +3,10 @@
 Modes (docs/design.md §4):
 
 * ``paper``: the paired ``[leftover | D | M]`` layout with RoPE copy and the four-quadrant
-  temporal mask; greedy matching or rejection sampling in the draft's temporal order.
+  temporal mask; greedy matching or rejection sampling in the draft's temporal order
+  (``paper_variant="described"``, the paper), or as the SimSD release's code does it
+  (``paper_variant="release"``: position order, the accepted prefix plus the target's token,
+  the rest re-drafted with a fresh schedule, no bonus token; :class:`~simsd.speculative.verifiers.ReleaseVerifier`).
 * ``exact``: one block copy per verified draft step (§4.1, §4.2); each draft step is accepted
   only if it equals the target's own decision at that state (positions and tokens; under
   sampling with the same keyed noise as vanilla decoding, :mod:`simsd.decoding.noise`), so the
@@ -22,9 +25,11 @@ from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
 from .spec_row import SpecRow
-from .verifiers import VERIFIERS
+from .verifiers import PAPER_VERIFIERS, VERIFIERS
 
 MODES = ("paper", "exact")
+#: paper mode as the paper describes it, or as the SimSD release's code runs it
+PAPER_VARIANTS = tuple(PAPER_VERIFIERS)
 
 
 @dataclass
@@ -39,7 +44,11 @@ class SpecConfig:
     The draft's own settings: ``draft_strategy`` (default: the target's strategy) and
     ``draft_threshold`` (default: the target's ``threshold`` when the draft runs the same
     strategy, else the draft strategy's default, since a confidence threshold is not an
-    entropy bound); the draft shares the target's steps schedule and sampling parameters."""
+    entropy bound); the draft shares the target's steps schedule and sampling parameters.
+
+    ``paper_variant`` (paper mode): ``described`` (the paper: acceptance in the draft's
+    temporal order) or ``release`` (the SimSD release's loop, docs/design.md §4.3; it drafts
+    the whole rest of the block every round, so it takes no ``gamma`` and no fallback)."""
     mode: str = "exact"
     gamma: int | None = None
     on_reject: str = "redraft"
@@ -47,10 +56,19 @@ class SpecConfig:
     draft_strategy: str | None = None
     optimistic: bool | None = None
     draft_threshold: float | None = None
+    paper_variant: str = "described"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"speculative mode must be one of {MODES}, got {self.mode!r}")
+        if self.paper_variant not in PAPER_VARIANTS:
+            raise ValueError(f"paper_variant must be one of {PAPER_VARIANTS}, got {self.paper_variant!r}")
+        if self.paper_variant == "release":
+            if self.mode != "paper":
+                raise ValueError(f"paper_variant 'release' is a variant of paper mode, not of {self.mode} mode")
+            if self.gamma is not None or self.on_reject != "redraft":
+                raise ValueError("paper_variant 'release' drafts the whole rest of the block every round: it takes "
+                                 "no gamma and no on_reject='fallback'")
         if self.on_reject not in ("redraft", "fallback"):
             raise ValueError(f"on_reject must be 'redraft' or 'fallback', got {self.on_reject!r}")
         if self.gamma is not None and self.gamma < 1:
@@ -111,7 +129,7 @@ class SpeculativeDecoder:
             raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
                              "target are on different devices): set optimistic=False or fold_commit=False")
         self.mask_id = target.mask_token_id
-        self.verifier_class = VERIFIERS[spec.mode]
+        self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
 
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
@@ -148,7 +166,8 @@ class SpeculativeDecoder:
 
 
 def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spec: SpecConfig) -> GenerationResult:
-    """Decode ``prompt_ids`` with SimSD (``spec.mode`` = ``paper`` or ``exact``).
+    """Decode ``prompt_ids`` with SimSD (``spec.mode`` = ``paper`` or ``exact``; paper mode as
+    described or as released, ``spec.paper_variant``).
 
     ``target``/``draft`` are :class:`simsd.models.loading.Checkpoint` objects sharing a tokenizer.
     ``stats`` adds to vanilla's (see :class:`simsd.speculative.spec_row.Stats` and the README's
