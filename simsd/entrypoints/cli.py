@@ -1,4 +1,4 @@
-"""The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd check`` and ``simsd serve``.
+"""The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd eval``, ``simsd check`` and ``simsd serve``.
 
 Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the problem.
 """
@@ -123,7 +123,7 @@ def version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="simsd", allow_abbrev=False,
                            description="simsd: speculative decoding for block-diffusion language models (SDAR). "
-                                       "Commands: generate, bench, check, serve.")
+                                       "Commands: generate, bench, eval, check, serve.")
     parser.add_argument("--version", action="version", version=f"simsd {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     kw = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "speedups are the median over passes")
     bench.add_argument("--json", type=Path, default=None,
                        help="write the rows to this JSON file (its folder must exist; default: none)")
+    from .eval import add_eval_parser
+    add_eval_parser(sub)
     from .check import add_check_parser
     add_check_parser(sub)
     from .serve import add_serve_parser
@@ -274,6 +276,9 @@ def run_command(args, argv=None) -> int:
                 if argv is None:  # the process's own command line: leave without the lingering teardown
                     leave(code)
                 return code
+            if args.command == "eval":
+                from .eval import run_eval
+                return run_eval(args)
             from .bench import bench_modes
             return bench_modes(args)
         finally:

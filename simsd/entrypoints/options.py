@@ -109,17 +109,20 @@ def _given(args, attr: str) -> bool:
 
 
 def modes_of(args) -> list:
-    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
-    if getattr(args, "command", "generate") != "bench":
+    """The decoding modes of a command (``--mode``, or bench's and eval's ``--modes``; eval also
+    knows ``paper-release``, paper mode with ``paper_variant="release"``)."""
+    command = getattr(args, "command", "generate")
+    if command not in ("bench", "eval"):
         return [args.mode]
     if getattr(args, "mode", None) is not None:
-        raise UsageError("simsd bench takes --modes (comma-separated), not --mode")
+        raise UsageError(f"simsd {command} takes --modes (comma-separated), not --mode")
+    known = ("vanilla", "paper", "exact") + (("paper-release",) if command == "eval" else ())
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("vanilla", "paper", "exact")]
+    bad = [m for m in modes if m not in known]
     if bad:
-        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from vanilla, paper, exact)")
+        raise UsageError(f"unknown mode(s) in --modes: {', '.join(bad)} (choose from {', '.join(known)})")
     if not modes:
-        raise UsageError("--modes names no mode (choose from vanilla, paper, exact)")
+        raise UsageError(f"--modes names no mode (choose from {', '.join(known)})")
     if len(set(modes)) != len(modes):
         raise UsageError(f"--modes names a mode twice: {args.modes}")
     return modes
@@ -134,7 +137,7 @@ def check_options(args, modes, names: dict | None = None) -> None:
     for attr in RANGES:
         check_value(attr, getattr(args, attr, None), names)
     strategy = named_strategy(getattr(args, "strategy", None) or "static", "strategy", names)
-    speculative = bool({"paper", "exact"} & set(modes))
+    speculative = bool({"paper", "paper-release", "exact"} & set(modes))
     check_threshold(strategy, getattr(args, "threshold", None), "threshold", names)
     if not speculative:
         given = [n(a) for a in SPEC_OPTIONS if _given(args, a)]
@@ -166,7 +169,7 @@ def check_options(args, modes, names: dict | None = None) -> None:
     if speculative and getattr(args, "on_reject", None) == "fallback" and getattr(args, "gamma", None) == 1:
         raise UsageError(f"{n('on_reject')} fallback with {n('gamma')} 1 never falls back (it finishes a block "
                          f"when fewer than gamma positions remain)")
-    if getattr(args, "no_rope_copy", False) and "paper" not in modes:
+    if getattr(args, "no_rope_copy", False) and not {"paper", "paper-release"} & set(modes):
         raise UsageError(f"{n('no_rope_copy')} is an ablation of paper mode")
     check_paper_variant(args, modes, names)
     if speculative and getattr(args, "fold_commit", False):
