@@ -195,19 +195,19 @@ def check_options(args, modes, names: dict | None = None) -> None:
 
 
 def check_paper_variant(args, modes, names: dict | None = None) -> None:
-    """``UsageError`` for ``paper_variant`` outside paper mode, and for the release variant with
-    a ``gamma`` or ``on_reject`` fallback (it drafts the whole rest of the block every round)."""
+    """``UsageError`` for ``paper_variant`` outside paper mode, and for the release variant
+    (``paper_variant`` release, or eval's ``paper-release`` mode) with a ``gamma`` or
+    ``on_reject`` fallback: it drafts the whole rest of the block every round."""
     n = lambda attr: option_name(attr, names)  # noqa: E731
     variant = getattr(args, "paper_variant", None)
-    if variant is None:
-        return
-    if not {"paper", "paper-release"} & set(modes):
+    if variant is not None and not {"paper", "paper-release"} & set(modes):
         raise UsageError(f"{n('paper_variant')} is a variant of paper mode (this run: {', '.join(modes)})")
-    if variant == "release":
+    if variant == "release" or "paper-release" in modes:
+        named = f"{n('paper_variant')} release" if variant == "release" else "paper-release"
         for attr, bad in (("gamma", _given(args, "gamma")), ("on_reject", getattr(args, "on_reject", None) == "fallback")):
             if bad:
-                raise UsageError(f"{n(attr)}: the release variant of paper mode ({n('paper_variant')} release) drafts "
-                                 f"the whole rest of the block every round (no gamma, no fallback)")
+                raise UsageError(f"{n(attr)}: the release variant of paper mode ({named}) drafts the whole rest of "
+                                 f"the block every round (no gamma, no fallback)")
 
 
 def check_tp_devices(device, tp: int, name: str = "--tp") -> None:

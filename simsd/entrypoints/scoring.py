@@ -9,12 +9,14 @@ sides are then normalised (:func:`normalize_answer`):
 
 * TeX delimiters ``$``, ``\\(``, ``\\)``, ``\\[``, ``\\]`` and ``\\left``, ``\\right``, ``\\!``,
   ``\\,`` are dropped; ``\\text{x}``, ``\\mathrm{x}``, ``\\textbf{x}`` become ``x``;
-* ``\\frac{a}{b}`` (``\\dfrac``, ``\\tfrac``) becomes ``(a)/(b)``, ``\\binom{n}{k}`` becomes
+* ``\\frac{a}{b}`` (``\\dfrac``, ``\\tfrac``) becomes ``a/b``, with parentheses around ``a`` when
+  it is a sum or difference and around ``b`` unless it is one number or one letter
+  (``\\frac{n+1}{2n}`` is ``(n+1)/(2n)``, ``\\frac{n(n-3)}{2}`` is ``n(n-3)/2``); ``\\binom{n}{k}`` becomes
   ``c(n,k)``, ``\\cdot`` and ``\\times`` become ``*``, ``\\le`` / ``\\ge`` become ``<=`` /
   ``>=``; braces become parentheses;
 * lower case, no whitespace, no trailing period, no ``%``, no thousands separators
-  (``1,000`` is ``1000``), no leading ``x=`` (a variable named before the answer), and
-  parentheses around a lone number or letter are removed (``(2)/(n)`` is ``2/n``).
+  in a plain number (``1,000`` is ``1000``), no leading ``x=`` (a variable named before the
+  answer), and parentheses around a lone number or letter are removed (``(2)/(n)`` is ``2/n``).
 
 A CHAMP reference may give several forms ("C(10, 5), or equivalently 252", "5/14, or
 approximately 35.7%"): each is accepted. Two normalised answers match when they are the same
@@ -98,24 +100,37 @@ def _tex_command(s: str, name: str, arity: int, form) -> str:
         s = s[:m.start()] + form(*args) + s[end:]
 
 
+def _frac(a: str, b: str) -> str:
+    """``a/b`` with the parentheses the module doc names: around a numerator with a top-level
+    ``+`` or ``-`` (not a leading sign), around a denominator that is not one number or letter."""
+    a, b = re.sub(r"\s+", "", a), re.sub(r"\s+", "", b)
+    depth, split = 0, False
+    for i, ch in enumerate(a):
+        depth += (ch in "({[") - (ch in ")}]")
+        split = split or (depth == 0 and i > 0 and ch in "+-")
+    top = f"({a})" if split else a
+    return f"{top}/{b}" if re.fullmatch(r"\d+(?:\.\d+)?|[a-zA-Z]", b) else f"{top}/({b})"
+
+
 def normalize_answer(s: str) -> str:
     """The normal form of an answer (module doc); a pure text rewrite, no evaluation."""
     s = s.strip()
     for name in ("text", "mathrm", "textbf", "mbox"):
         s = _tex_command(s, name, 1, lambda a: a)
     for name in ("dfrac", "tfrac", "frac"):
-        s = _tex_command(s, name, 2, lambda a, b: f"({a})/({b})")
+        s = _tex_command(s, name, 2, _frac)
     s = _tex_command(s, "binom", 2, lambda a, b: f"c({a},{b})")
     for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\(", ""), ("\\)", ""),
                      ("\\[", ""), ("\\]", ""), ("$", ""), ("\\cdot", "*"), ("\\times", "*"), ("\\leq", "<="),
                      ("\\geq", ">="), ("\\le", "<="), ("\\ge", ">="), ("{", "("), ("}", ")"), ("%", "")):
         s = s.replace(old, new)
     s = re.sub(r"\s+", "", s.lower()).rstrip(".")
-    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
     s = re.sub(r"^[a-z]\w*=(?!=)", "", s)
     previous = None
     while previous != s:
-        previous, s = s, re.sub(r"\((-?[a-z0-9.]+)\)", r"\1", s)
+        previous, s = s, re.sub(r"\((-?(?:\d+(?:\.\d+)?|[a-z]))\)", r"\1", s)
     return s
 
 
