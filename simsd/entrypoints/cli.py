@@ -147,8 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "speedups are the median over passes")
     bench.add_argument("--json", type=Path, default=None,
                        help="write the rows to this JSON file (its folder must exist; default: none)")
-    from .eval import add_eval_parser
-    add_eval_parser(sub)
+    ev = sub.add_parser("eval", help="a prompt set with answers through several modes: accuracy and speed in one "
+                                     "table", **kw)
+    add_model_args(ev)
+    add_decode_args(ev)
+    from .eval import add_eval_args
+    add_eval_args(ev)
     from .check import add_check_parser
     add_check_parser(sub)
     from .serve import add_serve_parser

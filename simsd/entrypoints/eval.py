@@ -45,13 +45,8 @@ MODES = {"vanilla": ("vanilla", "described"), "paper": ("paper", "described"),
 RESUMABLE = ("json", "limit", "warmup", "threads", "command")
 
 
-def add_eval_parser(sub) -> argparse.ArgumentParser:
-    from .cli import add_decode_args, add_model_args
-    from .help_format import DefaultsHelpFormatter
-    p = sub.add_parser("eval", help="a prompt set with answers through several modes: accuracy and speed in one table",
-                       allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
-    add_model_args(p)
-    add_decode_args(p)
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """``simsd eval``'s own options (the model and decoding options are ``simsd generate``'s)."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt-set", default=None, choices=["champ", "humaneval"],
                    help="held-out problems from their packages (pip install 'simsd[data]'; default: champ)")
@@ -73,7 +68,6 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None,
                    help="record every prompt's result in this JSON file; an existing one is resumed")
     p.set_defaults(prompt=None, prompt_ids=None)
-    return p
 
 
 def check_eval_options(args) -> None:
