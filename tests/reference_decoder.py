@@ -240,8 +240,7 @@ def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, 
     if threshold is None:
         threshold = DEFAULT_THRESHOLD.get(strategy)
     stops = set(ref.stop_ids if stop_ids is None else stop_ids)
-    cut = len(prompt) - len(prompt) % B
-    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    context, tail = split_prompt(prompt, B)
     generated, trace = [], []
     while True:
         block = tail + [ref.mask_id] * (B - len(tail))
@@ -264,12 +263,23 @@ def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, 
         generated += block[first:]
         if stops & set(block[first:]) or len(generated) >= max_new_tokens:
             break
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace)
+
+
+def split_prompt(prompt: list, B: int) -> tuple:
+    """``(context, tail)``: the block-aligned part of the prompt and the rest (it opens the first block)."""
+    cut = len(prompt) - len(prompt) % B
+    return list(prompt[:cut]), list(prompt[cut:])
+
+
+def returned_ids(generated: list, max_new_tokens: int, stops: set) -> list:
+    """The returned ids: ``generated`` up to the first stop id (kept) and at ``max_new_tokens``."""
     out = []
     for t in generated[:max_new_tokens]:
         out.append(t)
         if t in stops:
             break
-    return ReferenceResult(out, trace)
+    return out
 
 
 def step_outcomes(logits: torch.Tensor, masked: list, strategy: str, k: int, threshold=None,
@@ -379,8 +389,7 @@ def reference_paper_generate(target: ReferenceModel, draft: ReferenceModel, prom
         threshold = DEFAULT_THRESHOLD.get(strategy)
     mask_id = target.mask_id
     stops = set(target.stop_ids if stop_ids is None else stop_ids)
-    cut = len(prompt) - len(prompt) % B
-    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    context, tail = split_prompt(prompt, B)
     generated, trace = [], []
     while True:
         block = tail + [mask_id] * (B - len(tail))
@@ -420,12 +429,7 @@ def reference_paper_generate(target: ReferenceModel, draft: ReferenceModel, prom
         generated += block[first:]
         if stops & set(block[first:]) or len(generated) >= max_new_tokens:
             break
-    out = []
-    for t in generated[:max_new_tokens]:
-        out.append(t)
-        if t in stops:
-            break
-    return ReferenceResult(out, trace)
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace)
 
 
 def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, prompt: list, *, block_length: int,
@@ -450,8 +454,7 @@ def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, pr
         threshold = DEFAULT_THRESHOLD.get(strategy)
     mask_id = target.mask_id
     stops = set(target.stop_ids if stop_ids is None else stop_ids)
-    cut = len(prompt) - len(prompt) % B
-    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    context, tail = split_prompt(prompt, B)
     generated, trace = [], []
     while True:
         known = list(tail)
@@ -479,9 +482,4 @@ def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, pr
         generated += known[first:]
         if stops & set(known[first:]) or len(generated) >= max_new_tokens:
             break
-    out = []
-    for t in generated[:max_new_tokens]:
-        out.append(t)
-        if t in stops:
-            break
-    return ReferenceResult(out, trace)
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace)
