@@ -34,8 +34,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-
 from .errors import UsageError
 
 #: ``--modes`` of eval -> (the LLM's mode, its paper variant)
@@ -178,12 +176,13 @@ def print_table(rows: list, header: str) -> None:
 
 
 def run_eval(args) -> int:
+    check_eval_options(args)  # before torch loads
+    import torch
     from tqdm import tqdm
 
     from .bench import check_json_path, git_sha, one_pass, warm_up
     from .commands import build_llm, prepare
     from .options import modes_of
-    check_eval_options(args)
     if args.prompts_file is None and args.prompt_set is None:
         args.prompt_set = "champ"
     modes = modes_of(args)
