@@ -219,6 +219,8 @@ class ReferenceResult:
     token_ids: list
     #: per block: the list of (positions revealed, tokens) of each step
     trace: list = field(default_factory=list)
+    #: per generated token (before the cut): whether the draft proposed it and the target accepted it
+    origins: list = field(default_factory=list)
 
     def step_sizes(self) -> list:
         return [len(p) for blk in self.trace for p, _ in blk]
@@ -446,7 +448,8 @@ def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, pr
     copy); positions are judged from left to right; the first one whose draft token is not the
     target's argmax takes the argmax, and the positions after it become MASK again; if none is
     rejected the draft's tokens are committed and nothing else. ``trace``: per block, per
-    round, ``(positions, tokens)`` committed.
+    round, ``(positions, tokens)`` committed; ``origins``: per generated token, whether it is an
+    accepted draft token.
     """
     B = block_length
     steps = steps or B
@@ -456,9 +459,10 @@ def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, pr
     stops = set(target.stop_ids if stop_ids is None else stop_ids)
     context, tail = split_prompt(prompt, B)
     generated, trace = [], []
+    origins = []
     while True:
         known = list(tail)
-        first, tail, rounds = len(known), [], []
+        first, tail, rounds, origin = len(known), [], [], [False] * len(known)
         while len(known) < B:
             state, tau, s = known + [mask_id] * (B - len(known)), [INF] * B, 0
             while mask_id in state:
@@ -470,16 +474,19 @@ def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, pr
                     tau[i] = s
             block = known + [mask_id] * (B - len(known))
             best = paper_verify(target, context, block, state, tau, B, True)
-            committed = []
+            committed, accepted = [], []
             for p in range(len(known), B):
                 committed.append(best[p] if state[p] != best[p] else state[p])
+                accepted.append(state[p] == best[p])
                 if state[p] != best[p]:
                     break
             rounds.append((list(range(len(known), len(known) + len(committed))), committed))
             known += committed
+            origin += accepted
         trace.append(rounds)
         context += known
         generated += known[first:]
+        origins += origin[first:]
         if stops & set(known[first:]) or len(generated) >= max_new_tokens:
             break
-    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace)
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace, origins)

@@ -91,6 +91,10 @@ TP = "tests/simsd/engine/test_tp.py"
 MEMORY = "tests/simsd/engine/test_memory.py"
 SERVE_CLI = "tests/simsd/entrypoints/test_serve_cli.py"
 API_ENGINE = "tests/simsd/entrypoints/test_api_engine.py"
+RELEASE = "tests/simsd/speculative/test_release_variant.py"
+PAPER_VARIANT = "tests/simsd/entrypoints/test_paper_variant.py"
+EVAL = "tests/simsd/entrypoints/test_eval.py"
+SCORING = "tests/simsd/entrypoints/test_scoring.py"
 
 
 @dataclass(frozen=True)
@@ -556,6 +560,33 @@ MUTANTS = [
     m("graph self-check", GR, "diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0",
       "diff = (a.double() - b.double()).max().item() if a.numel() else 0.0", GRAPH_CHECK,
       note="the replay's difference signed (a replay that writes K/V too small passes)"),
+    # issue 28: paper mode as the release runs it, and simsd eval --------------------------------------------
+    m("release", VER, "before = proposed & (index < first)", "before = proposed & (index <= first)", RELEASE,
+      note="the rejected proposal counted as accepted"),
+    m("release", VER, "first = torch.where(proposed & ~ok, index, L).min()",
+      "first = torch.where(~ok, index, L).min()", RELEASE, note="a known position's verdict read"),
+    m("release", VFY, "k = math.ceil(masks / max(cfg.steps - c, 1))", "k = math.ceil(masks / max(cfg.steps, 1))",
+      RELEASE, note="the fresh schedule does not count down its steps"),
+    m("release", VFY, "return [i for i, t in enumerate(tau) if t <= n]", "return super().acceptance_order(tau, n)",
+      RELEASE, note="the release's accepted tokens marked in temporal order (from_draft)"),
+    m("release", "simsd/decoding/step.py",
+      "key = (c.block_length, tuple(c.schedule), c.strategy, c.threshold, c.sampling, s.mask_id)",
+      "key = (c.block_length, c.steps, c.strategy, c.threshold, c.sampling, s.mask_id)", RELEASE,
+      note="rows whose fresh schedules differ batched as one step"),
+    m("release", "simsd/speculative/decoder.py",
+      "self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == \"paper\" else VERIFIERS[spec.mode]",
+      "self.verifier_class = VERIFIERS[spec.mode]", PAPER_VARIANT, note="the variant ignored"),
+    m("eval", "simsd/entrypoints/eval.py", "if recorded.get(key) != settings.get(key):",
+      "if False and recorded.get(key) != settings.get(key):", EVAL, note="a run resumed with other settings"),
+    m("eval", "simsd/entrypoints/eval.py",
+      "todo = [i for i, p in enumerate(prompts) if not all(m in records.get(p.id, {}).get(\"results\", {}) for m in modes)]",
+      "todo = list(range(len(prompts)))", EVAL, note="a resumed run decodes everything again"),
+    m("eval", "simsd/entrypoints/eval.py", "return None if prompt.answer is None else answer_matches(text, prompt.answer)",
+      "return None", EVAL, note="nothing scored"),
+    m("eval", "simsd/entrypoints/scoring.py", "if got == form:", "if got == form and False:", SCORING,
+      note="only numbers match"),
+    m("eval", "simsd/entrypoints/scoring.py", "return [normalize_answer(a) for a in _ALTERNATIVES.split(answer) if a.strip()]",
+      "return [normalize_answer(answer)]", SCORING, note="a reference's alternative forms dropped"),
 ]
 
 

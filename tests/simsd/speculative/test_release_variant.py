@@ -175,6 +175,8 @@ def test_release_equals_reference(pair, refs, strategy, B, steps):
         got = speculative_generate(target, draft, prompt_of(n), cfg, RELEASE)
         assert got.token_ids == want.token_ids
         assert got.stats["rounds"] == sum(len(blk) for blk in want.trace)
+        # the accepted prefix in position order is what the draft wrote
+        assert got.stats["from_draft"] == sum(want.origins[:len(want.token_ids)])
         redrafts += sum(len(blk) - 1 for blk in want.trace)
     assert redrafts > 0  # rejections happen: suffixes are drafted again
 
