@@ -127,13 +127,14 @@ def counters(mode: str, results: list) -> dict:
 
 
 def warm_up(llms: dict, requests: list, params: dict, batch_size: int) -> None:
-    """Untimed runs of ``requests`` in every mode (``llms``: mode -> LLM; ``params``: mode -> the
-    prompts' parameters), in batches of the timed size (with CUDA graphs: the same captured
-    shapes)."""
+    """Untimed runs of ``requests`` in every mode (``llms``: mode -> LLM; ``params``: mode -> one
+    parameter set per request), in full batches of the timed size (a short last batch repeats
+    its requests; with CUDA graphs: the same captured shapes)."""
     for mode, llm in llms.items():
         for i in range(0, len(requests), batch_size):
-            part = requests[i:i + batch_size]
-            llm.generate([part[j % len(part)] for j in range(batch_size)], params[mode][:batch_size])
+            part, own = requests[i:i + batch_size], params[mode][i:i + batch_size]
+            llm.generate([part[j % len(part)] for j in range(batch_size)],
+                         [own[j % len(own)] for j in range(batch_size)])
 
 
 def one_pass(llms: dict, requests: list, params: dict, index: int, bar=None) -> dict:

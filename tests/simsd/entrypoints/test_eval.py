@@ -157,3 +157,19 @@ def test_champ_and_humaneval_sets(ck, tmp_path, capsys):
         r = p["results"]["vanilla"]
         assert r["correct"] is humaneval_passed(problems[p["id"]], r["text"], 5.0)
     assert doc["rows"][0]["scored"] == 2
+
+
+def test_batches_are_timed_per_chunk(ck, tmp_path, capsys):
+    """With --batch-size 2 the modes alternate per chunk of two prompts; the tokens do not depend
+    on the batch (greedy, the same as one prompt at a time)."""
+    prompts = write_set(tmp_path / "s.jsonl", ["1", "2", "3"])
+    doc, _, _ = run_eval(capsys, ck, prompts, tmp_path / "b.json", "--batch-size", "2")
+    assert [c["prompts"] for c in doc["chunks"]] == [["q0", "q1"], ["q2"]]
+    alone, _, _ = run_eval(capsys, ck, prompts, tmp_path / "a.json")
+    assert [p["results"] for p in doc["prompts"]][0]["exact"]["token_ids"] == \
+        [p["results"] for p in alone["prompts"]][0]["exact"]["token_ids"]
+    assert [[r["token_ids"] for r in p["results"].values()] for p in doc["prompts"]] == \
+        [[r["token_ids"] for r in p["results"].values()] for p in alone["prompts"]]
+    rows = {r["mode"]: r for r in doc["rows"]}
+    for mode, r in rows.items():
+        assert r["decode_seconds"] == pytest.approx(sum(c["decode_seconds"][mode] for c in doc["chunks"]))
