@@ -76,7 +76,7 @@ def test_a_run_that_needs_exactly_the_free_memory_fits(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: need)
     BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)
     monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
-    with pytest.raises(ValueError, match=f"{memory.gib(need - 1)} are free; the largest batch size that fits is 1"):
+    with pytest.raises(ValueError, match=f"{memory.fmt_bytes(need - 1)} are free; the largest batch size that fits is 1"):
         BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)
 
 
