@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.simsd-installed
 
-.PHONY: install demo bench test clean
+.PHONY: install demo bench test lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -20,16 +20,20 @@ install: $(STAMP)
 # The main job: SimSD exact-mode speculative decoding with the bundled tiny draft/target pair
 # on a held-out prompt, then the vanilla baseline on the same prompt.
 demo: $(STAMP)
-	$(BIN)/simsd generate --mode exact --max-new-tokens 96
-	$(BIN)/simsd generate --mode vanilla --max-new-tokens 96
+	$(BIN)/simsd generate --mode exact --max-tokens 96
+	$(BIN)/simsd generate --mode vanilla --max-tokens 96
 
 bench: $(STAMP)
-	$(BIN)/simsd bench --limit 8 --max-new-tokens 96
+	$(BIN)/simsd bench --limit 8 --max-tokens 96
 
 # The tests run small models: one intra-op thread each unless OMP_NUM_THREADS says otherwise
 # (torch's default of every core makes them many times slower on a busy machine; README "CPU threads").
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests
+
+# ruff over the whole tree (pyproject.toml: line length, import order, unused names)
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -96,6 +96,7 @@ def parse_args(argv=None):
 def layout_labels(layout, bk, batch, device):
     """``(labels (batch, Lq, 3) int32, positions (batch, Lq) int64 offsets, MaskMode)``."""
     import torch
+
     from simsd_kernels.mask_rule import MaskMode
 
     blk = torch.arange(bk)

@@ -33,9 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint  # noqa: E402
-from simsd.decoding.noise import ACCEPT, RESIDUAL  # noqa: E402
-from simsd.decoding.step import denoise_step, step_noise, without_mask_token_  # noqa: E402
-from simsd.decoding.noise import uniform  # noqa: E402
+from simsd.decoding.noise import (  # noqa: E402
+    ACCEPT,
+    RESIDUAL,
+    step_noise,  # noqa: E402
+    uniform,  # noqa: E402
+)
+from simsd.decoding.step import denoise_step, without_mask_token_  # noqa: E402
 from simsd.decoding.vanilla import vanilla_generate_batch  # noqa: E402
 from simsd.entrypoints.bench import git_sha  # noqa: E402
 from simsd.entrypoints.prompts import load_prompts  # noqa: E402
@@ -127,8 +131,9 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        meta = {"strategy": args.strategy, "block_length": 4, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                "prompts": [p.id for p in chosen], "torch": torch.__version__, "python": platform.python_version(),
+        meta = {"strategy": args.strategy, "block_length": 4, "dtype": args.dtype,
+                "max_new_tokens": args.max_new_tokens, "prompts": [p.id for p in chosen],
+                "torch": torch.__version__, "python": platform.python_version(),
                 "git_sha": git_sha(), "seed": 0, "invariant_target": True}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)

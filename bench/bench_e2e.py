@@ -99,6 +99,7 @@ def environment() -> dict:
 def random_model(shape: str, block_length: int):
     """A bf16 SDAR model with random weights on the GPU (std 0.02 linears, unit norms)."""
     import torch
+
     from simsd.models.config import ModelConfig
     from simsd.models.model import SDARForCausalLM
     from simsd.testing import config_dict
@@ -129,6 +130,7 @@ def random_model(shape: str, block_length: int):
 def forward_cases(B: int, L: int):
     """name -> (model role, mask mode, labels (1, Lq, 3) int32, num_write, logits?)."""
     import torch
+
     from simsd_kernels import KIND_DRAFT, KIND_MASK
     zeros = lambda n: torch.zeros(1, n, 3, dtype=torch.int32, device=DEV)  # noqa: E731
     paper = zeros(2 * B)
@@ -183,6 +185,7 @@ def bench_fn():
 def latency_row(models: dict, B: int, L: int, env: dict, pair: str, name: str, kind: str) -> list:
     """The row of forward ``name`` (:func:`forward_cases`) run ``kind`` = ``eager`` or ``graphs``."""
     import torch
+
     from simsd.engine.forward import model_forward
     from simsd.engine.graphs import GraphRunner, eager_capture
     role, mode, labels, nw, want = forward_cases(B, L)[name]
@@ -301,8 +304,7 @@ def bundled_pair(args):
     d = load_checkpoint(DEFAULT_DRAFT, dtype=DTYPE, device=DEV)
     lines = HELDOUT_PROMPTS.read_text().splitlines() if HELDOUT_PROMPTS.is_file() else []
     texts = [json.loads(x)["prompt"] for x in lines if x.strip()][: args.prompts] or ["def add(a, b):"]
-    prompts = [encode_prompt([{"role": "user", "content": x}], t.tokenizer, t.config.vocab_size,
-                             t.mask_token_id)[0] for x in texts]
+    prompts = [encode_prompt([{"role": "user", "content": x}], t.tokenizer, t.mask_token_id)[0] for x in texts]
     return t, d, prompts
 
 
@@ -318,8 +320,8 @@ def goal_lines(rows: list) -> list:
                 out.append(f"goal      {pair:12} verify_{v}/vanilla_step (graphs) {ratio:.2f} (goal <= 1.15)")
         gpu = lat.get(("draft_step", "eager"), {}).get("gpu_ms")
         if gpu and ("draft_step", "graphs") in lat:
-            out.append(f"goal      {pair:12} draft_step graphs / pure GPU time {lat[('draft_step', 'graphs')]['ms'] / gpu:.2f}"
-                       " (goal <= 1.2)")
+            ratio = lat[("draft_step", "graphs")]["ms"] / gpu
+            out.append(f"goal      {pair:12} draft_step graphs / pure GPU time {ratio:.2f} (goal <= 1.2)")
         for r in rows:
             if r["kind"] == "modelled" and r["pair"] == pair and r["mode"] in ("paper/graphs", "exact/graphs") \
                     and r.get("speedup_vs_vanilla_graphs"):

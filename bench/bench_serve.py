@@ -202,6 +202,7 @@ def main(argv=None) -> int:
     import httpx
     import torch
     from tqdm import tqdm
+
     from simsd.entrypoints.prompts import bundled_prompts
     prompts = [[{"role": "user", "content": p.text}] for p in bundled_prompts()]
     rows = []

@@ -23,7 +23,7 @@ from importlib import import_module
 #: mistyped option answer before torch loads
 EXPORTS = {
     **dict.fromkeys(["LLM", "RequestOutput", "RequestHandle", "RequestError", "RequestCancelled"], "entrypoints.api"),
-    "SamplingParams": "entrypoints.params", "ParamError": "entrypoints.errors", "SimsdWarning": "entrypoints.errors",
+    "SamplingParams": "entrypoints.settings", "ParamError": "entrypoints.errors", "SimsdWarning": "entrypoints.errors",
     **dict.fromkeys(["CheckpointError", "ModelConfig", "Checkpoint", "load_checkpoint", "load_model",
                      "SDARForCausalLM"], "models"),
     **dict.fromkeys(["DecodeConfig", "GenerationResult", "vanilla_generate", "vanilla_generate_batch"], "decoding"),

@@ -141,7 +141,8 @@ def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta, n
     if not 0 <= num_tokens <= L:
         raise ValueError(f"num_tokens must be in [0, {L}], got {num_tokens}")
     if v.shape != k.shape or k_cache.shape[0] != B or k_cache.shape[2:] != (Hkv, D):
-        raise ValueError(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)} do not fit")
+        raise ValueError(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)} do not "
+                         f"fit")
     if positions.shape != (B, L):
         raise ValueError(f"positions must be (B={B}, L={L}), got {tuple(positions.shape)}")
     append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens),

@@ -22,6 +22,7 @@ def is_available(device) -> tuple:
     device = torch.device(device)
     try:
         import triton  # noqa: F401
+
         from triton_ops import ops
     except ImportError as exc:  # pragma: no cover - triton is a dependency of this module
         return False, f"triton does not import: {exc}"

@@ -5,6 +5,8 @@ import functools
 import tempfile
 from pathlib import Path
 
+import torch
+
 from simsd.testing import make_random_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="simsd-tests-"))
@@ -88,3 +90,15 @@ def load_bench_script(name: str):
     finally:
         sys.path.remove(str(bench))
     return mod
+
+
+def exp_noise(shape, g: torch.Generator) -> torch.Tensor:
+    """``Exp(1)`` draws (float32) from a seeded generator: the noise of
+    :func:`simsd.decoding.sampling.draw` for tests of the distributions themselves."""
+    return torch.empty(shape, dtype=torch.float32).exponential_(generator=g)
+
+
+def rejection_rng(n: int, vocab: int, g: torch.Generator) -> tuple:
+    """The ``(u (n,), noise (n, vocab))`` of :func:`simsd.speculative.verification.token_verdicts`
+    from a seeded generator (tests of the rejection sampling law over many draws)."""
+    return torch.rand(n, generator=g, dtype=torch.float64), exp_noise((n, vocab), g)

@@ -63,7 +63,8 @@ def test_results_are_classified(mutate, tmp_path, monkeypatch):
     monkeypatch.setattr(mutate, "ROOT", tmp_path)
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert True\n")
     (tmp_path / "test_bad.py").write_text("def test_bad():\n    assert False\n")
-    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hang():\n    while True:\n        time.sleep(0.05)\n")
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hang():\n    while True:\n"
+                                           "        time.sleep(0.05)\n")
     assert mutate.run_tests(["test_ok.py"], 120)[0] == "survived"
     assert mutate.run_tests(["test_bad.py"], 120)[0] == "killed"
     assert mutate.run_tests(["test_hang.py"], 4)[0] == "killed (timeout)"

@@ -16,7 +16,8 @@ def test_suite_has_a_per_test_timeout(request):
 
 
 def test_a_hanging_test_fails(tmp_path):
-    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hang():\n    while True:\n        time.sleep(0.05)\n")
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hang():\n    while True:\n"
+                                           "        time.sleep(0.05)\n")
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=2",
                           str(tmp_path / "test_hang.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 1 and "Timeout" in res.stdout, res.stdout[-2000:]

@@ -20,8 +20,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simsd_kernels.split_plan import (CUDA_FIGURES, TRITON_FIGURES, DeviceLimits, estimated_time,  # noqa: E402
-                                      plan_attention, residency)
+from simsd_kernels.split_plan import (  # noqa: E402
+    CUDA_FIGURES,
+    TRITON_FIGURES,
+    DeviceLimits,
+    estimated_time,
+    plan_attention,
+    residency,
+)
 
 MODELS = {"8b": (32, 8), "1.7b": (16, 8)}
 LAYOUTS = {"denoise4": 4, "paper4": 8, "exact4": 16, "denoise8": 8, "paper8": 16, "exact8": 64}

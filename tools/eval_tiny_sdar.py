@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from simsd.engine.batching import BatchEngine, round_capacity  # noqa: E402
-from simsd.engine.scheduler import Request, run_requests  # noqa: E402
 from simsd.decoding.config import DecodeConfig, check_prompt  # noqa: E402
 from simsd.decoding.step import denoise_step  # noqa: E402
-from simsd.models.loading import load_checkpoint  # noqa: E402
-from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
 from simsd.decoding.vanilla import vanilla_generate  # noqa: E402
+from simsd.engine.batching import BatchEngine, round_capacity  # noqa: E402
+from simsd.engine.scheduler import Request, run_requests  # noqa: E402
+from simsd.entrypoints.prompts import bundled_prompts  # noqa: E402
+from simsd.models.loading import load_checkpoint  # noqa: E402
 
 ASSETS = ROOT / "simsd" / "assets"
 
@@ -43,6 +43,7 @@ def chat_ids(tok, text: str) -> list:
 
 def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
     import corpus
+
     import train_tiny_sdar as T
 
     docs = corpus.documents("heldout")

@@ -38,10 +38,8 @@ block step than the last, and every proposal judged in a round is committed, so 
 reused); acceptance uniforms drawn from the ``SAMPLE`` stream are independent of paper mode's
 draft (it samples from ``PAPER_DRAFT``); an API ``max_tokens + 1`` is cut by the request's text
 stream at ``max_tokens`` before it shows; the invariant plan's natural tile equals
-``INVARIANT_BLOCK_M`` for GQA groups >= 4; ``encode_prompt``'s vocabulary bound off by one is
-caught by ``check_prompt_ids`` right after it (the API and the decoders check again); dropping
-the query heads from the tensor-parallel check changes nothing (they are a multiple of the KV
-heads, which are checked).
+``INVARIANT_BLOCK_M`` for GQA groups >= 4; dropping the query heads from the tensor-parallel
+check changes nothing (they are a multiple of the KV heads, which are checked).
 """
 from __future__ import annotations
 
@@ -117,6 +115,10 @@ MR, TR, CR = "simsd_kernels/mask_rule.py", "triton_ops/common.py", "csrc/mask_ru
 SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
+PROTO, SETS = "simsd/entrypoints/protocol.py", "simsd/entrypoints/settings.py"
+#: the request fields a server request gives (protocol.py), and the same with one of them dropped
+GIVEN = "given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}"
+ignoring = lambda field: GIVEN[:-1] + f' and name != "{field}"' + "}"  # noqa: E731
 SAMP, STRATS, CHOICES = "simsd/decoding/sampling.py", "simsd/decoding/strategies.py", "simsd/decoding/choices.py"
 NZ, SP, GR = "simsd/decoding/noise.py", "simsd_kernels/split_plan.py", "simsd/engine/graphs.py"
 
@@ -215,7 +217,8 @@ MUTANTS = [
          "from_draft = q_draft & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k > tau_q)))"),
         (TR, "from_draft = q_draft & (k_known | (k_draft & (tau_k <= tau_q)) | (k_mask & (tau_k > tau_q)))",
          "from_draft = q_draft & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k > tau_q)))"),
-        (CR, "if (kq == kDraft) return (kk == kDraft && tk <= tq)", "if (kq == kDraft) return (kk == kDraft && tk < tq)"),
+        (CR, "if (kq == kDraft) return (kk == kDraft && tk <= tq)",
+         "if (kq == kDraft) return (kk == kDraft && tk < tq)"),
     ], MASKS, MIRROR, FLEX, note="D_i does not see D_j with tau_j = tau_i (itself, ties)"),
     multi("mask rule (all mirrors)", [
         (MR, "from_mask = q_mask & (k_known | (k_draft & (tau_k < tau_q)) | (k_mask & (tau_k >= tau_q)))",
@@ -275,8 +278,7 @@ MUTANTS = [
     m("verdict", VFY, "at = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)",
       "at = without_mask_token_(logits.index_select(0, (rnd.layout - rnd.host.count(self.mask_id)).clamp_min(0)), "
       "self.mask_id)", PAPER_REF, SPEC, note="paper: proposals judged at their D slot instead of their M slot"),
-    m("schedule", SR, "\"draft\", state, Step(state, block_step + c, dcfg, self.mask_id, key))",
-      "\"draft\", state, Step(state, c, dcfg, self.mask_id, key))", PAPER_REF, EXACT_SAMPLING,
+    m("schedule", VFY, "return cfg, block_step + c", "return cfg, c", PAPER_REF, EXACT_SAMPLING,
       note="the draft's step (schedule and noise key) restarts at every round"),
     m("schedule", SR, "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) < self.dec.gamma:",
       "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) <= self.dec.gamma:", PAPER_REF,
@@ -290,8 +292,8 @@ MUTANTS = [
     m("layout", VER, "positions = [start + i for i in left] + [start + i for i in unk] + m_pos",
       "positions = [start + i for i in left] + [start + L + j for j in range(n)] + m_pos", PAPER_REF, SPEC,
       note="paper: D slots at fresh positions"),
-    m("layout", VER, "positions = list(range(start, start + L)) * n", "positions = list(range(start + 1, start + L + 1)) * n",
-      EXACT_REF,
+    m("layout", VER, "positions = list(range(start, start + L)) * n",
+      "positions = list(range(start + 1, start + L + 1)) * n", EXACT_REF,
       note="exact: copies one position late"),
     m("cache commit", VFY, "fwd = row.exact(\"target\", *exact_layout(verified, rnd.start))",
       "fwd = row.exact(\"target\", *exact_layout(verified, row.cached[\"target\"]))", EXACT_REF,
@@ -301,12 +303,14 @@ MUTANTS = [
       'DEFAULT_DRAFT = ASSETS / "tiny-sdar-draft-missing"', USER, note="issue 13 item 8: bundled draft missing"),
     m("user path", "simsd/assets/__init__.py", 'DEFAULT_TARGET = ASSETS / "tiny-sdar-target"',
       'DEFAULT_TARGET = ASSETS / "tiny-sdar-draft"', USER, note="the bundled target is the draft"),
-    m("user path", "simsd/entrypoints/commands.py", "max_tokens=args.max_new_tokens, seed=args.seed or 0,",
-      "max_tokens=args.max_new_tokens + 1, seed=args.seed or 0,", CLI, USER, note="--max-new-tokens off by one"),
+    m("user path", "simsd/entrypoints/commands.py", "dataclasses.replace(base, seed=(seed + i) % (SEED_MAX + 1))",
+      "dataclasses.replace(base, seed=(seed + i) % (SEED_MAX + 1), max_tokens=base.max_tokens + 1)", CLI, USER,
+      note="--max-tokens off by one"),
     m("user path", "simsd/entrypoints/detokenize.py", 'self.finish_reason, self.stop_reason = "stop", t',
       'self.finish_reason, self.stop_reason = "stop", t; self._text += self.detok.push([t])', CLI, USER,
       note="the text keeps the stop token"),
-    m("user path", "simsd/entrypoints/params.py", "sampling=StepSampling(params.temperature, params.top_k, params.top_p),",
+    m("user path", "simsd/entrypoints/settings.py",
+      "sampling=StepSampling(params.temperature, params.top_k, params.top_p),",
       "sampling=StepSampling(params.temperature, params.top_k, 1.0),", API,
       note="the API ignores a request's top_p"),
     m("user path", "simsd/entrypoints/encoding.py", "any(t + r in rendered for r in roles)",
@@ -314,16 +318,17 @@ MUTANTS = [
       note="every special token of the chat template ends the answer, not only the role markers"),
     m("user path", "simsd/entrypoints/prompts.py", 'line = line.lstrip("\\ufeff")', "line = line", PROMPTS,
       note="a prompt file with a byte-order mark is refused"),
-    m("user path", "simsd/entrypoints/options.py", "greedy = temperature < MIN_TEMPERATURE or top_k == 1",
-      "greedy = temperature < MIN_TEMPERATURE", OPTIONS, note="--seed accepted with --top-k 1 (greedy: the seed would be ignored)"),
-    m("user path", "simsd/entrypoints/options.py", "greedy = temperature < MIN_TEMPERATURE or top_k == 1",
-      "greedy = temperature == 0 or top_k == 1", OPTIONS,
+    m("user path", CHOICES, "return self.temperature < MIN_TEMPERATURE or self.top_k == 1",
+      "return self.temperature < MIN_TEMPERATURE", OPTIONS,
+      note="--seed accepted with --top-k 1 (greedy: the seed would be ignored)"),
+    m("user path", CHOICES, "return self.temperature < MIN_TEMPERATURE or self.top_k == 1",
+      "return self.temperature == 0 or self.top_k == 1", OPTIONS,
       note="--seed accepted with a temperature too small to sample at (greedy: the seed would be ignored)"),
-    m("user path", "simsd/entrypoints/serve.py", "if args.max_new_tokens >= llm.max_model_len:",
-      "if args.max_new_tokens > 10 ** 9:", "tests/simsd/entrypoints/test_serve_cli.py",
+    m("user path", "simsd/entrypoints/api.py", "if default_params.max_tokens >= max_model_len:",
+      "if default_params.max_tokens > 10 ** 9:", "tests/simsd/entrypoints/test_serve_cli.py",
       note="serve starts with a default max_tokens that leaves no room for a prompt"),
-    m("user path", "simsd/entrypoints/options.py", "if steps is not None and steps > block_length:",
-      "if steps is not None and steps >= block_length:", OPTIONS,
+    m("user path", CHOICES, "if value is not None and not 1 <= value <= high:",
+      "if value is not None and not 1 <= value < high:", OPTIONS,
       note="--steps equal to the block length refused"),
     m("hang", STEP, "logits = without_mask_token_(logits, mask_id)", "logits = logits",
       PROGRESS, VANILLA, note="issue 13 item 9: MASK can be 'revealed' (no progress)"),
@@ -336,8 +341,8 @@ MUTANTS = [
       "if req.forward_requests <= limit * 10 ** 9:", PROGRESS,
       note="the scheduler's bound on a row's requests removed: a program that never finishes loops"),
     # counters (issue 13 item 6; README "Statistics") ---------------------------------------------------
-    m("counters", SR, "proposals = sorted((t, i) for i, t in enumerate(tau) if t <= draft.n)",
-      "proposals = sorted((t, i) for i, t in enumerate(tau) if t <= taken)", COUNTERS,
+    m("counters", SR, "proposals = self.verifier.acceptance_order(tau, draft.n)",
+      "proposals = self.verifier.acceptance_order(tau, taken)", COUNTERS,
       note="proposed counts only the steps a round took (the draft steps after a rejection dropped)"),
     m("counters", VER, "    return new, rejected, taken, r\n", "    return new, rejected, taken, r + rejected.long()\n",
       COUNTERS,
@@ -355,8 +360,8 @@ MUTANTS = [
     m("counters", SR, '"draft_share": from_draft / n if n else 0.0,',
       '"draft_share": from_draft / len(self.stats.origins) if n else 0.0,', COUNTERS,
       note="draft_share over the decoded tokens, not the returned ones"),
-    m("counters", SR, "self.mark(rnd.host, block_host, {i for _, i in proposals[:acc]})",
-      "self.mark(rnd.host, block_host, {i for _, i in proposals[:acc + 1]})", COUNTERS,
+    m("counters", SR, "self.mark(rnd.host, block_host, set(proposals[:acc]))",
+      "self.mark(rnd.host, block_host, set(proposals[:acc + 1]))", COUNTERS,
       note="the target's correction counted as the draft's"),
     m("counters", SR, "self.stats.origins.extend(self.origin[blk.first:])", "self.stats.origins.extend(self.origin)",
       COUNTERS, note="origins include the prompt tail's positions (from_draft shifted)"),
@@ -493,18 +498,18 @@ MUTANTS = [
     m("admission", "simsd/engine/scheduler.py", "return len(self._waiting) < self.max_waiting + len(self._free)",
       "return len(self._waiting) <= self.max_waiting + len(self._free)", SCHED, API,
       note="has_room says yes when the queue is full (a blocking submit refused)"),
-    m("protocol", "simsd/entrypoints/protocol.py", '"top_p", "top_k", "seed",', '"top_p", "seed",', SERVER, API_ENGINE,
+    m("protocol", PROTO, GIVEN, ignoring("top_k"), SERVER, API_ENGINE,
       note="a request's top_k ignored"),
-    m("protocol", "simsd/entrypoints/protocol.py", '"stop", "stop_token_ids", "ignore_eos",', '"stop", "ignore_eos",',
-      SERVER, API_ENGINE, note="a request's stop_token_ids ignored"),
-    m("protocol", "simsd/entrypoints/protocol.py", '"stop_token_ids", "ignore_eos", "steps",',
-      '"stop_token_ids", "steps",', SERVER, API_ENGINE, note="a request's ignore_eos ignored"),
-    m("protocol", "simsd/entrypoints/protocol.py", '"strategy", "threshold", "gamma", "draft_strategy",',
-      '"strategy", "threshold", "draft_strategy",', SERVER, API_ENGINE, note="a request's gamma ignored"),
-    multi("protocol", [
-        ("simsd/entrypoints/params.py", '_int("n", self.n, 1, allow_none=True)', '_int("n", self.n, 0, allow_none=True)'),
-        ("simsd/entrypoints/params.py", "if self.n not in (None, 1):", "if self.n not in (None, 0, 1):"),
-    ], SERVER, API, note="n = 0 accepted (one choice returned)"),
+    m("protocol", PROTO, GIVEN, ignoring("stop_token_ids"), SERVER, API_ENGINE,
+      note="a request's stop_token_ids ignored"),
+    m("protocol", PROTO, GIVEN, ignoring("ignore_eos"), SERVER, API_ENGINE,
+      note="a request's ignore_eos ignored"),
+    m("protocol", PROTO, GIVEN, ignoring("gamma"), SERVER, API_ENGINE,
+      note="a request's gamma ignored"),
+    multi("protocol", [(SETS, '"completions per request: simsd returns one (n=1; None = 1)", low=1)',
+                        '"completions per request: simsd returns one (n=1; None = 1)", low=0)'),
+                       (SETS, "if self.n not in (None, 1):", "if self.n not in (None, 0, 1):")], SERVER,
+          note="n = 0 accepted (one choice returned)"),
     m("memory", "simsd/engine/memory.py", "if free is not None and est.needed(device) > free:",
       "if free is not None and est.needed(device) >= free:", MEMORY,
       note="a run that needs exactly the free memory refused"),
@@ -520,7 +525,8 @@ MUTANTS = [
       note="the error floor 100x too loose (bfloat16: 1.6, an output off by 0.5 passes)"),
     m("tp check", "simsd/engine/tp.py", '("num_key_value_heads", c.num_key_value_heads),', "", TP,
       note="--tp 2 on an odd number of KV heads not refused (a head dropped)"),
-    m("prompt bounds", "simsd/decoding/config.py", "bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]",
+    m("prompt bounds", "simsd/decoding/config.py",
+      "bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]",
       "bad = [t for t in prompt_ids if not 0 <= int(t) <= config.vocab_size]", API, PROMPTS, CLI, VANILLA,
       note="a prompt id equal to the vocabulary size accepted by the decoders (an IndexError later)"),
     m("prompt bounds", "simsd/decoding/config.py", "if len(prompt_ids) >= limit:", "if len(prompt_ids) > limit:",
@@ -532,21 +538,20 @@ MUTANTS = [
       note="whole blocks that end exactly at the model's length refused"),
     m("prompt bounds", "simsd/entrypoints/api.py", "if P >= L:", "if P > L:", API,
       note="a prompt of max_model_len tokens refused as max_tokens (wrong field)"),
-    m("prompt bounds", "simsd/entrypoints/serve.py",
-      "if args.max_model_len is not None and args.max_new_tokens >= args.max_model_len:",
-      "if args.max_model_len is not None and args.max_new_tokens > args.max_model_len:", SERVE_CLI,
-      note="serve starts with --max-new-tokens equal to --max-model-len (every request without max_tokens refused)"),
-    m("stop-id bounds", "simsd/entrypoints/params.py", "bad = [t for t in params.stop_token_ids if t >= settings.vocab_size]",
-      "bad = [t for t in params.stop_token_ids if t > settings.vocab_size]", API,
+    m("prompt bounds", "simsd/entrypoints/api.py", "if default_params.max_tokens >= max_model_len:",
+      "if default_params.max_tokens > max_model_len:", SERVE_CLI,
+      note="serve starts with --max-tokens equal to --max-model-len (every request without max_tokens refused)"),
+    m("stop-id bounds", SETS, "bad = [t for t in params.stop_token_ids if t >= vocab_size]",
+      "bad = [t for t in params.stop_token_ids if t > vocab_size]", API,
       note="a stop id equal to the vocabulary size accepted"),
-    m("stop-id bounds", "simsd/entrypoints/params.py", '_int("stop_token_ids", t, 0)', '_int("stop_token_ids", t, -1)',
+    m("stop-id bounds", SETS, '"output)", low=0, many=True)', '"output)", low=-1, many=True)',
       API, note="a stop id of -1 accepted"),
-    m("prompt bounds", "simsd/entrypoints/params.py", "if params.gamma is not None and params.gamma > block_length:",
-      "if params.gamma is not None and params.gamma >= block_length:", API, API_ENGINE,
+    m("prompt bounds", CHOICES, "if gamma is not None and gamma > block_length:",
+      "if gamma is not None and gamma >= block_length:", API, API_ENGINE,
       note="gamma equal to the block length refused"),
-    m("prompt bounds", "simsd/entrypoints/params.py",
-      "if params.gamma is not None and settings.max_gamma is not None and params.gamma > settings.max_gamma:",
-      "if params.gamma is not None and settings.max_gamma is not None and params.gamma >= settings.max_gamma:",
+    m("prompt bounds", SETS,
+      "if params.gamma is not None and config.max_gamma is not None and params.gamma > config.max_gamma:",
+      "if params.gamma is not None and config.max_gamma is not None and params.gamma >= config.max_gamma:",
       API_ENGINE, note="gamma equal to the LLM's max_gamma refused"),
     m("batch retry", "simsd/engine/scheduler.py", "row.cached[name], row.forwards[name] = cached, forwards",
       "row.forwards[name] = forwards", SCHED,

@@ -54,13 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+import distill  # noqa: E402
 from simsd.models.config import ModelConfig  # noqa: E402
-from simsd.models.model import labels_for  # noqa: E402
-from simsd.models.model import SDARForCausalLM  # noqa: E402
+from simsd.models.model import SDARForCausalLM, labels_for  # noqa: E402
 from simsd.testing import build_tokenizer, config_dict, save_checkpoint  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
-
-import distill  # noqa: E402
 
 WORK = ROOT / "build" / "tiny-sdar"
 ASSETS = ROOT / "simsd" / "assets"
@@ -330,8 +328,9 @@ def stage_train(args) -> None:
     ck = load_checkpoint(out, dtype="float64")
     err_saved = check_against_inference(ck.model, len(tok), B, ck.mask_token_id, seed=1)
     hl_saved = heldout_loss(ck.model.float(), held, B, mask_id)
-    summary = {"model": args.model, "params": nparam, "steps": step + 1, "planned_steps": args.steps, "batch": args.batch, "seq_len": L,
-               "block": B, "lr": args.lr, "seed": args.seed, "threads": args.threads, "train_seconds": seconds,
+    summary = {"model": args.model, "params": nparam, "steps": step + 1, "planned_steps": args.steps,
+               "batch": args.batch, "seq_len": L, "block": B, "lr": args.lr, "seed": args.seed, "threads": args.threads,
+               "train_seconds": seconds,
                "tokens_seen": (step + 1) * args.batch * L, "heldout_windows": len(held),
                "heldout_loss_bf16": hl_saved, "saved_check_rel_diff": err_saved, "log": log}
     if teacher is not None:

@@ -7,48 +7,36 @@ the first decode block, a read-only cache while denoising, a commit forward per 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
-from .choices import parse_strategy, threshold_range
+from .choices import SETTINGS, check_fields, check_threshold
 from .sampling import SamplingParams
 from .strategies import transfer_schedule
 
 
 @dataclass
 class DecodeConfig:
-    """Decoding settings shared by every mode.
+    """Decoding settings shared by every mode (declared in :data:`simsd.decoding.choices.SETTINGS`).
 
     ``steps`` defaults to ``block_length`` (one token per step for the schedule strategies).
     ``threshold`` is the confidence threshold of ``dynamic`` or the entropy bound of
-    ``entropy`` (nats).
+    ``entropy`` (nats). Raises :class:`~simsd.decoding.choices.ParamError` naming the field.
     """
-    block_length: int = 4
-    steps: int | None = None
-    strategy: str = "static"
-    threshold: float | None = None
+    block_length: int = SETTINGS["block_length"].field(4)
+    steps: int | None = SETTINGS["steps"].field(None)
+    strategy: str = SETTINGS["strategy"].field("static")
+    threshold: float | None = SETTINGS["threshold"].field(None)
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 128
-    seed: int = 0
-    fold_commit: bool = False
+    max_new_tokens: int = SETTINGS["max_tokens"].field(128)
+    seed: int = SETTINGS["seed"].field(0)
+    fold_commit: bool = SETTINGS["fold_commit"].field(False)
 
     def __post_init__(self):
-        if self.block_length < 1:
-            raise ValueError(f"block_length must be >= 1, got {self.block_length}")
+        check_fields(self)
         if self.steps is None:
             self.steps = self.block_length
-        self.strategy = parse_strategy(self.strategy)
-        if self.threshold is not None:
-            lo, hi, text = threshold_range(self.strategy)
-            if lo is None:
-                raise ValueError(f"threshold applies to the dynamic and entropy strategies, not {self.strategy}")
-            if not math.isfinite(self.threshold) or self.threshold < lo or (hi is not None and self.threshold > hi):
-                raise ValueError(f"threshold of the {self.strategy} strategy is {text}, got {self.threshold}")
+        check_threshold(self.strategy, self.threshold)
         self.schedule = transfer_schedule(self.block_length, self.steps)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.seed < 2 ** 63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
     def tokens_for_step(self, step: int) -> int:
         """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats)."""
@@ -103,7 +91,7 @@ def check_prompt_ids(prompt_ids, config, mask_id: int | None = None) -> None:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
     if bad:
-        raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {config.vocab_size})")
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     mask = mask_id if mask_id is not None else config.mask_token_id
     ids = [int(t) for t in prompt_ids]
     if mask is not None and int(mask) in ids:

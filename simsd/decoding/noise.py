@@ -151,7 +151,9 @@ def uniform(keys, steps, length: int, vocab: int, device) -> torch.Tensor:
     return word_uniform(words(keys, steps, length, vocab, device))
 
 
-def exponential(keys, steps, length: int, vocab: int, device) -> torch.Tensor:
-    """``Exp(1)`` draws ``-log(u)`` (float32, ``(R, length, vocab)``) for the exponential race of
-    :func:`simsd.decoding.sampling.draw`; arguments as :func:`words`."""
+def step_noise(keys, steps, length: int, vocab: int, device) -> torch.Tensor:
+    """The sampling noise of ``len(keys)`` blocks: ``Exp(1)`` draws ``-log(u)`` (float32,
+    ``(R, length, vocab)``) for the exponential race of :func:`simsd.decoding.sampling.draw`,
+    keyed by each block's :class:`NoiseKey` and denoising step (``steps``: an int, R ints, or an
+    ``(R,)`` tensor on ``device``); arguments as :func:`words`."""
     return uniform(keys, steps, length, vocab, device).log_().neg_()

@@ -10,36 +10,11 @@ huge ones are capped at the largest float32 (the distribution is then uniform).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from .choices import MIN_TEMPERATURE  # temperatures below it (the smallest normal float32) act as greedy
+from .choices import MIN_TEMPERATURE, SamplingParams  # noqa: F401  (declared torch-free there; re-exported)
 
 _MAX_TEMPERATURE = torch.finfo(torch.float32).max
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """``temperature`` >= 0 (finite; 0 = greedy), ``top_k`` >= 0 (0 = off, 1 = greedy),
-    ``top_p`` in (0, 1] (1 = off). Raises ``ValueError`` naming the parameter and its range."""
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def scaled_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -82,29 +57,20 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(scores, dim=-1)
 
 
-def exponential_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``Exp(1)`` draws (float32, on ``device`` with ``generator`` there) for :func:`draw`."""
-    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
-
-
-def draw(weights: torch.Tensor, generator: torch.Generator | None = None,
-         noise: torch.Tensor | None = None) -> torch.Tensor:
+def draw(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One index per row of ``weights (..., V)`` (non-negative, not all zero), drawn with
     probability proportional to the weight, on the weights' device and without host reads:
     ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. (the exponential race; the index of the first
     of independent exponential clocks with rates ``w`` is distributed as ``w / sum(w)``).
-    ``noise``: the ``E`` (:func:`exponential_noise`), else drawn from ``generator`` (on the
-    weights' device). Returns int64 ``(...)``."""
-    if noise is None:
-        noise = exponential_noise(weights.shape, weights.device, generator)
+    ``noise``: the ``E``, float32 ``(..., V)`` on the weights' device (keyed:
+    :func:`simsd.decoding.noise.step_noise`). Returns int64 ``(...)``."""
     return (weights.float() / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           noise: torch.Tensor | None = None, with_probs: bool = True, with_entropy: bool = True,
-           with_confidence: bool = True):
-    """Draw one token per row of ``logits (..., V)`` on their device (no host reads; the
-    generator, or the precomputed ``noise`` of :func:`draw`, lives on that device).
+def sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None,
+           with_probs: bool = True, with_entropy: bool = True, with_confidence: bool = True):
+    """Draw one token per row of ``logits (..., V)`` on their device (no host reads; ``noise``:
+    the ``Exp(1)`` draws of :func:`draw` on that device, needed when sampling, unused when greedy).
 
     Returns ``(tokens (...) int64, confidence (...) float32, entropy (...) float32, probs (..., V))``
     where ``probs`` is the filtered distribution the token was drawn from (used by rejection
@@ -120,7 +86,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             probs = filtered_probs(logits, params)
     else:
         probs = filtered_probs(logits, params)
-        tokens = draw(probs, generator, noise)
+        tokens = draw(probs, noise)
     base = scaled_probs(logits, params) if with_confidence or with_entropy else None
     confidence = None
     if with_confidence and params.greedy:

@@ -19,7 +19,7 @@ import torch
 
 from ..engine.host_sync import to_device
 from .config import DecodeConfig
-from .noise import NoiseKey, exponential
+from .noise import NoiseKey, step_noise
 from .sampling import sample
 from .strategies import select_positions
 
@@ -52,7 +52,7 @@ def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: D
 
     The MASK token is excluded from sampling (``logits`` are changed in place). ``noise``: the
     ``Exp(1)`` draws of the exponential race, ``(..., L, V)`` float32 on the logits' device
-    (:func:`step_noise`); needed when sampling, unused when greedy. Runs on the logits' device
+    (:func:`~simsd.decoding.noise.step_noise`); needed when sampling, unused when greedy. Runs on the logits' device
     without host reads. Returns ``(new_block, revealed bool, probs (..., L, V) or None)``:
     ``probs`` is the distribution each position's token was drawn from (None when greedy).
 
@@ -60,22 +60,15 @@ def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: D
         ValueError: sampling without ``noise``.
     """
     if not cfg.sampling.greedy and not isinstance(noise, torch.Tensor):
-        raise ValueError("a sampling step needs its noise tensor (simsd.decoding.step.step_noise)")
+        raise ValueError("a sampling step needs its noise tensor (simsd.decoding.noise.step_noise)")
     masked = block == mask_id
     logits = without_mask_token_(logits, mask_id)
-    tokens, conf, ent, probs = sample(logits, cfg.sampling, None, noise, with_probs=False,
+    tokens, conf, ent, probs = sample(logits, cfg.sampling, noise, with_probs=False,
                                       with_entropy=cfg.strategy == "entropy",
                                       with_confidence=cfg.strategy in ("static", "dynamic"))
     revealed = select_positions(cfg.strategy, masked, conf, ent, tokens_to_reveal(cfg, step, logits.device),
                                 cfg.threshold)
     return torch.where(revealed, tokens, block), revealed, probs
-
-
-def step_noise(keys, steps, length: int, vocab: int, device) -> torch.Tensor:
-    """The sampling noise of ``len(keys)`` blocks: ``(R, length, vocab)`` ``Exp(1)`` draws of
-    :mod:`simsd.decoding.noise` keyed by each block's :class:`NoiseKey` and denoising step
-    (``steps``: an int, R ints, or an ``(R,)`` tensor on ``device``)."""
-    return exponential(keys, steps, length, vocab, device)
 
 
 @dataclass

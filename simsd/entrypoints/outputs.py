@@ -3,12 +3,13 @@ of a submitted request (events, result, cancellation) and the errors of a reques
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.scheduler import Request, decode_span
+from ..engine.scheduler import Request
 from .detokenize import TextStream
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,27 @@ class RequestError(RuntimeError):
 
 class RequestCancelled(RuntimeError):
     """The request was cancelled before it finished."""
+
+
+def json_safe(x):
+    """``x`` for strict JSON: NaN and infinities become null (in dicts and lists too)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def request_failure(request_id: str, error: BaseException | None) -> RuntimeError:
+    """The exception of a request that failed (:class:`RequestError`, ``error`` its
+    ``__cause__``) or, for ``error`` None, was cancelled (:class:`RequestCancelled`)."""
+    if error is None:
+        return RequestCancelled(f"request {request_id} was cancelled")
+    exc = RequestError(f"request {request_id} failed: {error!r}")
+    exc.__cause__ = error
+    return exc
 
 
 @dataclass
@@ -43,7 +65,8 @@ class RequestOutput:
     ``accepted_per_round``, ``fallback_steps``, ...) plus ``batch_size`` (the engine's rows),
     ``queue_seconds`` (submission to the end of the prefill) and ``time_to_first_token``
     (seconds from submission to the first finished block). ``decode_interval``: ``(start,
-    end)`` on the scheduler's decode clock (:func:`run_decode_seconds` of a run's outputs).
+    end)`` on the scheduler's decode clock; :func:`simsd.engine.scheduler.decode_span` of a run's
+    outputs is the run's decode time (the first admission to the last end; prefills excluded).
     """
     request_id: str
     prompt: object
@@ -55,14 +78,6 @@ class RequestOutput:
     seed: int
     stats: dict = field(default_factory=dict)
     decode_interval: tuple | None = None
-
-
-def run_decode_seconds(outputs) -> float:
-    """The decode time of a run of requests of one :class:`~simsd.entrypoints.api.LLM` (e.g. one
-    ``generate`` call): the span of the scheduler's decode clock from the first request's
-    admission to the last one's end; prefills excluded (README, "Statistics";
-    :func:`simsd.engine.scheduler.decode_span`)."""
-    return decode_span(outputs)
 
 
 class RequestHandle:
@@ -112,10 +127,8 @@ class RequestHandle:
         self.llm._drive(lambda: self.done)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
-        if self.error is not None:
-            raise RequestError(f"request {self.request_id} failed: {self.error!r}") from self.error
-        if self.cancelled:
-            raise RequestCancelled(f"request {self.request_id} was cancelled")
+        if self.error is not None or self.cancelled:
+            raise request_failure(self.request_id, self.error)
         return self.output
 
     def events(self, timeout: float | None = None):
@@ -156,21 +169,21 @@ class RequestHandle:
     def _on_finish(self, req: Request) -> None:
         if req.cancelled:
             self.cancelled = True
-            self.llm._count(self, "cancelled", req)
+            self.llm._count(self, "cancelled")
             self._emit("cancelled", None)
         elif req.error is not None:
             self.error = req.error
-            self.llm._count(self, "error", req)
+            self.llm._count(self, "error")
             self._emit("error", req.error)
         else:
             try:
                 self.output = self._output(req)
             except Exception as exc:  # a fault in the bookkeeping stays with this request too
                 self.error = exc
-                self.llm._count(self, "error", req)
+                self.llm._count(self, "error")
                 self._emit("error", exc)
             else:
-                self.llm._count(self, self.output.finish_reason, req)
+                self.llm._count(self, self.output.finish_reason)
                 self._emit("done", self.output)
         self._done.set()
 

@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..assets import ASSETS, HELDOUT_PROMPTS as BUNDLED_PROMPTS
+from ..assets import ASSETS
+from ..assets import HELDOUT_PROMPTS as BUNDLED_PROMPTS
 from .errors import MissingPackageError
 
 HELDOUT_FILE = ASSETS / "heldout.json"

@@ -1,22 +1,26 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic) and their translation into
-:class:`~simsd.entrypoints.params.SamplingParams`.
+:class:`~simsd.entrypoints.settings.SamplingParams`.
 
 Fields follow OpenAI's Completions and Chat Completions APIs. Unknown fields are refused
 (400 naming the field): nothing a client asks for is silently ignored. OpenAI fields simsd
 cannot honour are accepted only at their neutral value (``n=1``, ``echo=false``,
-``logprobs`` off, penalties 0, no ``logit_bias``, no tools, text responses). simsd's own
-per-request fields: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``steps``, ``strategy``,
-``threshold``, ``gamma``, ``draft_strategy``, ``draft_threshold`` (see :class:`SamplingParams`).
+``logprobs`` off, penalties 0, no ``logit_bias``, no tools, text responses). Every field of
+:class:`SamplingParams` is a request field under its name (generated from it: OpenAI's
+``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, and simsd's ``top_k``,
+``stop_token_ids``, ``ignore_eos``, ``steps``, ``strategy``, ``threshold``, ``gamma``,
+``draft_strategy``, ``draft_threshold``); the server's defaults fill what a request leaves out.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+import json
+from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from ..decoding.choices import settings_of
 from .errors import ParamError
-from .params import SamplingParams
+from .settings import SamplingParams
 
 
 class _Body(BaseModel):
@@ -28,39 +32,37 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Common(_Body):
+class _OpenAI(_Body):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     user: str | None = None
-    # simsd's per-request fields
-    top_k: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    steps: int | None = None
-    strategy: str | None = None
-    threshold: float | None = None
-    gamma: int | None = None
-    draft_strategy: str | None = None
-    draft_threshold: float | None = None
+
+
+def _json_type(setting):
+    kind = setting.kind
+    return Union[kind, list[kind], None] if setting.many else Union[kind, None]
+
+
+#: the request fields: OpenAI's, and every field of :class:`SamplingParams` (None: the server's default)
+_Fields = create_model("_Fields", __base__=_OpenAI,
+                       **{name: (_json_type(s), None) for name, s in settings_of(SamplingParams).items()})
+
+
+class _Common(_Fields):
+    #: OpenAI features simsd does not have, and the values that ask for none of them
+    NEUTRAL: ClassVar[dict] = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {})}
 
     def check_unsupported(self) -> None:
         """``ParamError`` for OpenAI features away from their neutral value (``n``: checked by
         :class:`SamplingParams`)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ParamError(name, f"{name} is not supported by simsd (got {getattr(self, name)})")
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported by simsd")
+        for name, neutral in self.NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                raise ParamError(name, f"{name} is not supported by simsd (got {json.dumps(getattr(self, name))}; "
+                                       f"leave it out)")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options needs stream: true")
 
@@ -74,15 +76,9 @@ class _Common(_Body):
             ParamError: a field out of range (named).
         """
         self.check_unsupported()
-        given = {}
-        mt = self.max_tokens if max_tokens is None else max_tokens
-        if mt is not None:
-            given["max_tokens"] = mt
-        for name in ("n", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "steps",
-                     "strategy", "threshold", "gamma", "draft_strategy", "draft_threshold"):
-            value = getattr(self, name)
-            if value is not None:
-                given[name] = value
+        given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}
+        if max_tokens is not None:
+            given["max_tokens"] = max_tokens
         if "strategy" in given and "threshold" not in given:
             given["threshold"] = None
         if ("strategy" in given or "draft_strategy" in given) and "draft_threshold" not in given:
@@ -98,26 +94,13 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.echo:
-            raise ParamError("echo", "echo is not supported by simsd")
-        if self.logprobs is not None:
-            raise ParamError("logprobs", "logprobs are not supported by simsd")
-        if self.best_of not in (None, 1):
-            raise ParamError("best_of", f"best_of must be 1, got {self.best_of}")
-        if self.suffix is not None:
-            raise ParamError("suffix", "suffix is not supported by simsd")
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": (False,), "logprobs": (None,), "best_of": (None, 1),
+                               "suffix": (None,)}
 
     def prompts(self) -> list:
-        """The prompts, one per choice (strings or lists of ids)."""
+        """The prompts, one per choice (strings or lists of ids; an empty list is one empty prompt)."""
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        if not p:
-            raise ParamError("prompt", "the prompt is empty")
-        return list(p)
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
 class TextPart(_Body):
@@ -158,17 +141,11 @@ class ChatCompletionRequest(_Common):
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (False,), "top_logprobs": (None,), "tools": (None, []),
+               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise ParamError("logprobs", "logprobs are not supported by simsd")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ParamError("response_format", "only text responses are supported by simsd")
-        if self.tools:
-            raise ParamError("tools", "tools are not supported by simsd")
-        if self.tool_choice not in (None, "none"):
-            raise ParamError("tool_choice", "tools are not supported by simsd")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ParamError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
 

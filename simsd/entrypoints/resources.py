@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decoding.choices import ParamError, opt
 from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shortfall, weight_bytes
-from .errors import UsageError
 
 
 @dataclass
@@ -49,18 +49,15 @@ def run_estimate(shape: RunShape, **change) -> Estimate:
     return total
 
 
-def check_run_memory(shape: RunShape, names: dict | None = None) -> Estimate:
-    """``UsageError`` (one line: the estimate, the free memory and the largest block length,
-    gamma, batch size and max_new_tokens that would fit, each with the others unchanged) when
-    the run does not fit a device; returns the estimate otherwise. ``names``: how to name the
-    settings (command-line flags by default)."""
-    names = {"block_length": "--block-length", "gamma": "--gamma", "batch_size": "--batch-size",
-             "max_new_tokens": "--max-new-tokens", **(names or {})}
+def check_run_memory(shape: RunShape) -> Estimate:
+    """:class:`ParamError` (one line: the estimate, the free memory and the largest block length,
+    gamma, batch size and max_tokens that would fit, each with the others unchanged) when the
+    run does not fit a device; returns the estimate otherwise."""
     est = run_estimate(shape)
     short = shortfall(est)
     if short is None:
         return est
-    device, needed, free = short
+    device, _, free = short
 
     def fits(**change) -> bool:
         return shortfall(run_estimate(shape, **change)) is None
@@ -71,12 +68,12 @@ def check_run_memory(shape: RunShape, names: dict | None = None) -> Estimate:
     if any(m != "vanilla" for m in shape.modes):
         knobs.append(("gamma", gamma, lambda v: fits(gamma=v)))
     knobs += [("batch_size", shape.batch_size, lambda v: fits(batch_size=v)),
-              ("max_new_tokens", shape.max_new_tokens, lambda v: fits(max_new_tokens=v))]
+              ("max_tokens", shape.max_new_tokens, lambda v: fits(max_new_tokens=v))]
     for attr, value, ok in knobs:
         if value > 1:
             best = largest_fitting(ok, 1, value - 1)
             if best is not None:
-                hints.append(f"{names[attr]} {best}")
+                hints.append(f"{opt(attr)} {best}")
     hint = ("; it fits with " + " or ".join(hints) + (" (each alone)" if len(hints) > 1 else "")) if hints else \
-        "; no smaller block length, gamma, batch size or max_new_tokens fits (a smaller model or dtype may)"
-    raise UsageError(f"this run needs {est.describe(device)} but {fmt_bytes(free)} are free{hint}")
+        "; no smaller block length, gamma, batch size or max_tokens fits (a smaller model or dtype may)"
+    raise ParamError("batch_size", f"this run needs {est.describe(device)} but {fmt_bytes(free)} are free{hint}")

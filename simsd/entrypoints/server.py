@@ -32,10 +32,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import LLM, RequestCancelled, RequestError
 from ..engine.scheduler import QueueFull, SchedulerClosed
+from .api import LLM
 from .errors import ParamError
 from .metrics import Metrics
+from .outputs import RequestError, json_safe, request_failure
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -44,17 +45,6 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     """OpenAI's error body."""
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
                         status_code=status, headers=headers)
-
-
-def _clean(x):
-    """JSON-safe: NaN and infinities become null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 class ServerState:
@@ -94,7 +84,7 @@ class _Call:
                                                          request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
                 except ParamError as exc:
                     name = param if exc.param in ("prompt", "messages") else exc.param
-                    raise ParamError(name, str(exc) if len(prompts) == 1 else f"prompt {i}: {exc}") from None
+                    raise ParamError(name, (f"prompt {i}: " if len(prompts) > 1 else "") + exc.template) from None
         except BaseException:
             self.cancel()
             raise
@@ -122,7 +112,7 @@ def _usage(outs) -> dict:
 
 
 def _extension(o) -> dict:
-    return _clean({"seed": o.seed, "stop_reason": o.stop_reason, "stats": o.stats})
+    return json_safe({"seed": o.seed, "stop_reason": o.stop_reason, "stats": o.stats})
 
 
 def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True) -> FastAPI:
@@ -225,12 +215,10 @@ def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        body.check_unsupported()
         return await run(request, body, body.prompts(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        body.check_unsupported()
         return await run(request, body, [body.chat()], chat=True)
 
     return app
@@ -259,12 +247,9 @@ async def _collect(state: ServerState, call: _Call, request: Request):
                 outs[i] = payload
                 left -= 1
                 state.observe(payload, time.perf_counter() - call.started)
-            elif kind == "error":
+            elif kind in ("error", "cancelled"):
                 call.cancel()
-                raise RequestError(f"request {call.handles[i].request_id} failed: {payload!r}") from payload
-            elif kind == "cancelled":
-                call.cancel()
-                raise RequestCancelled(f"request {call.handles[i].request_id} was cancelled")
+                raise request_failure(call.handles[i].request_id, payload)
     finally:
         gone.cancel()
     return outs
@@ -306,9 +291,9 @@ async def _sse(state: ServerState, call: _Call, rid: str, created: int, chat: bo
                 extra = {"usage": _usage(outs)} if not left else {}
                 yield chunk([piece(i, "", payload.finish_reason, _extension(payload))], **extra)
             else:
-                message = (f"request {call.handles[i].request_id} failed: {payload!r}" if kind == "error"
-                           else f"request {call.handles[i].request_id} was cancelled")
-                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                message = str(request_failure(call.handles[i].request_id, payload))
+                error = {"message": message, "type": "server_error", "param": None, "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n"
                 call.cancel()
                 break
         if include_usage and not left:

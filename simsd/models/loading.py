@@ -228,7 +228,8 @@ def load_tokenizer(path):
         try:
             jinja2.Environment().parse(template)
         except jinja2.TemplateSyntaxError as exc:
-            raise CheckpointError(f"{src}: the chat template does not compile ({exc.message}, line {exc.lineno})") from exc
+            raise CheckpointError(f"{src}: the chat template does not compile ({exc.message}, line "
+                                  f"{exc.lineno})") from exc
     return tok
 
 

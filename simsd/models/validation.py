@@ -170,4 +170,5 @@ def check_config(raw, source: str = "config") -> None:
         v = raw.get(field)
         ok = v is None or _is_int(v) or (field == "eos_token_id" and isinstance(v, list) and all(map(_is_int, v)))
         if not ok:
-            raise _bad(source, field, v, "must be a token id" + (" or a list of ids" if field == "eos_token_id" else ""))
+            ids = " or a list of ids" if field == "eos_token_id" else ""
+            raise _bad(source, field, v, "must be a token id" + ids)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..decoding.choices import parse_strategy
+from ..decoding.choices import (SETTINGS, check_fields, check_fold_commit, check_gamma, check_modes,
+                               check_release, draft_settings)
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
@@ -28,7 +29,7 @@ from .spec_row import SpecRow
 from .verifiers import PAPER_VERIFIERS, VERIFIERS
 
 MODES = ("paper", "exact")
-#: paper mode as the paper describes it, or as the SimSD release's code runs it
+#: paper mode as the paper describes it, or as the SimSD release's code runs it (the verifier of each)
 PAPER_VARIANTS = tuple(PAPER_VERIFIERS)
 
 
@@ -49,30 +50,20 @@ class SpecConfig:
     ``paper_variant`` (paper mode): ``described`` (the paper: acceptance in the draft's
     temporal order) or ``release`` (the SimSD release's loop, docs/design.md §4.3; it drafts
     the whole rest of the block every round, so it takes no ``gamma`` and no fallback)."""
-    mode: str = "exact"
-    gamma: int | None = None
-    on_reject: str = "redraft"
-    rope_copy: bool = True
-    draft_strategy: str | None = None
-    optimistic: bool | None = None
-    draft_threshold: float | None = None
-    paper_variant: str = "described"
+    mode: str = dataclasses.replace(SETTINGS["mode"], choices=MODES).field("exact")
+    gamma: int | None = SETTINGS["gamma"].field(None)
+    on_reject: str = SETTINGS["on_reject"].field("redraft")
+    rope_copy: bool = SETTINGS["rope_copy"].field(True)
+    draft_strategy: str | None = SETTINGS["draft_strategy"].field(None)
+    optimistic: bool | None = SETTINGS["optimistic"].field(None)
+    draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
+    paper_variant: str = SETTINGS["paper_variant"].field("described")
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"speculative mode must be one of {MODES}, got {self.mode!r}")
-        if self.paper_variant not in PAPER_VARIANTS:
-            raise ValueError(f"paper_variant must be one of {PAPER_VARIANTS}, got {self.paper_variant!r}")
-        if self.paper_variant == "release":
-            if self.mode != "paper":
-                raise ValueError(f"paper_variant 'release' is a variant of paper mode, not of {self.mode} mode")
-            if self.gamma is not None or self.on_reject != "redraft":
-                raise ValueError("paper_variant 'release' drafts the whole rest of the block every round: it takes "
-                                 "no gamma and no on_reject='fallback'")
-        if self.on_reject not in ("redraft", "fallback"):
-            raise ValueError(f"on_reject must be 'redraft' or 'fallback', got {self.on_reject!r}")
-        if self.gamma is not None and self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        check_fields(self)
+        check_modes({"paper_variant": SETTINGS["paper_variant"]} if self.paper_variant != "described" else {},
+                    [self.mode])
+        check_release(self.paper_variant, self.gamma, self.on_reject)
 
 
 def check_pair(target, draft) -> None:
@@ -96,16 +87,10 @@ def draft_config(cfg: DecodeConfig, spec: SpecConfig) -> DecodeConfig:
     :class:`SpecConfig`).
 
     Raises:
-        ValueError: a draft threshold outside the draft strategy's range.
+        ParamError: a draft threshold outside the draft strategy's range.
     """
-    strategy = parse_strategy(spec.draft_strategy) if spec.draft_strategy is not None else cfg.strategy
-    threshold = spec.draft_threshold
-    if threshold is None and strategy == cfg.strategy:
-        threshold = cfg.threshold
-    try:
-        return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
-    except ValueError as exc:
-        raise ValueError(f"draft settings: {exc}") from exc
+    strategy, threshold = draft_settings(cfg.strategy, cfg.threshold, spec.draft_strategy, spec.draft_threshold)
+    return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
 
 
 class SpeculativeDecoder:
@@ -122,12 +107,10 @@ class SpeculativeDecoder:
             check_pair(target, draft)
         self.t, self.d, self.cfg, self.spec = target, draft, cfg, spec
         self.draft_cfg = draft_config(cfg, spec)
+        check_gamma(spec.gamma, cfg.block_length)
         self.gamma = spec.gamma or cfg.block_length
-        if self.gamma > cfg.block_length:
-            raise ValueError(f"gamma {self.gamma} exceeds the block length {cfg.block_length}")
-        if self.optimistic() and cfg.fold_commit:
-            raise ValueError("fold_commit is not combined with optimistic drafting (on by default when draft and "
-                             "target are on different devices): set optimistic=False or fold_commit=False")
+        t, d = target.model.device, draft.model.device
+        check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
         self.mask_id = target.mask_token_id
         self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
 

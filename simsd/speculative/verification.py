@@ -16,12 +16,12 @@ import torch.nn.functional as F
 
 from simsd_kernels import KIND_DRAFT, KIND_KNOWN, KIND_MASK, TAU_INF
 
-from ..decoding.sampling import draw, exponential_noise, filtered_probs
+from ..decoding.sampling import draw, filtered_probs
 from ..engine.host_sync import to_device
 
 
 def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.Tensor,
-                 start: int, mask_id: int, rope_copy: bool = True):
+                 start: int, rope_copy: bool = True):
     """Query tokens of the paper's verification forward for one block.
 
     Args:
@@ -93,8 +93,7 @@ def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: tor
         params: :class:`~simsd.decoding.sampling.SamplingParams` (shared by draft and target).
         rng: the randomness of rejection sampling (unused when greedy): a pair ``(u (L,),
             exponential (L, V))`` of keyed noise (:mod:`simsd.decoding.noise`, streams
-            ``ACCEPT`` and ``RESIDUAL``; what :class:`~simsd.speculative.spec_row.SpecRow`
-            passes), or a ``torch.Generator`` on the logits' device.
+            ``ACCEPT`` and ``RESIDUAL``), on the logits' device.
 
     Returns:
         ``ok (L,) bool`` and ``replacement (L,) int64``. Greedy: accept iff the draft token is
@@ -111,11 +110,7 @@ def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: tor
     p_d = draft_probs.to(p_t.dtype)
     x = drafted[:, None]
     pt_x, pd_x = p_t.gather(-1, x)[:, 0], p_d.gather(-1, x)[:, 0]
-    if isinstance(rng, torch.Generator) or rng is None:
-        u = torch.rand(pt_x.shape, generator=rng, device=pt_x.device, dtype=torch.float64)
-        noise = exponential_noise(p_t.shape, p_t.device, rng)
-    else:
-        u, noise = rng
+    u, noise = rng
     ok = (pd_x > 0) & (u.double() * pd_x.double() < pt_x.double())
     residual = (p_t - p_d).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_t)

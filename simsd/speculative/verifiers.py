@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 
 from ..decoding.config import DecodeConfig
-from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, uniform
-from ..decoding.step import Step, step_noise, without_mask_token_
+from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, step_noise, uniform
+from ..decoding.step import Step, without_mask_token_
 from ..engine.batching import Fwd, Row
 from .verification import (accept_in_order, accept_in_position_order, exact_layout, exact_step_verdict, paper_layout,
                            token_verdicts)
@@ -140,7 +140,7 @@ class PaperVerifier(Verifier):
         d = rnd.draft
         known = [t != self.mask_id for t in rnd.host]
         ids, positions, labels, taus, m_index = paper_layout(rnd.block, known, d.final, d.tau, row.cached["target"],
-                                                             self.mask_id, self.spec.rope_copy)
+                                                             self.spec.rope_copy)
         rnd.layout = m_index
         return Fwd("target", ids, positions, labels, "paper", tau=taus)
 

@@ -35,6 +35,7 @@ def fwd_source(dtype, head_dim, group, block_m):
     """The attention kernel as the launcher specialises it: one variant per (dtype, D, G, BLOCK_M);
     mask mode, split count, least tiles per split and the invariant flag are runtime arguments."""
     import triton
+
     from triton_ops.attention import temporal_attn_fwd_kernel as fn
 
     ptr = ELT[dtype]
@@ -54,6 +55,7 @@ def fwd_source(dtype, head_dim, group, block_m):
 
 def merge_source(dtype, head_dim):
     import triton
+
     from triton_ops.attention import merge_splits_kernel as fn
 
     sig = dict(O_PART="*fp32", LSE_PART="*fp32", OUT=ELT[dtype], SEQLENS="*i32")
@@ -67,6 +69,7 @@ def merge_source(dtype, head_dim):
 
 def rope_source(dtype, head_dim):
     import triton
+
     from triton_ops.attention import rope_qk_kernel as fn
 
     ptr = ELT[dtype]
@@ -81,6 +84,7 @@ def rope_source(dtype, head_dim):
 
 def append_source(dtype, head_dim):
     import triton
+
     from triton_ops.append_kv import append_kv_kernel as fn
 
     ptr = ELT[dtype]
@@ -146,7 +150,6 @@ def main(argv=None):
         return 2
     import triton
     from triton.backends.compiler import GPUTarget
-
     from triton.backends.nvidia.compiler import get_ptxas
 
     from triton_ops.ops import MAXNREG

@@ -49,7 +49,8 @@ def test_quick_default_set_torch_triton_auto(capsys):
         assert all("head_dim" in r["detail"] for r in by(backend="triton", head_dim=96))
         assert all(r["us"] > 0 for r in by(backend="triton", head_dim=64))
     bf16 = by(dtype="bfloat16", backend="torch")
-    assert bf16 and all(1e-4 < r["max_err"] < 5e-2 for r in bf16), "bf16 errors are bf16-sized (the reference is float64)"
+    assert bf16 and all(1e-4 < r["max_err"] < 5e-2 for r in bf16), \
+        "bf16 errors are bf16-sized (the reference is float64)"
     assert f"# torch: {len(check.QUICK)} pass, 0 FAIL, 0 refused (of {len(check.QUICK)})" in err
     assert f"rows, the quick set (--full: the full matrix, {check.FULL_ROWS * len(names)} rows)" in err
     assert "backend  ->" in err  # the table went to stderr

@@ -14,13 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simsd_kernels import KIND_MASK, MaskMode, temporal_attention, temporal_attention_naive, \
-    temporal_attention_torch
+from simsd_kernels import KIND_MASK, MaskMode, temporal_attention, temporal_attention_naive, temporal_attention_torch
 from simsd_kernels.backends import get_backend
 from simsd_kernels.reference import append_kv_torch
 
-from .cuda_helpers import ERR_FLOOR, load_cuda_backend, make_inputs, max_err, nan_poison_beyond, \
-    poison_allocator
+from .cuda_helpers import ERR_FLOOR, load_cuda_backend, make_inputs, max_err, nan_poison_beyond, poison_allocator
 
 pytestmark = pytest.mark.gpu
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simsd_kernels import KIND_DRAFT as D, KIND_KNOWN as K, KIND_MASK as M, TAU_INF as INF
+from simsd_kernels import KIND_DRAFT as D
+from simsd_kernels import KIND_KNOWN as K
+from simsd_kernels import KIND_MASK as M
+from simsd_kernels import TAU_INF as INF
 from simsd_kernels.mask_rule import MaskMode, dense_new_token_mask
 from simsd_kernels.reference import full_mask
-
 
 #: the padding labels of the engine's batched forwards (simsd.engine.batching.PAD_LABEL; this file
 #: imports only simsd_kernels so that .ci/cuda_check.sh runs it in a torch-only venv)

@@ -185,7 +185,8 @@ def test_paper_layout_over_cache_equals_native_with_dense_mask(backend):
                          dense_new_token_mask(labels, MaskMode.PAPER)], dim=-1)
     float_mask = torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, float("-inf"))[:, None]
     _assert_over_the_cache_like_sdpa(model, backend, dict(input_ids=prompt),
-                                     dict(input_ids=new, position_ids=positions), sdpa_step=dict(attention_mask=float_mask),
+                                     dict(input_ids=new, position_ids=positions),
+                                     sdpa_step=dict(attention_mask=float_mask),
                                      simsd_step=dict(simsd_labels=labels, simsd_mask_mode="paper"))
 
 

@@ -27,7 +27,8 @@ def _log(name, regs, spill=0, smem=128):
 
 
 def _sass(loop_ops):
-    lines = ["\tcode for sm_90", "        Function : " + KERNEL, "        /*0000*/                   MOV R1, c[0x0][0x28] ;"]
+    lines = ["\tcode for sm_90", "        Function : " + KERNEL,
+             "        /*0000*/                   MOV R1, c[0x0][0x28] ;"]
     addr = 0x10
     for op in loop_ops:
         lines.append(f"        /*{addr:04x}*/                   {op} ;")
@@ -44,9 +45,9 @@ def test_parse_ptxas_log_and_spills():
 
 
 def test_main_loop_opcodes():
-    good = ksc.main_loop(ksc.sass_functions(_sass(["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "BAR.SYNC.DEFER_BLOCKING 0x0",
-                                                   "LDSM.16.M88.4 R4, [R5]", "HMMA.16816.F32.BF16 R8, R4, R6, R8",
-                                                   "@!PT LDS RZ, [RZ]"]))[KERNEL])
+    ops = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDSM.16.M88.4 R4, [R5]",
+           "HMMA.16816.F32.BF16 R8, R4, R6, R8", "@!PT LDS RZ, [RZ]"]
+    good = ksc.main_loop(ksc.sass_functions(_sass(ops))[KERNEL])
     assert good["LDGSTS"] == 1 and good["LDSM"] == 1 and good["HMMA"] == 1 and good["LDS"] == 0
     bad = ksc.main_loop(ksc.sass_functions(_sass(["LDS.U16 R4, [R5]", "HMMA.16816.F32.BF16 R8, R4, R6, R8"]))[KERNEL])
     assert bad["LDS"] == 1 and bad["LDGSTS"] == 0

@@ -13,10 +13,26 @@ import itertools
 
 import pytest
 
-from simsd_kernels.split_plan import (BLOCK_N, CUDA_FIGURES, INVARIANT_BLOCK_M, MAX_PARTIAL_TRAFFIC, MIN_TILES,
-                                      TARGET_WAVE_EFFICIENCY, TRITON_FIGURES, DeviceLimits, active_splits,
-                                      ctas_per_sm, fixed_plan, min_tiles_for, partial_bytes_per_split,
-                                      partial_traffic, plan_attention, residency, split_ranges, wave_efficiency)
+from simsd_kernels.split_plan import (
+    BLOCK_N,
+    CUDA_FIGURES,
+    INVARIANT_BLOCK_M,
+    MAX_PARTIAL_TRAFFIC,
+    MIN_TILES,
+    TARGET_WAVE_EFFICIENCY,
+    TRITON_FIGURES,
+    DeviceLimits,
+    active_splits,
+    ctas_per_sm,
+    fixed_plan,
+    min_tiles_for,
+    partial_bytes_per_split,
+    partial_traffic,
+    plan_attention,
+    residency,
+    split_ranges,
+    wave_efficiency,
+)
 
 H200 = DeviceLimits()
 MODELS = {"8b": (32, 8), "1.7b": (16, 8)}
@@ -124,7 +140,8 @@ def test_invariant_plan_ignores_lq_and_batch(backend):
     (Lq = 4) and an exact-mode verify forward (Lq = 80, batch 3) get the same tile, split count,
     least tiles, and -- for every row length -- the same cache split boundaries."""
     for capacity in (512, 4096, 32768):
-        plans = {(b, lq): _plan(backend, "8b", lq, b, capacity, invariant=True) for b in (1, 3, 16) for lq in (4, 16, 80)}
+        plans = {(b, lq): _plan(backend, "8b", lq, b, capacity, invariant=True)
+                 for b in (1, 3, 16) for lq in (4, 16, 80)}
         keys = {(p.block_m, p.num_splits, p.min_tiles, p.invariant) for p in plans.values()}
         assert len(keys) == 1, keys
         p = plans[(1, 4)]

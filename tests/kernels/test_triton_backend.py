@@ -6,7 +6,6 @@ pytest.importorskip("triton")
 
 from simsd_kernels import backends  # noqa: E402
 from simsd_kernels.triton_backend import is_available  # noqa: E402
-from triton_ops import ops  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter rules")

@@ -11,9 +11,9 @@ from scipy.stats import chisquare
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.decoding import noise
-from simsd.decoding.noise import ACCEPT, PAPER_DRAFT, SAMPLE, NoiseKey, mix64
+from simsd.decoding.noise import ACCEPT, PAPER_DRAFT, SAMPLE, NoiseKey, mix64, step_noise
 from simsd.decoding.sampling import draw, filtered_probs
-from simsd.decoding.step import Step, step_noise, without_mask_token_
+from simsd.decoding.step import Step, without_mask_token_
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.models.model import labels_for
 from tests.helpers import random_checkpoint
@@ -101,18 +101,18 @@ def test_a_token_of_tiny_probability_is_almost_never_drawn():
     others = 0
     for chunk in range(1024 // (L * R)):
         keys = [NoiseKey(seed, 4096 * chunk) for seed in range(R)]
-        tokens = draw(probs, noise=noise.exponential(keys, chunk, L, V, "cpu"))  # (R, L)
+        tokens = draw(probs, noise=noise.step_noise(keys, chunk, L, V, "cpu"))  # (R, L)
         others += int((tokens != 1234).sum())
     assert others <= 3, f"{others} of 1024 draws picked a token of probability 1e-9"
 
 
 def test_noise_of_a_key_does_not_depend_on_the_batch():
     keys = [NoiseKey(s, 8 * s) for s in range(5)]
-    together = noise.exponential(keys, [0, 1, 2, 3, 4], 4, 33, "cpu")
-    as_tensor = noise.exponential(keys, torch.arange(5), 4, 33, "cpu")
+    together = noise.step_noise(keys, [0, 1, 2, 3, 4], 4, 33, "cpu")
+    as_tensor = noise.step_noise(keys, torch.arange(5), 4, 33, "cpu")
     assert torch.equal(together, as_tensor)
     for r, key in enumerate(keys):
-        assert torch.equal(noise.exponential([key], r, 4, 33, "cpu")[0], together[r])
+        assert torch.equal(noise.step_noise([key], r, 4, 33, "cpu")[0], together[r])
 
 
 def test_uniforms_unbiased_and_independent():
@@ -178,7 +178,8 @@ def chi2_pvalue(counts, probs):
 
 
 # the random model is confident: high temperatures give flat enough distributions for the test to have power
-@pytest.mark.parametrize("params", [SamplingParams(temperature=5.0), SamplingParams(temperature=8.0, top_k=7, top_p=0.9)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=5.0),
+                                    SamplingParams(temperature=8.0, top_k=7, top_p=0.9)])
 def test_static_first_step_follows_the_exact_distribution(target, params):
     """One static step from an all-MASK block reveals (position, token) with probability
     f_p(x) * prod_{q<p} P(c_q(X_q) < c_p(x)) * prod_{q>p} P(c_q(X_q) <= c_p(x)) (ties go to the

@@ -12,7 +12,7 @@ import simsd.speculative.verification as verification_mod
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
 from simsd.decoding.sampling import MIN_TEMPERATURE, filtered_probs, sample, scaled_probs
 from simsd.speculative import SpecConfig, speculative_generate
-from tests.helpers import random_checkpoint
+from tests.helpers import exp_noise, random_checkpoint
 
 TEMPERATURES = [0.0, 1e-46, 1e-39, 1e-37, 1e-30, 1e-6, 0.5, 1.0, 100.0, 1e30, 1e300]
 TOP_K = [0, 1, 2, 50, 10 ** 9]
@@ -36,7 +36,7 @@ def test_distributions_are_finite(t, k, p):
         assert torch.isfinite(probs).all()
         torch.testing.assert_close(probs.sum(-1), torch.ones(6), rtol=0, atol=1e-5)
         assert (probs[:, -1] == 0).all()  # the -inf token keeps probability 0
-    tokens, conf, ent, probs = sample(x, params, torch.Generator().manual_seed(1))
+    tokens, conf, ent, probs = sample(x, params, exp_noise(x.shape, torch.Generator().manual_seed(1)))
     assert ((0 <= tokens) & (tokens < 49)).all()
     assert torch.isfinite(conf).all() and torch.isfinite(ent).all() and (conf > 0).all()
     if k and k < 49:  # never outside the top k
@@ -48,7 +48,7 @@ def test_distributions_are_finite(t, k, p):
 def test_top_k_one_is_greedy_at_any_temperature(t):
     x = logits_batch()
     greedy = sample(x, SamplingParams())
-    got = sample(x, SamplingParams(t, 1, 0.5), torch.Generator().manual_seed(2))
+    got = sample(x, SamplingParams(t, 1, 0.5), exp_noise(x.shape, torch.Generator().manual_seed(2)))
     assert torch.equal(got[0], greedy[0]) and torch.equal(got[1], greedy[1]) and torch.equal(got[2], greedy[2])
 
 

@@ -16,9 +16,10 @@ import torch
 from scipy.stats import chisquare
 
 from simsd.decoding.config import DecodeConfig
+from simsd.decoding.noise import NoiseKey, step_noise
 from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
-from simsd.decoding.noise import NoiseKey
-from simsd.decoding.step import denoise_step, step_noise
+from simsd.decoding.step import denoise_step
+from tests.helpers import exp_noise
 from tests.reference_decoder import filtered, step_outcomes
 
 P4 = [0.5, 0.25, 0.15, 0.1]
@@ -64,7 +65,7 @@ def test_confidence_and_entropy_by_hand(params):
     sp = SamplingParams(**params)
     q = powered(P4, sp.temperature)
     n = 4000
-    tokens, conf, ent, probs = sample(LOGITS4.expand(n, 4), sp, torch.Generator().manual_seed(0))
+    tokens, conf, ent, probs = sample(LOGITS4.expand(n, 4), sp, exp_noise((n, 4), torch.Generator().manual_seed(0)))
     drawn = set(tokens.tolist())
     assert len(drawn) >= 2  # several tokens drawn: the confidence of each is checked
     for t in drawn:
@@ -95,7 +96,7 @@ def test_draws_follow_the_filtered_distribution(params):
     sp = SamplingParams(**params)
     want = torch.tensor(filtered(logits[0], **params), dtype=torch.float64)
     N = 40000
-    tokens, _, _, _ = sample(logits.expand(N, 7), sp, torch.Generator().manual_seed(1))
+    tokens, _, _, _ = sample(logits.expand(N, 7), sp, exp_noise((N, 7), torch.Generator().manual_seed(1)))
     counts = torch.bincount(tokens, minlength=7).double()
     assert counts[want == 0].sum() == 0
     keep = want > 0

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
-from simsd.decoding.noise import NoiseKey
-from simsd.decoding.step import denoise_step, step_noise
+from simsd.decoding.noise import NoiseKey, step_noise
+from simsd.decoding.step import denoise_step
 from simsd.models.model import labels_for
 from tests.helpers import random_checkpoint
 

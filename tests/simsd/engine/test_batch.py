@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
+from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.models.cache import KVCache
 from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate, speculative_generate_batch
-from simsd.decoding.vanilla import vanilla_generate_batch
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -139,8 +139,9 @@ def test_engine_refuses_a_write_past_a_rows_capacity():
 def test_static_shapes_equal_dynamic(pair, mode, fold, monkeypatch):
     """The fixed shapes that CUDA graphs replay (all rows, padded queries) give the same tokens."""
     import functools
-    import simsd.speculative.decoder
+
     import simsd.decoding.vanilla
+    import simsd.speculative.decoder
     from simsd.engine.batching import BatchEngine
     static = functools.partial(BatchEngine, static_shapes=True)
     target, draft = pair

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
-from simsd.speculative import SpecConfig, speculative_generate_batch
 from simsd.decoding.vanilla import vanilla_generate_batch
+from simsd.speculative import SpecConfig, speculative_generate_batch
 from tests.helpers import random_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.engine.host_sync import HostReads, to_device
 from simsd.speculative import SpecConfig, speculative_generate_batch
-from simsd.decoding.vanilla import vanilla_generate_batch
 from tests.helpers import random_checkpoint
 
 V = 96

@@ -58,7 +58,8 @@ def test_byte_amounts_read_in_a_unit_that_shows_them(n, text):
 def test_engine_refuses_what_does_not_fit(monkeypatch):
     c = load_checkpoint(random_checkpoint("mem", tokenizer=False, vocab_size=64), with_tokenizer=False)
     monkeypatch.setattr(memory, "RESERVE_BYTES", 0)  # the caches alone decide (they grow linearly with rows)
-    need_one = memory.estimate({"t": (c.config, c.model.dtype, "cpu", True)}, 1, 64, 8, with_weights=False).needed("cpu")
+    one_row = memory.estimate({"t": (c.config, c.model.dtype, "cpu", True)}, 1, 64, 8, with_weights=False)
+    need_one = one_row.needed("cpu")
     monkeypatch.setattr(memory, "available_bytes", lambda device: int(need_one * 2.5))
     with pytest.raises(ValueError, match="the largest batch size that fits is 2") as exc:
         BatchEngine({"target": c.model}, 4, 8, capacity=64, margin=8)
@@ -76,7 +77,8 @@ def test_a_run_that_needs_exactly_the_free_memory_fits(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: need)
     BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)
     monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
-    with pytest.raises(ValueError, match=f"{memory.fmt_bytes(need - 1)} are free; the largest batch size that fits is 1"):
+    free = memory.fmt_bytes(need - 1)
+    with pytest.raises(ValueError, match=f"{free} are free; the largest batch size that fits is 1"):
         BatchEngine({"target": c.model}, 4, 2, capacity=64, margin=8)
 
 
@@ -101,8 +103,8 @@ def test_cli_refuses_a_run_that_cannot_fit_before_loading(long_ck, capsys, monke
     best = int(line.split("--block-length ")[1].split()[0])
     assert 1 <= best < 4000
     # the suggested block length does fit (and one more does not)
-    from simsd.entrypoints.resources import RunShape, run_estimate
     from simsd.engine.memory import shortfall
+    from simsd.entrypoints.resources import RunShape, run_estimate
     cfg = ModelConfig.from_dir(long_ck)
     shape = RunShape({"target": (cfg, "float32", "cpu", True), "draft": (cfg, "float32", "cpu", True)}, [168], 64,
                      4000, None, 1, ["exact"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, load_checkpoint, vanilla_generate
-from simsd.speculative import SpecConfig, speculative_generate
 from simsd.engine.tp import check_tp, shard_model, spawn
+from simsd.speculative import SpecConfig, speculative_generate
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -24,6 +24,7 @@ def ckpt_path(name="tp-target", layers=2, seed=0):
 
 def _rank(path, draft_path, out):
     import torch.distributed as dist
+
     from simsd.engine.tp import shard_model, shutdown
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

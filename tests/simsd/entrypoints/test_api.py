@@ -11,7 +11,8 @@ from simsd.decoding.sampling import SamplingParams as StepSampling
 from tests.simsd.entrypoints.serving import readme_blocks, single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
-           [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}], [11, 12, 13, 14, 15, 16, 17]]
+           [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}],
+           [11, 12, 13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
@@ -204,19 +205,20 @@ def test_closing_a_stream_cancels_its_request(llms):
 
 def test_vllm_habits_get_errors_that_say_what_to_do():
     """vLLM's ``n`` is accepted at 1 (and None) and refused otherwise; an LLM(...) setting passed
-    to SamplingParams is refused when it is built, with where it belongs; every LLM keyword
-    but the models and the defaults is such a setting."""
-    import inspect
-
-    from simsd.entrypoints.params import LLM_SETTINGS
+    to SamplingParams is refused when it is built, with where it belongs: every LLM keyword but
+    the defaults (the fields of EngineArgs) is such a setting."""
+    from simsd.entrypoints.settings import EngineArgs
     assert SamplingParams(n=1) == SamplingParams(n=None) == SamplingParams() and SamplingParams(n=None).n == 1
     with pytest.raises(ParamError, match=r"n=2: simsd returns one completion per request \(n=1\)"):
         SamplingParams(n=2)
-    for name in ("block_length", "on_reject", "device"):
-        with pytest.raises(ParamError, match=rf"^{name} is an LLM\(\.\.\.\) setting.*simsd\.LLM\(\.\.\., {name}=\.\.\.\)"):
+    names = [f.name for f in dataclasses.fields(EngineArgs)]
+    assert {"block_length", "on_reject", "device", "max_gamma", "mask_token_id", "mode"} <= set(names)
+    for name in names:
+        where = rf"simsd\.LLM\(\.\.\., {name}=\.\.\.\)"
+        with pytest.raises(ParamError, match=rf"^{name} is an LLM\(\.\.\.\) setting.*{where}"):
             SamplingParams(**{name: 8})
-    keywords = set(inspect.signature(LLM).parameters) - {"target", "draft", "default_params"}
-    assert set(LLM_SETTINGS) == keywords
+    with pytest.raises(TypeError, match="batchsize"):  # a mistyped LLM keyword: Python's own error
+        LLM(batchsize=2)
     with pytest.raises(TypeError, match="best_of"):  # not an LLM setting either: Python's own error
         SamplingParams(best_of=2)
 

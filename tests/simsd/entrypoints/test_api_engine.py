@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from simsd import LLM, ParamError, SamplingParams
-from simsd.entrypoints.outputs import run_decode_seconds
+from simsd.engine.scheduler import decode_span
 from simsd.speculative import SpecConfig, SpeculativeDecoder
 from tests.simsd.entrypoints.serving import single
 
@@ -58,7 +58,7 @@ def test_calling_thread_runs_the_same_rounds_every_time(exact):
 
 
 def test_decode_seconds_leave_out_every_prefill(exact, monkeypatch):
-    """A run's decode time (the outputs' ``run_decode_seconds``) and each request's
+    """A run's decode time (the outputs' ``decode_span``) and each request's
     ``decode_seconds`` exclude the prefills, also those that happen while others decode."""
     prefill = exact.engine.prefill
 
@@ -69,7 +69,7 @@ def test_decode_seconds_leave_out_every_prefill(exact, monkeypatch):
     start = time.perf_counter()
     outs = exact.generate(PROMPTS, params())
     wall = time.perf_counter() - start
-    span = run_decode_seconds(outs)
+    span = decode_span(outs)
     assert 0 < span <= wall - 5 * 0.25
     for o in outs:
         a, b = o.decode_interval
@@ -112,12 +112,12 @@ def test_max_gamma_bounds_and_defaults_the_requests(exact):
     with pytest.raises(ParamError, match="max_gamma 2") as err:
         llm.generate(PROMPTS[1], SamplingParams(gamma=3))
     assert err.value.param == "gamma"
-    # without max_gamma a request may ask for the whole block (gamma = B = 4), not more
+    # without max_gamma a request may ask for the whole block (gamma = the block length = 4), not more
     full = exact.generate(PROMPTS[1], SamplingParams(max_tokens=10, gamma=4))[0]
     dec = SpeculativeDecoder(exact.target, exact.draft, __import__("simsd").DecodeConfig(max_new_tokens=10),
                              SpecConfig(gamma=4))
     assert full.stats["gamma"] == 4 and full.token_ids == dec.generate(PROMPTS[1]).token_ids
-    with pytest.raises(ValueError, match="max_gamma must be an integer in"):
+    with pytest.raises(ValueError, match=r"max_gamma must be in \[1, 4\] \(the block length\), got 5"):
         LLM(exact.target, exact.draft, "exact", max_gamma=5)
     with pytest.raises(ValueError, match="max_gamma: used by the paper and exact modes only"):
         LLM(exact.target, mode="vanilla", max_gamma=2)
@@ -139,7 +139,7 @@ def test_draft_threshold_reaches_the_draft(exact):
     with pytest.raises(ParamError, match="draft_threshold applies to the dynamic and entropy"):
         SamplingParams(draft_threshold=0.5)  # the draft runs the target's static strategy
     vanilla = LLM(exact.target, mode="vanilla", batch_size=1, scheduler_thread=False)
-    with pytest.raises(ParamError, match="draft_threshold is used by the paper and exact modes only"):
+    with pytest.raises(ParamError, match="draft_threshold: used by the paper and exact modes only"):
         vanilla.generate(PROMPTS[0], SamplingParams(strategy="dynamic", draft_threshold=0.5))
 
 
@@ -155,7 +155,7 @@ def test_invariant_and_refused_engine_combinations(exact):
             LLM(exact.target, mode="vanilla", cuda_graphs=True)
     with pytest.raises(ValueError, match="tp 2: this process group has 1 rank"):
         LLM(exact.target, mode="vanilla", tp=2)
-    with pytest.raises(ValueError, match="fold_commit is not combined with optimistic drafting"):
+    with pytest.raises(ValueError, match="fold_commit is not combined with optimistic=True"):
         LLM(exact.target, exact.draft, "exact", fold_commit=True, optimistic=True)
 
 

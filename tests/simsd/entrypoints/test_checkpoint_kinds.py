@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import simsd
-from simsd.entrypoints.cli import build_parser, main
+from simsd.entrypoints.cli import main, parse
 from simsd.models.config import CheckpointError
 from tests.helpers import plain_qwen3_twin, random_checkpoint
 
@@ -88,7 +88,7 @@ def test_explicit_options_decode_a_plain_qwen3_as_its_sdar_twin(capsys, pair, mo
 def test_serve_takes_the_explicit_options(pair):
     pytest.importorskip("fastapi")
     from simsd.entrypoints.serve import build_llm
-    llm = build_llm(build_parser().parse_args(["serve", "--target", str(pair[1]), "--mode", "vanilla",
+    llm = build_llm(parse(["serve", "--target", str(pair[1]), "--mode", "vanilla",
                                                "--max-batch-size", "1", *EXPLICIT]))
     try:
         assert llm.block_length == 4 and llm.target.mask_token_id == 255
@@ -133,6 +133,6 @@ def test_a_larger_draft_is_said_once_by_the_api_and_serve(pair, big_draft):
     assert larger_draft_warnings(lambda: simsd.LLM(big_draft, sdar, "exact", batch_size=1)) == []
     pytest.importorskip("fastapi")
     from simsd.entrypoints.serve import build_llm
-    args = build_parser().parse_args(["serve", "--target", str(sdar), "--draft", str(big_draft),
+    args = parse(["serve", "--target", str(sdar), "--draft", str(big_draft),
                                       "--max-batch-size", "1"])
     assert len(larger_draft_warnings(lambda: build_llm(args))) == 1

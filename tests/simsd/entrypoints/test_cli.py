@@ -240,7 +240,8 @@ def test_batch_size_equals_one_by_one(ckdir, capsys, tmp_path, mode):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_ids": ids}) for ids in ([4, 5, 6], [7, 8, 9, 10, 11], [12] * 9)))
     args = ["generate", "--target", str(ckdir), "--mode", mode, "--prompts-file", str(f),
-            "--max-new-tokens", "6", "--temperature", "1.0", "--json"] + (["--draft", str(ckdir)] if mode != "vanilla" else [])
+            "--max-new-tokens", "6", "--temperature", "1.0", "--json"]
+    args += ["--draft", str(ckdir)] if mode != "vanilla" else []
     _, one, _ = run(capsys, *args)
     code, two, err = run(capsys, *args, "--batch-size", "2")
     assert code == 0, err
@@ -299,7 +300,8 @@ def test_option_ranges(ckdir, capsys, tmp_path):
         return err.strip().splitlines()[-1]
 
     assert "--limit must be an integer >= 1, got 0" in err_of("generate", "--prompt-set", "bundled", "--limit", "0")
-    assert "--block-length must be an integer >= 1, got 0" in err_of("generate", "--prompt-ids", "1,2", "--block-length", "0")
+    assert "--block-length must be an integer >= 1, got 0" in err_of("generate", "--prompt-ids", "1,2",
+                                                                      "--block-length", "0")
     assert "confidence in [0, 1]" in err_of("generate", "--prompt-ids", "1,2", "--strategy", "dynamic",
                                             "--threshold", "5")
     assert "names no mode" in err_of("bench", "--modes", "", "--limit", "1")
@@ -386,8 +388,8 @@ def test_broken_pipe_is_quiet(ckdir, tmp_path):
     import sys
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_ids": [4 + i, 5, 6]}) for i in range(40)))
-    cmd = (f"{sys.executable} -m simsd.entrypoints.cli generate --target {ckdir} --prompts-file {f} --max-new-tokens 4 --json"
-           f" | head -1")
+    cmd = (f"{sys.executable} -m simsd.entrypoints.cli generate --target {ckdir} --prompts-file {f} "
+           f"--max-new-tokens 4 --json | head -1")
     res = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in res.stderr and res.returncode == 0, res.stderr[-2000:]
     assert len(res.stdout.splitlines()) == 1
@@ -462,7 +464,7 @@ def test_generate_and_bench_are_a_layer_over_the_api(ckdir, capsys, tmp_path, mo
 
 def test_seeds_wrap_at_the_top_of_the_range(ckdir, capsys, tmp_path):
     """Prompt i samples with (--seed + i) mod 2**63: past the largest seed, prompt 1 is seed 0."""
-    from simsd.entrypoints.options import SEED_MAX
+    from simsd.entrypoints.settings import SEED_MAX
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_ids": [4, 5, 6, 7]}) for _ in range(2)))
     common = ["generate", "--target", str(ckdir), "--prompts-file", str(f), "--max-new-tokens", "8",

@@ -86,7 +86,10 @@ def test_resume_decodes_only_what_is_missing(ck, tmp_path, capsys):
 
 
 def refused(capsys, *argv) -> str:
-    code = main(["eval", *argv])
+    try:
+        code = main(["eval", *argv])
+    except SystemExit as stop:  # argparse's own refusals
+        code = stop.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("simsd: error: ") and err.count("\n") == 1, err
     return err
@@ -109,11 +112,11 @@ def test_resume_with_other_settings_is_refused(ck, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--paper-variant", "release"], "names the release variant in --modes (paper-release)"),
+    (["--paper-variant", "release"], "unrecognized arguments: --paper-variant"),  # eval names it in --modes
     (["--execute"], "--execute runs HumanEval's tests: it needs --prompt-set humaneval"),
     (["--modes", "vanilla,release"], "unknown mode(s) in --modes: release"),
     (["--mode", "paper"], "simsd eval takes --modes"),
-    (["--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
+    (["--timeout", "0"], "--timeout must be a finite number > 0, got 0.0"),
     (["--modes", "vanilla", "--gamma", "2"], "--gamma: used by the paper and exact modes only"),
     (["--modes", "paper-release", "--gamma", "2"], "--gamma: the release variant"),
 ])

@@ -54,7 +54,8 @@ def test_batch_functions_and_api_give_the_same_tokens_and_stats(pair, mode, temp
     llm = LLM(target, None if mode == "vanilla" else draft, mode, batch_size=len(PROMPTS), block_length=4,
               max_model_len=64, scheduler_thread=False)
     try:
-        params = [SamplingParams(temperature=temperature, max_tokens=14, seed=cfg.seed + i) for i in range(len(PROMPTS))]
+        params = [SamplingParams(temperature=temperature, max_tokens=14, seed=cfg.seed + i)
+                  for i in range(len(PROMPTS))]
         got = llm.generate(PROMPTS, params)
     finally:
         llm.shutdown()

@@ -6,8 +6,9 @@ import pytest
 
 import simsd.entrypoints.api as api
 import simsd.entrypoints.commands as commands
+from simsd.decoding.choices import draft_settings
 from simsd.entrypoints.cli import build_parser, main
-from simsd.entrypoints.options import SEED_MAX, draft_settings
+from simsd.entrypoints.settings import SEED_MAX
 from tests.helpers import random_checkpoint
 
 
@@ -18,11 +19,10 @@ def ck():
 
 @pytest.fixture()
 def no_loading(monkeypatch):
-    """Fail the test if any checkpoint file is read (for errors that must come first): by the
-    command line's checks or by the API it runs on."""
+    """Fail the test if any checkpoint file is read (for errors that must come first): the
+    command line reads checkpoints through the API's checks (api.check_engine)."""
     def boom(*a, **k):
         raise AssertionError("a checkpoint was read before the options were checked")
-    monkeypatch.setattr(commands, "read_checkpoint", boom)
     monkeypatch.setattr(api, "read_checkpoint", boom)
     monkeypatch.setattr(api, "load_checkpoint", boom)
 
@@ -150,8 +150,8 @@ def test_accepted_combinations(ck, capsys):
 def test_each_model_has_its_own_settings(ck, strategy, threshold, d_strategy, d_threshold, want):
     assert draft_settings(strategy, threshold, d_strategy, d_threshold) == want
     from simsd import DecodeConfig, load_checkpoint
-    from simsd.speculative.decoder import SpecConfig, SpeculativeDecoder
     from simsd.decoding.choices import DEFAULT_THRESHOLD
+    from simsd.speculative.decoder import SpecConfig, SpeculativeDecoder
     c = load_checkpoint(ck)
     dec = SpeculativeDecoder(c, c, DecodeConfig(strategy=strategy, threshold=threshold),
                              SpecConfig(draft_strategy=d_strategy, draft_threshold=d_threshold))
@@ -217,6 +217,7 @@ def test_loading_line_after_the_checks(ck, capsys):
 # -- prompts never change ----------------------------------------------------------------------
 def test_mask_token_in_prompts_is_refused_in_every_entry_point(ck, capsys, tmp_path, monkeypatch):
     import io
+
     from simsd.models.loading import read_checkpoint
     mask = read_checkpoint(ck).mask_token_id
     base = ["generate", "--target", ck, "--max-new-tokens", "6"]
@@ -286,8 +287,10 @@ def test_generation_stops_at_a_new_turn(tmp_path, capsys):
     """A model that starts a new turn (emits <|im_start|>) ends its answer there under the chat
     template; with --raw there is no template and no such stop."""
     import shutil
+
     import torch
     from safetensors.torch import load_file, save_file
+
     from simsd.models.loading import read_checkpoint
     path = tmp_path / "turns"
     shutil.copytree(random_checkpoint("cli", tokenizer=True), path)

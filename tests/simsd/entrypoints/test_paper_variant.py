@@ -8,9 +8,9 @@ import pytest
 
 from simsd import DecodeConfig, load_checkpoint
 from simsd.entrypoints.api import LLM
-from simsd.entrypoints.cli import build_parser, main
+from simsd.entrypoints.cli import main, parse
 from simsd.entrypoints.errors import ParamError
-from simsd.entrypoints.params import SamplingParams
+from simsd.entrypoints.settings import SamplingParams, resolve
 from simsd.speculative import SpecConfig, speculative_generate
 from simsd.speculative.verifiers import ReleaseVerifier
 from tests.helpers import random_checkpoint
@@ -39,7 +39,7 @@ def test_llm_runs_the_variant(paths, want):
     for variant in ("described", "release"):
         llm = LLM(*paths, "paper", paper_variant=variant, batch_size=1, max_model_len=64, scheduler_thread=False)
         try:
-            assert llm.settings.paper_variant == variant
+            assert llm.config.paper_variant == variant
             out = llm.generate([PROMPT], SamplingParams(max_tokens=12))[0]
             assert out.token_ids == want[variant]
         finally:
@@ -102,12 +102,10 @@ def test_bench_names_the_release_row(tmp_path, capsys):
 def test_serve_passes_the_variant_and_refuses_it_outside_paper_mode(capsys):
     pytest.importorskip("fastapi")
     from simsd.entrypoints.serve import build_llm
-    llm = build_llm(build_parser().parse_args(["serve", "--mode", "paper", "--paper-variant", "release",
-                                               "--max-batch-size", "1"]))
+    llm = build_llm(parse(["serve", "--mode", "paper", "--paper-variant", "release", "--max-batch-size", "1"]))
     try:
-        assert llm.settings.paper_variant == "release"
-        from simsd.entrypoints.params import resolve
-        _, spec, _ = resolve(SamplingParams(max_tokens=4), llm.settings)  # what each request's rows run
+        assert llm.config.paper_variant == "release"
+        _, spec, _ = resolve(SamplingParams(max_tokens=4), llm.config, llm.vocab_size)  # what each request's rows run
         assert spec.paper_variant == "release"
     finally:
         llm.shutdown()

@@ -118,7 +118,7 @@ def test_serve_exits_promptly_after_sigterm(server_process):
     (["--mode", "vanilla", "--gamma", "2"], "--gamma: used by the paper and exact modes only"),
     (["--mode", "vanilla", "--draft", "x"], "--draft: used by the paper and exact modes only"),
     (["--threshold", "0.5"], "--threshold applies to the dynamic and entropy strategies"),
-    (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    (["--max-batch-size", "0"], "--max-batch-size must be an integer >= 1, got 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--no-rope-copy"], "--no-rope-copy is an ablation of paper mode"),
@@ -127,16 +127,19 @@ def test_serve_exits_promptly_after_sigterm(server_process):
     (["--block-length", "2048"], "--block-length 2048 leaves no room in the model's maximum length 2048"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
-    (["--max-model-len", "100000"], "--max-model-len: max_model_len must be an integer in (4, 2048]"),
+    (["--max-model-len", "100000"], "--max-model-len must be an integer in (4, 2048] (the models' positions), got "
+                                    "100000"),
     (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address of this machine"),
     (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
     (["--kv-cache-memory", "inf"], "--kv-cache-memory must be a finite number > 0 (GiB), got inf"),
     (["--kv-cache-memory", "nan"], "--kv-cache-memory must be a finite number > 0 (GiB), got nan"),
-    (["--kv-cache-memory", "0.001"], "--kv-cache-memory: kv_cache_memory 1.02 MiB holds no row of 2048 tokens ("),
+    (["--kv-cache-memory", "0.001"], "--kv-cache-memory 1.02 MiB holds no row of 2048 tokens ("),
     (["--port", "-1"], "--port must be in [0, 65535], got -1"),
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 leaves no position for a prompt in the 2048"),
-    (["--max-model-len", "5"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 5"),
-    (["--max-model-len", "128"], "--max-new-tokens 128 leaves no position for a prompt in --max-model-len 128"),
+    (["--max-model-len", "5"], "--max-tokens 128 leaves no position for a prompt in the 5 positions of a request "
+                               "(--max-model-len;"),
+    (["--max-model-len", "128"], "--max-tokens 128 leaves no position for a prompt in the 128 positions of a "
+                                 "request (--max-model-len;"),
     (["--invariant", "--cuda-graphs"], "--invariant is not available with --cuda-graphs"),
     (["--strategy", "foo"], "--strategy: unknown strategy 'foo'"),
     (["--draft-strategy", "foo"], "--draft-strategy: unknown strategy 'foo'"),
@@ -190,10 +193,10 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
     same settings as ``simsd generate``'s flags of those names)."""
     import torch
 
-    from simsd.entrypoints.cli import build_parser
+    from simsd.entrypoints.cli import parse
     from simsd.entrypoints.serve import build_llm, serving_summary
     before = torch.get_num_threads()
-    args = build_parser().parse_args(["serve", "--invariant", "--threads", "1", "--strategy", "dynamic",
+    args = parse(["serve", "--invariant", "--threads", "1", "--strategy", "dynamic",
                                       "--threshold", "0.8", "--draft-strategy", "entropy",
                                       "--draft-threshold", "0.4", "--max-batch-size", "1"])
     llm = build_llm(args)
@@ -202,10 +205,11 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
         assert serving_summary(llm).endswith("cpu float32, 1 CPU thread, invariant numerics")
         p = llm.default_params
         assert (p.strategy, p.threshold, p.draft_strategy, p.draft_threshold) == ("dynamic", 0.8, "entropy", 0.4)
-        plain = build_llm(build_parser().parse_args(["serve", "--max-batch-size", "1"]))
+        plain = build_llm(parse(["serve", "--max-batch-size", "1"]))
         try:
             assert plain.target.model.invariant is False and plain.default_params.draft_threshold is None
-            assert "invariant" not in serving_summary(plain) and serving_summary(plain).startswith("exact, 1 row of 2048 positions")
+            summary = serving_summary(plain)
+            assert "invariant" not in summary and summary.startswith("exact, 1 row of 2048 positions")
         finally:
             plain.shutdown()
     finally:

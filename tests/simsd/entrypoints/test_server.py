@@ -166,14 +166,15 @@ def test_latency_histograms_of_a_request(llm):
     after the first, (latency - TTFT) / (tokens - 1) as vLLM defines it: a request of 5 tokens,
     TTFT 1 s, latency 3 s gives 0.5 s per output token."""
     from types import SimpleNamespace
+
     from simsd.entrypoints.metrics import Metrics
     m = Metrics(llm)
     m.observe(SimpleNamespace(token_ids=[1, 2, 3, 4, 5], stats={"time_to_first_token": 1.0}), 3.0)
     m.observe(SimpleNamespace(token_ids=[1], stats={"time_to_first_token": 0.25}), 0.25)  # one token: no TPOT
     got = lambda name: m.registry.get_sample_value(name)  # noqa: E731
-    assert (got("simsd_request_latency_seconds_count"), got("simsd_request_latency_seconds_sum")) == (2, 3.25)
-    assert (got("simsd_time_to_first_token_seconds_count"), got("simsd_time_to_first_token_seconds_sum")) == (2, 1.25)
-    assert (got("simsd_time_per_output_token_seconds_count"), got("simsd_time_per_output_token_seconds_sum")) == (1, 0.5)
+    for name, want in (("request_latency", (2, 3.25)), ("time_to_first_token", (2, 1.25)),
+                       ("time_per_output_token", (1, 0.5))):
+        assert (got(f"simsd_{name}_seconds_count"), got(f"simsd_{name}_seconds_sum")) == want
 
 
 def test_seed_is_reported_and_replays(client):
@@ -208,7 +209,7 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
     ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n=2: simsd returns one completion per request (n=1)"),
-    ({"model": NAME, "prompt": "hi", "n": 0}, "n", "n must be >= 1, got 0"),
+    ({"model": NAME, "prompt": "hi", "n": 0}, "n", "n must be an integer >= 1, got 0"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
@@ -391,8 +392,8 @@ def test_16_concurrent_requests_equal_their_single_runs(llm, url):
 def test_every_sampling_field_of_a_request_is_used():
     """Each field a completion or chat request may give reaches its SamplingParams (nothing a
     client asks for is silently dropped): values unlike the server's defaults."""
-    from simsd.entrypoints.params import SamplingParams
     from simsd.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    from simsd.entrypoints.settings import SamplingParams
     defaults = SamplingParams()
     given = dict(temperature=0.5, top_p=0.75, top_k=9, seed=11, stop=["x"], stop_token_ids=[5], ignore_eos=True,
                  steps=2, strategy="dynamic", threshold=0.7, gamma=2, draft_strategy="entropy", draft_threshold=0.3)
@@ -408,8 +409,8 @@ def test_a_request_draft_threshold_and_the_server_default():
     """A request's ``draft_threshold`` overrides the server's ``--draft-threshold``; a request that
     names another strategy or draft strategy without one falls back to the draft strategy's
     default rule (a bound for one strategy is never read as another's)."""
-    from simsd.entrypoints.params import SamplingParams
     from simsd.entrypoints.protocol import CompletionRequest
+    from simsd.entrypoints.settings import SamplingParams
     defaults = SamplingParams(strategy="dynamic", threshold=0.8, draft_strategy="entropy", draft_threshold=0.4)
     req = lambda **kw: CompletionRequest(model=NAME, prompt="hi", **kw).sampling_params(defaults)  # noqa: E731
     assert req().draft_threshold == 0.4

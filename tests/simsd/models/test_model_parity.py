@@ -16,7 +16,8 @@ def _pair(tie=False, num_kv_heads=2):
     sd = random_state_dict(cfg, seed=3)
     ours = SDARForCausalLM(ModelConfig.from_dict(cfg))
     ours.load_state_dict(sd if not tie else {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]})
-    hf_fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "block_size", "mask_token_id")}
+    ours_only = ("model_type", "architectures", "block_size", "mask_token_id")
+    hf_fields = {k: v for k, v in cfg.items() if k not in ours_only}
     hf = Qwen3ForCausalLM(Qwen3Config(**hf_fields, attn_implementation="eager")).eval()
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.speculative import SpecConfig, speculative_generate, speculative_generate_batch
 from simsd.speculative.optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
 from simsd.speculative.spec_row import Draft
-from simsd.speculative import SpecConfig, speculative_generate, speculative_generate_batch
 from simsd_kernels import TAU_INF
 from tests.helpers import random_checkpoint
 

@@ -24,7 +24,7 @@ from simsd import DecodeConfig, SamplingParams, load_checkpoint
 from simsd.speculative import SpecConfig
 from simsd.speculative.decoder import speculative_generate_batch
 from simsd.speculative.verification import token_verdicts
-from tests.helpers import random_checkpoint
+from tests.helpers import random_checkpoint, rejection_rng
 from tests.reference_decoder import ReferenceModel, filtered
 
 
@@ -53,7 +53,7 @@ def test_committed_token_follows_target_with_overlapping_supports():
     g = torch.Generator().manual_seed(0)
     x = torch.multinomial(p_d, N, replacement=True, generator=g)
     logits = p_t.log().expand(N, 6)
-    ok, repl = token_verdicts(logits, x, p_d.expand(N, 6), SamplingParams(temperature=1.0), g)
+    ok, repl = token_verdicts(logits, x, p_d.expand(N, 6), SamplingParams(temperature=1.0), rejection_rng(N, 6, g))
     committed = torch.where(ok, x, repl)
     counts = torch.bincount(committed, minlength=6).double()
     assert counts[4:].sum() == 0
@@ -75,7 +75,7 @@ def test_verdicts_use_the_filtered_target():
     N = 40000
     g = torch.Generator().manual_seed(1)
     x = torch.multinomial(p_d, N, replacement=True, generator=g)
-    ok, repl = token_verdicts(logits.expand(N, 5), x, p_d.expand(N, 5), params, g)
+    ok, repl = token_verdicts(logits.expand(N, 5), x, p_d.expand(N, 5), params, rejection_rng(N, 5, g))
     counts = torch.bincount(torch.where(ok, x, repl), minlength=5).double()
     assert counts[2:].sum() == 0
     assert chisquare(counts[:2].numpy(), (p_t[:2] * N).numpy()).pvalue > 1e-4

@@ -140,7 +140,7 @@ def test_release_hand_checked_counters(key, sampling):
 
 
 def test_release_refusals():
-    with pytest.raises(ValueError, match="variant of paper mode, not of exact"):
+    with pytest.raises(ValueError, match=r"paper_variant is a variant of paper mode \(the mode is exact\)"):
         SpecConfig(mode="exact", paper_variant="release")
     with pytest.raises(ValueError, match="no gamma"):
         SpecConfig(mode="paper", paper_variant="release", gamma=2)

@@ -9,7 +9,7 @@ from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
 from simsd.speculative.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
 from simsd_kernels import TAU_INF
-from tests.helpers import layout_tensors, random_checkpoint
+from tests.helpers import layout_tensors, random_checkpoint, rejection_rng
 
 V = 96
 
@@ -71,7 +71,7 @@ def verification_vs_sequential(model, mask_id, mode, rope_copy=True):
     seq = torch.stack([runner.denoise_logits(s) for s in states])  # (n, B, V)
     if mode == "paper":
         ids, pos, lab, taus, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start,
-                                                    mask_id, rope_copy)
+                                                    rope_copy)
         logits = runner.forward(*layout_tensors(ids, pos, lab, taus), "paper")[0]
         got = torch.stack([logits[m_index[p]] for p in range(4) if not known[p]])
         want = torch.stack([seq[int(tau[p]) - 1, p] for p in range(4) if not known[p]])
@@ -114,7 +114,7 @@ def test_no_rope_copy_equals_moved_mask_positions():
     states = sequential_states(block, drafted, tau, mask_id, n)
     start = runner.cached
     ids, pos, lab, taus, m_index = paper_layout(block, known, drafted, torch.where(known, TAU_INF, tau), start,
-                                                mask_id, rope_copy=False)
+                                                rope_copy=False)
     logits = runner.forward(*layout_tensors(ids, pos, lab, taus), "paper")[0]
     with_copy, _ = verification_vs_sequential(c.model, mask_id, "paper", rope_copy=True)
     got = torch.stack([logits[m_index[p]] for p in unk])
@@ -208,7 +208,7 @@ def test_token_verdicts_keep_target_distribution():
     N = 20000
     x = torch.multinomial(p_d, N, replacement=True, generator=g)
     logits = p_t.log().expand(N, 5)
-    ok, repl = token_verdicts(logits, x, p_d.expand(N, 5), SamplingParams(temperature=1.0), g)
+    ok, repl = token_verdicts(logits, x, p_d.expand(N, 5), SamplingParams(temperature=1.0), rejection_rng(N, 5, g))
     committed = torch.where(ok, x, repl)
     counts = torch.bincount(committed, minlength=5).double()
     assert counts[4] == 0
