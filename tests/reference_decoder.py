@@ -219,6 +219,8 @@ class ReferenceResult:
     token_ids: list
     #: per block: the list of (positions revealed, tokens) of each step
     trace: list = field(default_factory=list)
+    #: per generated token (before the cut): whether the draft proposed it and the target accepted it
+    origins: list = field(default_factory=list)
 
     def step_sizes(self) -> list:
         return [len(p) for blk in self.trace for p, _ in blk]
@@ -240,8 +242,7 @@ def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, 
     if threshold is None:
         threshold = DEFAULT_THRESHOLD.get(strategy)
     stops = set(ref.stop_ids if stop_ids is None else stop_ids)
-    cut = len(prompt) - len(prompt) % B
-    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    context, tail = split_prompt(prompt, B)
     generated, trace = [], []
     while True:
         block = tail + [ref.mask_id] * (B - len(tail))
@@ -264,12 +265,23 @@ def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, 
         generated += block[first:]
         if stops & set(block[first:]) or len(generated) >= max_new_tokens:
             break
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace)
+
+
+def split_prompt(prompt: list, B: int) -> tuple:
+    """``(context, tail)``: the block-aligned part of the prompt and the rest (it opens the first block)."""
+    cut = len(prompt) - len(prompt) % B
+    return list(prompt[:cut]), list(prompt[cut:])
+
+
+def returned_ids(generated: list, max_new_tokens: int, stops: set) -> list:
+    """The returned ids: ``generated`` up to the first stop id (kept) and at ``max_new_tokens``."""
     out = []
     for t in generated[:max_new_tokens]:
         out.append(t)
         if t in stops:
             break
-    return ReferenceResult(out, trace)
+    return out
 
 
 def step_outcomes(logits: torch.Tensor, masked: list, strategy: str, k: int, threshold=None,
@@ -379,8 +391,7 @@ def reference_paper_generate(target: ReferenceModel, draft: ReferenceModel, prom
         threshold = DEFAULT_THRESHOLD.get(strategy)
     mask_id = target.mask_id
     stops = set(target.stop_ids if stop_ids is None else stop_ids)
-    cut = len(prompt) - len(prompt) % B
-    context, tail = list(prompt[:cut]), list(prompt[cut:])
+    context, tail = split_prompt(prompt, B)
     generated, trace = [], []
     while True:
         block = tail + [mask_id] * (B - len(tail))
@@ -420,9 +431,62 @@ def reference_paper_generate(target: ReferenceModel, draft: ReferenceModel, prom
         generated += block[first:]
         if stops & set(block[first:]) or len(generated) >= max_new_tokens:
             break
-    out = []
-    for t in generated[:max_new_tokens]:
-        out.append(t)
-        if t in stops:
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace)
+
+
+def reference_release_generate(target: ReferenceModel, draft: ReferenceModel, prompt: list, *, block_length: int,
+                               steps: int | None = None, strategy: str = "static", threshold: float | None = None,
+                               max_new_tokens: int = 16, stop_ids=None) -> ReferenceResult:
+    """Greedy SimSD as the SimSD release's loop runs it (``configs/experiments/sdar.yaml``,
+    method ``ours``), recomputing everything from scratch. Written from the release's
+    description, not from simsd's code:
+
+    A round: the known tokens of the block are a prefix (the prompt tail, then committed
+    tokens); the draft denoises the rest with ``steps`` steps of its own, step ``s`` (1-based)
+    revealing ``ceil(masked / (steps - s + 1))`` positions counted before the step, until no
+    MASK is left; the target reads every drafted position at its M slot (paper layout, RoPE
+    copy); positions are judged from left to right; the first one whose draft token is not the
+    target's argmax takes the argmax, and the positions after it become MASK again; if none is
+    rejected the draft's tokens are committed and nothing else. ``trace``: per block, per
+    round, ``(positions, tokens)`` committed; ``origins``: per generated token, whether it is an
+    accepted draft token.
+    """
+    B = block_length
+    steps = steps or B
+    if threshold is None:
+        threshold = DEFAULT_THRESHOLD.get(strategy)
+    mask_id = target.mask_id
+    stops = set(target.stop_ids if stop_ids is None else stop_ids)
+    context, tail = split_prompt(prompt, B)
+    generated, trace = [], []
+    origins = []
+    while True:
+        known = list(tail)
+        first, tail, rounds, origin = len(known), [], [], [False] * len(known)
+        while len(known) < B:
+            state, tau, s = known + [mask_id] * (B - len(known)), [INF] * B, 0
+            while mask_id in state:
+                s += 1
+                masked = state.count(mask_id)
+                k = -(-masked // max(steps - s + 1, 1))
+                state, pos = greedy_step(draft, context, state, B, strategy, k, threshold)
+                for i in pos:
+                    tau[i] = s
+            block = known + [mask_id] * (B - len(known))
+            best = paper_verify(target, context, block, state, tau, B, True)
+            committed, accepted = [], []
+            for p in range(len(known), B):
+                committed.append(best[p] if state[p] != best[p] else state[p])
+                accepted.append(state[p] == best[p])
+                if state[p] != best[p]:
+                    break
+            rounds.append((list(range(len(known), len(known) + len(committed))), committed))
+            known += committed
+            origin += accepted
+        trace.append(rounds)
+        context += known
+        generated += known[first:]
+        origins += origin[first:]
+        if stops & set(known[first:]) or len(generated) >= max_new_tokens:
             break
-    return ReferenceResult(out, trace)
+    return ReferenceResult(returned_ids(generated, max_new_tokens, stops), trace, origins)

@@ -92,6 +92,10 @@ API_ENGINE = "tests/simsd/entrypoints/test_api_engine.py"
 DOOR = "tests/kernels/test_door.py"
 ROWS = "tests/kernels/test_reference_rows.py"
 FWD_CTX = "tests/simsd/models/test_forward_context.py"
+RELEASE = "tests/simsd/speculative/test_release_variant.py"
+PAPER_VARIANT = "tests/simsd/entrypoints/test_paper_variant.py"
+EVAL = "tests/simsd/entrypoints/test_eval.py"
+SCORING = "tests/simsd/entrypoints/test_scoring.py"
 
 
 @dataclass(frozen=True)
@@ -277,8 +281,7 @@ MUTANTS = [
     m("verdict", VFY, "at = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)",
       "at = without_mask_token_(logits.index_select(0, (rnd.layout - rnd.host.count(self.mask_id)).clamp_min(0)), "
       "self.mask_id)", PAPER_REF, SPEC, note="paper: proposals judged at their D slot instead of their M slot"),
-    m("schedule", SR, "\"draft\", state, Step(state, block_step + c, dcfg, self.mask_id, key))",
-      "\"draft\", state, Step(state, c, dcfg, self.mask_id, key))", PAPER_REF, EXACT_SAMPLING,
+    m("schedule", VFY, "return cfg, block_step + c", "return cfg, c", PAPER_REF, EXACT_SAMPLING,
       note="the draft's step (schedule and noise key) restarts at every round"),
     m("schedule", SR, "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) < self.dec.gamma:",
       "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) <= self.dec.gamma:", PAPER_REF,
@@ -341,8 +344,8 @@ MUTANTS = [
       "if req.forward_requests <= limit * 10 ** 9:", PROGRESS,
       note="the scheduler's bound on a row's requests removed: a program that never finishes loops"),
     # counters (issue 13 item 6; README "Statistics") ---------------------------------------------------
-    m("counters", SR, "proposals = sorted((t, i) for i, t in enumerate(tau) if t <= draft.n)",
-      "proposals = sorted((t, i) for i, t in enumerate(tau) if t <= taken)", COUNTERS,
+    m("counters", SR, "proposals = self.verifier.acceptance_order(tau, draft.n)",
+      "proposals = self.verifier.acceptance_order(tau, taken)", COUNTERS,
       note="proposed counts only the steps a round took (the draft steps after a rejection dropped)"),
     m("counters", VER, "    return new, rejected, taken, r\n", "    return new, rejected, taken, r + rejected.long()\n",
       COUNTERS,
@@ -360,8 +363,8 @@ MUTANTS = [
     m("counters", SR, '"draft_share": from_draft / n if n else 0.0,',
       '"draft_share": from_draft / len(self.stats.origins) if n else 0.0,', COUNTERS,
       note="draft_share over the decoded tokens, not the returned ones"),
-    m("counters", SR, "self.mark(rnd.host, block_host, {i for _, i in proposals[:acc]})",
-      "self.mark(rnd.host, block_host, {i for _, i in proposals[:acc + 1]})", COUNTERS,
+    m("counters", SR, "self.mark(rnd.host, block_host, set(proposals[:acc]))",
+      "self.mark(rnd.host, block_host, set(proposals[:acc + 1]))", COUNTERS,
       note="the target's correction counted as the draft's"),
     m("counters", SR, "self.stats.origins.extend(self.origin[blk.first:])", "self.stats.origins.extend(self.origin)",
       COUNTERS, note="origins include the prompt tail's positions (from_draft shifted)"),
@@ -578,6 +581,36 @@ MUTANTS = [
     m("merged projections", "simsd/engine/tp.py", "((Hq + rank * hkv) * D, (Hq + (rank + 1) * hkv) * D),",
       "((Hq + rank * hq) * D, (Hq + (rank + 1) * hq) * D),", TP,
       note="a rank's k rows of the merged q/k/v projection cut by the q head count"),
+    # issue 28: paper mode as the release runs it, and simsd eval --------------------------------------------
+    m("release", VER, "before = proposed & (index < first)", "before = proposed & (index <= first)", RELEASE,
+      note="the rejected proposal counted as accepted"),
+    m("release", VER, "first = torch.where(proposed & ~ok, index, L).min()",
+      "first = torch.where(~ok, index, L).min()", RELEASE, note="a known position's verdict read"),
+    m("release", VFY, "k = math.ceil(masks / max(cfg.steps - c, 1))", "k = math.ceil(masks / max(cfg.steps, 1))",
+      RELEASE, note="the fresh schedule does not count down its steps"),
+    m("release", VFY, "return [i for i, t in enumerate(tau) if t <= n]", "return super().acceptance_order(tau, n)",
+      RELEASE, note="the release's accepted tokens marked in temporal order (from_draft)"),
+    m("release", "simsd/decoding/step.py",
+      "key = (c.block_length, tuple(c.schedule), c.strategy, c.threshold, c.sampling, s.mask_id)",
+      "key = (c.block_length, c.steps, c.strategy, c.threshold, c.sampling, s.mask_id)", RELEASE,
+      note="rows whose fresh schedules differ batched as one step"),
+    m("release", "simsd/speculative/decoder.py",
+      "self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == \"paper\" else VERIFIERS[spec.mode]",
+      "self.verifier_class = VERIFIERS[spec.mode]", PAPER_VARIANT, note="the variant ignored"),
+    m("eval", "simsd/entrypoints/eval.py", "if recorded.get(key) != settings.get(key):",
+      "if False and recorded.get(key) != settings.get(key):", EVAL, note="a run resumed with other settings"),
+    m("eval", "simsd/entrypoints/eval.py",
+      "todo = [i for i, p in enumerate(prompts) if not all(m in records.get(p.id, {}).get(\"results\", {}) "
+      "for m in modes)]",
+      "todo = list(range(len(prompts)))", EVAL, note="a resumed run decodes everything again"),
+    m("eval", "simsd/entrypoints/eval.py",
+      "return None if prompt.answer is None else answer_matches(text, prompt.answer)",
+      "return None", EVAL, note="nothing scored"),
+    m("eval", "simsd/entrypoints/scoring.py", "if got == form:", "if got == form and False:", SCORING,
+      note="only numbers match"),
+    m("eval", "simsd/entrypoints/scoring.py",
+      "return [normalize_answer(a) for a in _ALTERNATIVES.split(answer) if a.strip()]",
+      "return [normalize_answer(answer)]", SCORING, note="a reference's alternative forms dropped"),
 ]
 
 

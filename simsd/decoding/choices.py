@@ -31,6 +31,8 @@ ALIASES = {"low_confidence_static": "static", "low_confidence_dynamic": "dynamic
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}
 MODES = ("vanilla", "paper", "exact")
 SPECULATIVE = ("paper", "exact")
+#: paper mode as the paper describes it, or as the SimSD release's code runs it (docs/design.md §4.3)
+PAPER_VARIANTS = ("described", "release")
 
 #: temperatures below this act as greedy: the smallest normal float32 (``torch.finfo(torch.float32).tiny``),
 #: too small to divide float32 logits by
@@ -167,6 +169,10 @@ def check_modes(given: dict, modes) -> None:
     the run's decoding ``modes`` uses (an option the run would ignore is refused)."""
     unused = [n for n, s in given.items() if not set(s.modes) & set(modes)]
     if unused:
+        variants = [n for n in unused if given[n].modes == ("paper",) and given[n].kind is not bool]
+        if variants:
+            raise ParamError(variants[0], f"{opt(variants[0])} is a variant of paper mode (the mode is "
+                                          f"{', '.join(modes)})")
         ablations = [n for n in unused if given[n].modes == ("paper",)]
         if len(ablations) == len(unused):
             raise ParamError(unused[0], f"{', '.join(opt(n, False) for n in unused)} is an ablation of paper mode")
@@ -229,6 +235,17 @@ def check_gamma(gamma: int | None, block_length: int) -> None:
                                   f"finished in at most {block_length} steps; valid: 1 to {block_length})")
 
 
+def check_release(variant: str, gamma: int | None, on_reject: str, gamma_name: str = "gamma") -> None:
+    """:class:`ParamError` for paper mode's release variant with a ``gamma`` (``gamma_name``: the
+    setting that gave it) or ``on_reject`` fallback: it drafts the whole rest of the block every
+    round."""
+    if variant != "release" or (gamma is None and on_reject != "fallback"):
+        return
+    name = gamma_name if gamma is not None else "on_reject"
+    raise ParamError(name, f"{opt(name)}: the release variant of paper mode ({opt('paper_variant', 'release')}) "
+                           f"drafts the whole rest of the block every round (no gamma, no fallback)")
+
+
 def check_fold_commit(fold_commit: bool, optimistic: bool | None, devices: str | None = None) -> None:
     """:class:`ParamError` for ``fold_commit`` with optimistic drafting: ``optimistic`` True, or
     None (auto) with the draft on another device than the target (``devices``: ``"draft !=
@@ -275,6 +292,10 @@ SETTINGS = {
                          choices=("redraft", "fallback"), modes=SPECULATIVE),
     "rope_copy": Setting(bool, "paper mode's RoPE copy (off: the ablation, mask slots at fresh positions after "
                                "the draft slots)", modes=("paper",)),
+    "paper_variant": Setting(str, "paper mode as the paper describes it (described: acceptance in the draft's "
+                                  "temporal order) or as the SimSD release's code runs it (release: position "
+                                  "order, the rest re-drafted with a fresh schedule, no bonus token; no gamma, no "
+                                  "fallback; docs/design.md §4.3)", choices=PAPER_VARIANTS, modes=("paper",)),
     "optimistic": Setting(bool, "draft the next round while the target verifies, roll back on rejection "
                                 "(auto: when draft and target are on different devices)", modes=SPECULATIVE),
     "draft_strategy": Setting(str, _DRAFT + "the target's strategy", parse=parse_strategy, modes=SPECULATIVE),

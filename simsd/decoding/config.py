@@ -6,6 +6,7 @@ the first decode block, a read-only cache while denoising, a commit forward per 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .choices import SETTINGS, check_fields, check_threshold
@@ -40,6 +41,14 @@ class DecodeConfig:
     def tokens_for_step(self, step: int) -> int:
         """Tokens the schedule asks for at 0-based ``step`` of a block (the last entry repeats)."""
         return self.schedule[min(step, len(self.schedule) - 1)]
+
+    def revealing(self, k: int) -> "DecodeConfig":
+        """A copy whose schedule asks for ``k`` tokens at every step (``k >= 1``): a schedule
+        computed step by step from the MASK count, as the SimSD release's draft does
+        (:class:`simsd.speculative.verifiers.ReleaseVerifier`)."""
+        cfg = dataclasses.replace(self)
+        cfg.schedule = [max(1, int(k))] * self.block_length
+        return cfg
 
 
 @dataclass

@@ -99,7 +99,7 @@ class Step:
         """Apply the steps to their logits: ``logits`` holds every step's states in order, as
         ``(N, L, V)`` or any shape that views as it (``N``: the steps' states; changed in place).
         Returns ``(new_block, revealed, probs)`` per step, in order. Steps with equal step
-        settings (block length, steps, strategy, threshold, sampling) and ``mask_id`` run as one
+        settings (block length, schedule, strategy, threshold, sampling) and ``mask_id`` run as one
         batched :func:`denoise_step`; each row's noise depends on its own key only, so a row
         decodes exactly as it would alone."""
         sizes = [s.states for s in steps]
@@ -112,7 +112,7 @@ class Step:
         groups: dict = {}
         for j, s in enumerate(steps):
             c = s.cfg  # the settings a step reads: requests with equal settings share one batched step
-            key = (c.block_length, c.steps, c.strategy, c.threshold, c.sampling, s.mask_id)
+            key = (c.block_length, tuple(c.schedule), c.strategy, c.threshold, c.sampling, s.mask_id)
             groups.setdefault(key, []).append(j)
         out = [None] * len(steps)
         for rows in groups.values():

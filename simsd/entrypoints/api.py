@@ -235,7 +235,8 @@ class LLM:
             SpeculativeDecoder(self.target, self.draft,
                                DecodeConfig(block_length=block_length, fold_commit=config.fold_commit),
                                SpecConfig(mode, on_reject=config.on_reject, rope_copy=config.rope_copy,
-                                          optimistic=config.optimistic), check=False)
+                                          optimistic=config.optimistic, paper_variant=config.paper_variant),
+                               check=False)
         self.models = [m for m in (self.target, self.draft) if m is not None]
         self.vocab_size = infos["target"].config.vocab_size
         self._make_engine(config.batch_size, config.kv_cache_memory, config.cuda_graphs)

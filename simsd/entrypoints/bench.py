@@ -130,6 +130,39 @@ def counters(mode: str, results: list) -> dict:
     return row
 
 
+def warm_up(llms: dict, requests: list, params: dict, batch_size: int) -> None:
+    """Untimed runs of ``requests`` in every mode (``llms``: mode -> LLM; ``params``: mode -> one
+    parameter set per request), in full batches of the timed size (a short last batch repeats
+    its requests; with CUDA graphs: the same captured shapes)."""
+    for mode, llm in llms.items():
+        for i in range(0, len(requests), batch_size):
+            part, own = requests[i:i + batch_size], params[mode][i:i + batch_size]
+            llm.generate([part[j % len(part)] for j in range(batch_size)],
+                         [own[j % len(own)] for j in range(batch_size)])
+
+
+def one_pass(llms: dict, requests: list, params: dict, index: int, bar=None) -> dict:
+    """One timed pass: ``requests`` through every mode's LLM (``llms``: mode -> LLM, in order;
+    ``params``: mode -> one :class:`SamplingParams` per request), the modes in an order rotated
+    by the pass ``index`` (interleaved passes: no mode always runs first or last). Returns mode
+    -> the outputs in request order (their decode time: :func:`decode_span`); ``bar`` (a
+    progress bar) advances by one per output."""
+    modes = list(llms)
+    out = {}
+    for mode in modes[index % len(modes):] + modes[: index % len(modes)]:
+        out[mode] = []
+        for o in llms[mode].generate_iter(requests, params[mode]):
+            out[mode].append(o)
+            if bar is not None:
+                bar.update()
+    return {m: out[m] for m in modes}
+
+
+def mode_label(mode: str, args) -> str:
+    """How tables name a mode: ``paper-release`` for paper mode with ``--paper-variant release``."""
+    return "paper-release" if mode == "paper" and args.engine.paper_variant == "release" else mode
+
+
 def bench_modes(args, modes: list) -> int:
     check_json_path(args.json_file)
     run = prepare(args, modes)
@@ -144,22 +177,14 @@ def bench_modes(args, modes: list) -> int:
     n = llms[modes[0]].batch_size  # the batch size that runs (recorded as such)
     requests = [p.request for p in prompts]
     params = {m: run.params_of(m) for m in modes}
-    warm = requests[: args.warmup]
-    for mode in modes:  # batches of the timed size (with CUDA graphs: the same captured shapes)
-        for i in range(0, len(warm), n):
-            part = warm[i:i + n]
-            llms[mode].generate([part[j % len(part)] for j in range(n)], params[mode][:n])
+    warm_up(llms, requests[: args.warmup], params, n)
     seconds = {m: [] for m in modes}
     tokens = {m: [] for m in modes}
     results = {}
     from tqdm import tqdm
     bar = tqdm(total=args.repeats * len(modes) * len(prompts), file=sys.stderr, desc="bench")
     for r in range(args.repeats):
-        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # rotated: interleaved passes
-            out = []
-            for o in llms[mode].generate_iter(requests, params[mode]):
-                out.append(o)
-                bar.update()
+        for mode, out in one_pass(llms, requests, params, r, bar).items():
             ids = [x.token_ids for x in out]
             if mode in results and ids != [x.token_ids for x in results[mode]]:
                 raise RuntimeError(f"{mode}: pass {r + 1} decoded other tokens than pass 1")
@@ -170,7 +195,7 @@ def bench_modes(args, modes: list) -> int:
     tps = {m: [t / s if s else float("nan") for t, s in zip(tokens[m], seconds[m])] for m in modes}
     rows = []
     for mode in modes:
-        row = {"mode": mode, "prompts": len(prompts), "batch_size": n, "repeats": args.repeats,
+        row = {"mode": mode_label(mode, args), "prompts": len(prompts), "batch_size": n, "repeats": args.repeats,
                "decode_seconds": statistics.median(seconds[mode]),
                "tokens_per_second": statistics.median(tps[mode]), "tokens_per_second_runs": tps[mode],
                "tokens_per_second_spread": spread(tps[mode]), **counters(mode, results[mode])}
@@ -185,7 +210,7 @@ def bench_modes(args, modes: list) -> int:
         else:
             row.update({"speedup": float("nan"), "speedup_runs": [], "speedup_spread": float("nan"),
                         "forwards_ratio_vs_vanilla": float("nan")})
-        if mode == "paper":
+        if mode == "paper" and llms[mode].config.paper_variant == "described":
             row.update(paper_agreement(llms[mode], requests, params[mode]))
         row["unstable"] = is_unstable(row, args.repeats)
         rows.append(row)

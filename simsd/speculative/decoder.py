@@ -3,7 +3,10 @@
 Modes (docs/design.md §4):
 
 * ``paper``: the paired ``[leftover | D | M]`` layout with RoPE copy and the four-quadrant
-  temporal mask; greedy matching or rejection sampling in the draft's temporal order.
+  temporal mask; greedy matching or rejection sampling in the draft's temporal order
+  (``paper_variant="described"``, the paper), or as the SimSD release's code does it
+  (``paper_variant="release"``: position order, the accepted prefix plus the target's token,
+  the rest re-drafted with a fresh schedule, no bonus token; :class:`~simsd.speculative.verifiers.ReleaseVerifier`).
 * ``exact``: one block copy per verified draft step (§4.1, §4.2); each draft step is accepted
   only if it equals the target's own decision at that state (positions and tokens; under
   sampling with the same keyed noise as vanilla decoding, :mod:`simsd.decoding.noise`), so the
@@ -17,14 +20,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..decoding.choices import SETTINGS, check_fields, check_fold_commit, check_gamma, draft_settings
+from ..decoding.choices import (
+    SETTINGS,
+    check_fields,
+    check_fold_commit,
+    check_gamma,
+    check_modes,
+    check_release,
+    draft_settings,
+)
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
 from .spec_row import SpecRow
-from .verifiers import VERIFIERS
+from .verifiers import PAPER_VERIFIERS, VERIFIERS
 
 MODES = ("paper", "exact")
+#: paper mode as the paper describes it, or as the SimSD release's code runs it (the verifier of each)
+PAPER_VARIANTS = tuple(PAPER_VERIFIERS)
 
 
 @dataclass
@@ -39,7 +52,11 @@ class SpecConfig:
     The draft's own settings: ``draft_strategy`` (default: the target's strategy) and
     ``draft_threshold`` (default: the target's ``threshold`` when the draft runs the same
     strategy, else the draft strategy's default, since a confidence threshold is not an
-    entropy bound); the draft shares the target's steps schedule and sampling parameters."""
+    entropy bound); the draft shares the target's steps schedule and sampling parameters.
+
+    ``paper_variant`` (paper mode): ``described`` (the paper: acceptance in the draft's
+    temporal order) or ``release`` (the SimSD release's loop, docs/design.md §4.3; it drafts
+    the whole rest of the block every round, so it takes no ``gamma`` and no fallback)."""
     mode: str = dataclasses.replace(SETTINGS["mode"], choices=MODES).field("exact")
     gamma: int | None = SETTINGS["gamma"].field(None)
     on_reject: str = SETTINGS["on_reject"].field("redraft")
@@ -47,9 +64,13 @@ class SpecConfig:
     draft_strategy: str | None = SETTINGS["draft_strategy"].field(None)
     optimistic: bool | None = SETTINGS["optimistic"].field(None)
     draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
+    paper_variant: str = SETTINGS["paper_variant"].field("described")
 
     def __post_init__(self):
         check_fields(self)
+        check_modes({"paper_variant": SETTINGS["paper_variant"]} if self.paper_variant != "described" else {},
+                    [self.mode])
+        check_release(self.paper_variant, self.gamma, self.on_reject)
 
 
 def check_pair(target, draft) -> None:
@@ -98,7 +119,7 @@ class SpeculativeDecoder:
         t, d = target.model.device, draft.model.device
         check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
         self.mask_id = target.mask_token_id
-        self.verifier_class = VERIFIERS[spec.mode]
+        self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
 
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
@@ -135,7 +156,8 @@ class SpeculativeDecoder:
 
 
 def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spec: SpecConfig) -> GenerationResult:
-    """Decode ``prompt_ids`` with SimSD (``spec.mode`` = ``paper`` or ``exact``).
+    """Decode ``prompt_ids`` with SimSD (``spec.mode`` = ``paper`` or ``exact``; paper mode as
+    described or as released, ``spec.paper_variant``).
 
     ``target``/``draft`` are :class:`simsd.models.loading.Checkpoint` objects sharing a tokenizer.
     ``stats`` adds to vanilla's (see :class:`simsd.speculative.spec_row.Stats` and the README's

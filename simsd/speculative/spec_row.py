@@ -188,7 +188,8 @@ class SpecRow(RowProgram):
     def propose(self, block: torch.Tensor, block_step: int, masks: int, start: int, round_index: int):
         """Draft up to gamma steps from ``block`` (``masks`` MASK positions), the block at
         absolute position ``start`` after ``block_step`` steps, for round ``round_index``;
-        returns a :class:`Draft`. Draft step ``c`` is block step ``block_step + c`` (its noise key)."""
+        returns a :class:`Draft`. Draft step ``c`` is block step ``block_step + c`` (its schedule
+        entry and noise key), unless the verifier schedules it otherwise (:meth:`Verifier.draft_step`)."""
         dev = self.row.devices["draft"]
         dcfg = self.dec.draft_cfg
         state = block.to(dev)
@@ -203,13 +204,14 @@ class SpecRow(RowProgram):
             if masks == 0:
                 break
             states.append(state)
+            step_cfg, index = self.verifier.draft_step(dcfg, block_step, c, masks)
             state, revealed, p = yield self.row.denoise(
-                "draft", state, Step(state, block_step + c, dcfg, self.mask_id, key))
+                "draft", state, Step(state, index, step_cfg, self.mask_id, key))
             tau.masked_fill_(revealed, c + 1)
             if probs is not None:
                 probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
             if counts_known:
-                masks -= min(max(1, dcfg.tokens_for_step(block_step + c)), masks)
+                masks -= min(max(1, step_cfg.tokens_for_step(index)), masks)
             else:
                 masks = int((state == self.mask_id).sum())  # data-dependent reveal count
         return Draft(states, state, tau, probs, masks, state)
@@ -220,18 +222,19 @@ class SpecRow(RowProgram):
         reveal steps, steps taken, accepted count) and move ``blk`` on: its new block (device
         tensor and host list) and steps. The counters go to ``stats``.
 
-        Accepted proposals are the first ``accepted`` ones in the draft's temporal order (reveal
-        step, then position), in every mode; the other positions revealed this round are the
+        Accepted proposals are the first ``accepted`` ones in the verifier's acceptance order
+        (:meth:`Verifier.acceptance_order`: the draft's temporal order, reveal step then position;
+        position order in the release variant); the other positions revealed this round are the
         target's."""
         new, taken, acc = verdict.block, verdict.taken, verdict.accepted
         draft = rnd.draft
         L = new.shape[0]
         host = torch.cat([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)]).tolist()
         block_host, tau, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
-        proposals = sorted((t, i) for i, t in enumerate(tau) if t <= draft.n)
+        proposals = self.verifier.acceptance_order(tau, draft.n)
         self.stats.proposed += len(proposals)
         self.stats.accepted += acc
-        self.mark(rnd.host, block_host, {i for _, i in proposals[:acc]})
+        self.mark(rnd.host, block_host, set(proposals[:acc]))
         blk.block, blk.host = new, block_host
         blk.step += taken
 

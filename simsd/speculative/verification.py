@@ -149,6 +149,32 @@ def accept_in_order(block: torch.Tensor, drafted: torch.Tensor, tau: torch.Tenso
     return new, rejected, taken, r
 
 
+def accept_in_position_order(block: torch.Tensor, drafted: torch.Tensor, proposed: torch.Tensor,
+                             ok: torch.Tensor, replacement: torch.Tensor):
+    """Accept the longest prefix of draft proposals in block position order (the SimSD
+    release's ``greedy_match_verify`` and ``mrs_verify`` with ``verify_order_mode="position"``).
+
+    Proposals are judged from the first position on; the first one with ``ok`` False takes its
+    ``replacement`` token and every later position stays MASK (the release re-drafts it in the
+    next round). When every proposal is accepted nothing else is added (no bonus token).
+
+    Args:
+        block: ``(L,)`` the block at the round start.
+        drafted: ``(L,)`` the draft's block after its steps.
+        proposed: ``(L,)`` bool, the positions the draft revealed in the round.
+        ok, replacement: ``(L,)`` per-position verdicts (:func:`token_verdicts`).
+
+    Returns:
+        ``(new_block (L,), accepted)`` on the device (``accepted`` a 0-d tensor; no host reads).
+    """
+    L = block.shape[0]
+    index = torch.arange(L, device=block.device)
+    first = torch.where(proposed & ~ok, index, L).min()  # the first rejected position, or L
+    before = proposed & (index < first)
+    new = torch.where(before, drafted, block)
+    return torch.where(index == first, replacement, new), before.sum()
+
+
 def exact_step_verdict(mine: torch.Tensor, chain: torch.Tensor, tau: torch.Tensor, bonus: bool):
     """Exact verification: draft step ``c`` is accepted iff the target's own step on
     ``chain[c]`` (``mine[c]``: same positions, same tokens) equals the draft's next state

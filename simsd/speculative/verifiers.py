@@ -7,7 +7,9 @@ no host read; the row reads the verdict once). :class:`ExactVerifier` verifies w
 steps, one block copy per step (exact mode, token-identical to vanilla decoding): its forward
 carries the target's own step on every copy, which the engine runs batched with the other
 rows' steps; :class:`PaperVerifier` verifies tokens in one ``[leftover | D | M]`` forward
-(paper mode).
+(paper mode as the paper describes it: acceptance in the draft's temporal order) and
+:class:`ReleaseVerifier` in the same forward as the SimSD release's code does (acceptance in
+position order, a fresh draft schedule every round; ``paper_variant="release"``).
 
 A row's verifier is ``SpeculativeDecoder.verifier_class(cfg, spec, mask_id, seed)`` (by
 default :data:`VERIFIERS` of the mode): a subclass replaces a rule (``simsd bench``'s
@@ -15,6 +17,7 @@ paper-vs-exact comparison, ``bench/bench_coupling.py``'s rejection sampling on e
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,7 +27,14 @@ from ..decoding.config import DecodeConfig
 from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, step_noise, uniform
 from ..decoding.step import Step, without_mask_token_
 from ..engine.batching import Fwd, Row
-from .verification import accept_in_order, exact_layout, exact_step_verdict, paper_layout, token_verdicts
+from .verification import (
+    accept_in_order,
+    accept_in_position_order,
+    exact_layout,
+    exact_step_verdict,
+    paper_layout,
+    token_verdicts,
+)
 
 
 @dataclass
@@ -74,6 +84,17 @@ class Verifier:
     def verify(self, row: Row, rnd: Round):
         """The round's verify forward (a generator of forward requests); returns its logits."""
         return (yield self.request(row, rnd))
+
+    def draft_step(self, cfg: DecodeConfig, block_step: int, c: int, masks: int) -> tuple:
+        """``(cfg, index)`` of the draft's step ``c`` of a round that starts at block step
+        ``block_step`` with ``masks`` MASK left (``cfg``: the draft's settings): the block's
+        schedule goes on, step ``block_step + c``."""
+        return cfg, block_step + c
+
+    def acceptance_order(self, tau: list, n: int) -> list:
+        """The positions the draft proposed in a round of ``n`` steps (``tau``: host reveal
+        steps), in the order they are accepted: reveal step, then position (the paper)."""
+        return [i for _, i in sorted((t, i) for i, t in enumerate(tau) if t <= n)]
 
     def request(self, row: Row, rnd: Round) -> Fwd:
         """The target's verify forward of ``rnd`` on engine row ``row``."""
@@ -129,7 +150,10 @@ class PaperVerifier(Verifier):
         rnd.layout = m_index
         return Fwd("target", ids, positions, labels, "paper", tau=taus)
 
-    def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
+    def verdicts(self, rnd: Round, logits: torch.Tensor) -> tuple:
+        """Per-position verdicts ``(ok (L,), replacement (L,))`` of the round's proposals, each
+        read at its M slot (greedy matching, or rejection sampling with the round's ``ACCEPT``
+        and ``RESIDUAL`` noise)."""
         d = rnd.draft
         at = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)
         rng = None
@@ -137,10 +161,57 @@ class PaperVerifier(Verifier):
             L, V = at.shape
             u = uniform([self.key(rnd.start, ACCEPT, rnd.index)], 0, L, 1, at.device)[0, :, 0]
             rng = (u, step_noise([self.key(rnd.start, RESIDUAL, rnd.index)], 0, L, V, at.device)[0])
-        ok, repl = token_verdicts(at, d.final, d.probs, self.cfg.sampling, rng)
+        return token_verdicts(at, d.final, d.probs, self.cfg.sampling, rng)
+
+    def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
+        d = rnd.draft
+        ok, repl = self.verdicts(rnd, logits)
         new, _, taken, acc = accept_in_order(rnd.block, d.final, d.tau, d.n, ok, repl)
         return Verdict(new, taken, acc)
 
 
+class ReleaseVerifier(PaperVerifier):
+    """Paper mode as the SimSD release's code runs it (``paper_variant="release"``; the
+    release's ``configs/experiments/sdar.yaml``, method ``ours``: ``greedy_match``,
+    ``mrs_verify_order: position``, ``partial_block_fill: truncate``). The verify forward is
+    paper mode's (the same layout, mask and positions); what differs:
+
+    * the draft fills the rest of the block every round with a fresh schedule: its step ``c``
+      reveals ``ceil(masks / (steps - c))`` tokens, ``masks`` counted before the step (the
+      release's ``_denoise_block_with_cache``);
+    * proposals are judged in block position order (greedy matching, or under sampling the
+      release's modified rejection sampling with this round's keyed noise): the accepted
+      prefix and the target's token at the first rejection are committed, the positions after
+      it are drafted again next round; a round whose proposals are all accepted commits them
+      and nothing more (no bonus token);
+    * the block step does not advance (every round starts its own schedule).
+
+    The release commits the known tokens as a prefix of the block, so its verification query
+    is the leftover then the D and M slots of the suffix, as here.
+    """
+
+    def __init__(self, cfg: DecodeConfig, spec, mask_id: int, seed: int):
+        super().__init__(cfg, spec, mask_id, seed)
+        self._revealing: dict = {}  # (the draft's settings, k) -> those settings revealing k tokens a step
+
+    def draft_step(self, cfg: DecodeConfig, block_step: int, c: int, masks: int) -> tuple:
+        k = math.ceil(masks / max(cfg.steps - c, 1))
+        cached = self._revealing.get(k)
+        if cached is None or cached[0] is not cfg:
+            cached = self._revealing[k] = (cfg, cfg.revealing(k))
+        return cached[1], c
+
+    def acceptance_order(self, tau: list, n: int) -> list:
+        return [i for i, t in enumerate(tau) if t <= n]
+
+    def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
+        d = rnd.draft
+        ok, repl = self.verdicts(rnd, logits)
+        new, acc = accept_in_position_order(rnd.block, d.final, d.tau <= d.n, ok, repl)
+        return Verdict(new, torch.zeros_like(acc), acc)
+
+
 #: the verifier of each mode
 VERIFIERS = {"exact": ExactVerifier, "paper": PaperVerifier}
+#: the verifier of each paper-mode variant (``SpecConfig.paper_variant``)
+PAPER_VERIFIERS = {"described": PaperVerifier, "release": ReleaseVerifier}

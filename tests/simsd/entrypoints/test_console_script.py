@@ -104,6 +104,8 @@ OPTION_ERRORS = [
     (["generate", "--strategy", "foo"], "--strategy: unknown strategy 'foo'"),
     (["serve", "--port", "-1"], "--port must be in [0, 65535], got -1"),
     (["bench", "--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    (["eval", "--timeout", "0"], "--timeout must be a finite number > 0, got 0.0"),
+    (["eval", "--modes", "vanilla,release"], "unknown mode(s) in --modes: release"),
 ]
 
 
