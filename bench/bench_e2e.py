@@ -193,7 +193,6 @@ def latency_row(models: dict, B: int, L: int, env: dict, pair: str, name: str, k
     """The row of forward ``name`` (:func:`forward_cases`) run ``kind`` = ``eager`` or ``graphs``."""
     import torch
 
-    from simsd.engine.forward import model_forward
     from simsd.engine.graphs import GraphRunner, eager_capture
     role, mode, labels, nw, want = forward_cases(B, L)[name]
     model = models[role]
@@ -207,7 +206,7 @@ def latency_row(models: dict, B: int, L: int, env: dict, pair: str, name: str, k
     nw_t = torch.full((1,), nw, dtype=torch.int32, device=DEV)
     if kind == "eager":
         def fn():  # the engine's forward, as a graph captures it
-            model_forward(model, cache, ids, pos, labels, mode, nw_t, want, B)
+            model(ids, pos, labels, mode, cache, nw_t, slice(None) if want else None, unit=B)
             if nw:
                 cache.seqlens.fill_(L)
     else:

@@ -36,6 +36,16 @@ Defaults reproduce the issue 24 setting: the bundled pair, the first 3 bundled h
 random 2-layer draft (``bench/benchlib.py``). ``--top N`` also lists the N most frequent ops
 outside the models and inside the target, per target forward (the rows hold them all).
 ``--json F`` writes the rows.
+
+``--layer`` counts instead the aten ops of one decoder layer call of a one-row, four-token
+forward (a denoise forward over a cache of 20 tokens, the checkpoint's config), with the same
+dispatch mode: ``real``: on this build's CPU with the attention backend the model resolves (the
+torch backend's RoPE, cache write and SDPA calls counted op by op); ``fake:<device>``: on fake
+tensors of ``<device>`` (no memory, no GPU: ``torch._subclasses.FakeTensorMode``) with the
+attention as the door's one op ``simsd::attention_with_kvcache`` (what the CUDA backend
+launches), so that the rest of the layer is counted as that build dispatches it (e.g.
+``--layer-devices cpu,cuda`` on a CUDA build of torch, where ``F.rms_norm`` is the one op
+``aten::_fused_rms_norm``). Columns: ops, views, not views (the launches on a GPU).
 """
 from __future__ import annotations
 
@@ -130,6 +140,64 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.probe.count(func)
         return func(*args, **(kwargs or {}))
+
+
+class LayerOps(TorchDispatchMode):
+    """Records the ops dispatched while ``on`` (set by hooks on one decoder layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.on = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on and func.namespace != "prim":  # prim.device: fake-tensor bookkeeping
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def layer_ops(model, device: str | None = None) -> dict:
+    """The ops of ``model.model.layers[0]`` in a one-row four-token denoise forward over a cache
+    of 20 tokens: ``device`` None runs ``model`` itself; a device name runs a copy of its config on
+    fake tensors of that device, the attention as the door's one custom op (module doc)."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simsd.models.model import SDARForCausalLM
+    with ExitStack() as stack:
+        dev = model.device if device is None else torch.device(device)
+        if device is not None:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            # prepare_attention then returns the door whose forward is the one op (as when compiling)
+            stack.enter_context(mock.patch.object(torch.compiler, "is_compiling", lambda: True))
+            stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
+            with torch.device("meta"):
+                fake = SDARForCausalLM(model.config)
+            for mod in fake.modules():
+                for name, p in [(n, q) for n, q in mod._parameters.items() if q is not None]:
+                    mod._parameters[name] = torch.nn.Parameter(torch.ones(p.shape, dtype=model.dtype, device=dev),
+                                                               requires_grad=False)
+            model = fake
+        count = LayerOps()
+        layer = model.model.layers[0]
+        hooks = [layer.register_forward_pre_hook(lambda *a: setattr(count, "on", True)),
+                 layer.register_forward_hook(lambda *a: setattr(count, "on", False))]
+        cache = model.new_cache(1, 64)
+        cache.check_lengths = False
+        ids = torch.zeros(1, 20, dtype=torch.int64, device=dev)
+        labels = torch.zeros(1, 20, 3, dtype=torch.int32, device=dev)
+        model(ids, torch.arange(20, device=dev)[None], labels, "block_causal", cache, 20, None)
+        args = (ids[:, :4], torch.arange(20, 24, device=dev)[None], labels[:, :4], "bidirectional", cache, 0)
+        model(*args)  # warm-up (the merged norm weights are made once)
+        with count:
+            model(*args)
+        for h in hooks:
+            h.remove()
+    views = sum(f.is_view for f in count.ops)
+    return {"layer_count": "real" if device is None else f"fake:{device}", "torch": torch.__version__,
+            "layer_ops": len(count.ops), "layer_views": views, "layer_not_views": len(count.ops) - views,
+            "layer_op_list": [f"{f.namespace}::{f.__name__}" for f in count.ops]}
 
 
 def generate(mode: str, target, draft, prompts: list, cfg: DecodeConfig, batch_size: int) -> list:
@@ -236,6 +304,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=0, help="also list the N most frequent ops outside and inside")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--layer", action="store_true", help="count the ops of one decoder layer instead (module doc)")
+    p.add_argument("--layer-devices", default="cpu", help="fake-tensor devices for --layer (e.g. cpu,cuda)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
@@ -265,6 +335,17 @@ def main(argv=None) -> int:
     benchlib.set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, name = load_models(args.checkpoint, Path(tmp))
+    if args.layer:
+        rows = [layer_ops(target.model)] + [layer_ops(target.model, d.strip())
+                                            for d in args.layer_devices.split(",") if d.strip()]
+        print(f"bench_host --layer: {name}, one decoder layer of a 1-row 4-token forward, float32")
+        print(f"{'count':<12} {'torch':<16} {'ops':>5} {'views':>6} {'not views':>10}")
+        for r in rows:
+            print(f"{r['layer_count']:<12} {r['torch']:<16} {r['layer_ops']:>5} {r['layer_views']:>6} "
+                  f"{r['layer_not_views']:>10}")
+        if args.json:
+            benchlib.write_json(args.json, {"script": "bench_host --layer", **vars(args)}, rows)
+        return 0
     prompts, names = benchlib.prompt_ids(target.tokenizer, args.prompts)
     cfg = DecodeConfig(block_length=args.block_length, strategy="static", max_new_tokens=args.max_new_tokens,
                        sampling=SamplingParams(temperature=args.temperature))

@@ -1,7 +1,7 @@
 """simsd's vanilla decoding against an independent block-diffusion loop on transformers' Qwen3 (SDPA).
 
     python bench/bench_reference.py [--checkpoint bundled|random] [--shape h512-l8-d128] [--prompts 8]
-        [--max-new-tokens 64] [--passes 4] [--profile] [--json F]
+        [--max-new-tokens 64] [--passes 4] [--fold-commit] [--profile] [--json F]
 
 The reference (:class:`TransformersLoop`, written here; it shares no code with simsd) decodes
 the way the SDAR authors' evaluation loop does (``generate.py`` of JetAstra/SDAR): the checkpoint
@@ -30,6 +30,12 @@ simsd/transformers, and the prompts whose tokens are identical (a prompt that di
 reported with the first differing token and the reference's logit margin top-1 minus top-2
 there, and the confidence gap between the revealed position and the next one; float32 near-ties
 can legitimately differ, rarely).
+
+``--fold-commit``: simsd folds each finished block's commit into the next block's first denoise
+forward (``DecodeConfig.fold_commit``: one forward of both blocks, block-causal, instead of two;
+the reference keeps the authors' separate commit forward). The forwards then differ in shape
+(8 tokens instead of 4), so float32 products may round differently: the token check says
+whether they stayed identical.
 
 ``--checkpoint random`` writes a random SDAR checkpoint of ``--shape`` (``bench/benchlib.py``;
 default 8 layers, head_dim 128) with the bundled tokenizer. ``--profile``: afterwards, one
@@ -199,6 +205,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--passes", type=int, default=4, help="timed passes, alternating which runs first")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fold-commit", action="store_true",
+                   help="simsd folds each block's commit into the next block's first forward")
     p.add_argument("--profile", action="store_true", help="profile one prompt of each afterwards")
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args(argv)
@@ -254,13 +262,15 @@ def main(argv=None) -> int:
         target = load_checkpoint(path)
         ref = TransformersLoop(path, target.mask_token_id, target.stop_ids, target.model.config.block_size or 4)
     prompts, names = benchlib.prompt_ids(target.tokenizer, args.prompts)
-    cfg = DecodeConfig(block_length=ref.B, strategy="static", max_new_tokens=args.max_new_tokens)
+    cfg = DecodeConfig(block_length=ref.B, strategy="static", max_new_tokens=args.max_new_tokens,
+                       fold_commit=args.fold_commit)
     row = compare(target, ref, prompts, names, cfg, args.passes)
     env = benchlib.environment()
     row.update(checkpoint=label, block_length=ref.B, steps=cfg.steps, strategy="static", greedy=True,
-               max_new_tokens=args.max_new_tokens, dtype="float32", **env)
+               max_new_tokens=args.max_new_tokens, dtype="float32", fold_commit=args.fold_commit, **env)
     print(f"bench_reference: {label}, {row['prompts']} prompts x {args.max_new_tokens} tokens, greedy, static, "
-          f"B = steps = {ref.B}, float32, {env['threads']} thread(s), torch {env['torch']}, "
+          f"B = steps = {ref.B}, float32{', simsd folds commits' if args.fold_commit else ''}, "
+          f"{env['threads']} thread(s), torch {env['torch']}, "
           f"transformers {env['transformers']}, git {env['git_sha']}")
     print(f"identical tokens: {row['identical']}/{row['prompts']} prompts "
           f"({row['new_tokens']} simsd tokens, {row['new_tokens_transformers']} transformers tokens)")

@@ -103,7 +103,7 @@ def environment() -> dict:
     import transformers
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "git_sha": git_sha(), "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine()}
+            "cpu": platform.processor() or platform.machine(), "load_average_1min": os.getloadavg()[0]}
 
 
 def write_json(path, meta: dict, rows: list) -> None:

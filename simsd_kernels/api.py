@@ -14,7 +14,8 @@ import torch
 
 from .backends import OpConfig, resolve_backend
 from .custom_ops import append_kv_op
-from .metadata import prepare_attention, validate_attention_args
+from .metadata import validate_attention_args
+from .prepare import prepare_attention
 
 __all__ = ["prepare_attention", "temporal_attention", "append_kv", "validate_attention_args"]
 

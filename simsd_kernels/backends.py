@@ -96,10 +96,12 @@ class Backend:
     ``plan_options``: whether ``attention`` also takes the launch-plan keywords ``num_splits``
     (0 = its own plan, n = n splits merged) and ``shape_invariant`` (the fused kernels), so the
     self-check can force a split-KV plan and the invariant one; ``kvcache``: the backend's door
-    (:mod:`simsd_kernels.metadata`), ``kvcache(meta) -> run`` called once per forward with the
-    :class:`~simsd_kernels.metadata.AttentionMetadata`, then ``run(q, k, v, k_cache, v_cache,
-    write) -> out`` per layer (RoPE once, the rotated k and v written when ``write``, attention);
-    None: ``attention`` then ``append_kv`` of all new tokens.
+    (:mod:`simsd_kernels.metadata`), a subclass of
+    :class:`~simsd_kernels.metadata.AttentionMetadata` built once per forward (it plans there),
+    whose ``forward(q, k, v, k_cache, v_cache)`` every layer calls (RoPE once, the rotated k and v
+    written, attention: the backend's kernels launched directly) and ``attend`` the same without
+    the write; None: :class:`~simsd_kernels.metadata.ComposedAttention` (``attention`` then
+    ``append_kv`` of all new tokens).
     """
     name: str
     attention: Callable
@@ -113,9 +115,9 @@ class Backend:
 
 
 def _torch_backend() -> Backend:
-    from .torch_backend import append_kv_torch, make_kvcache, temporal_attention_torch
+    from .torch_backend import TorchAttention, append_kv_torch, temporal_attention_torch
     return Backend("torch", temporal_attention_torch, append_kv_torch, lambda device: (True, ""),
-                   auto_devices=(), self_check=False, kvcache=make_kvcache)
+                   auto_devices=(), self_check=False, kvcache=TorchAttention)
 
 
 # name -> "module:factory"; each factory returns a Backend (imported on first use)

@@ -33,6 +33,7 @@ import torch
 
 from . import split_plan
 from .backends import Backend, supports_listed
+from .metadata import AttentionMetadata
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO_PATH = os.path.join(_HERE, "_build_info.json")
@@ -122,23 +123,30 @@ def attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_
                              plan.invariant)
 
 
-def make_kvcache(meta):
+class CudaAttention(AttentionMetadata):
     """The door (:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`): the split plan once per
-    forward, then per layer one ``attention_with_kvcache`` (or ``attention`` without the write)."""
-    if meta.dtype not in SUPPORTED_DTYPES or meta.head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"cuda backend: dtype {meta.dtype} / head_dim {meta.head_dim} is not one of "
-                         f"{SUPPORTED_DTYPES} / {SUPPORTED_HEAD_DIMS} (use backend='torch' for float64)")
-    plan = split_plan.plan_for_shape(meta.B, meta.Lq, meta.num_heads, meta.num_kv_heads, meta.head_dim,
-                                     meta.cache_capacity, torch.finfo(meta.dtype).bits // 8, meta.labels.device,
-                                     figures=split_plan.CUDA_FIGURES, invariant=meta.shape_invariant)
-    rest = (meta.cache_seqlens, meta.labels, meta.positions, int(meta.mask_mode), float(meta.rope_theta),
-            float(meta.softmax_scale), plan.num_splits, plan.block_m, plan.min_tiles, plan.invariant)
+    forward, then per layer one ``attention_with_kvcache`` launch (``attention`` without the write)."""
 
-    def run(q, k, v, k_cache, v_cache, write: bool):
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.dtype not in SUPPORTED_DTYPES or self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"cuda backend: dtype {self.dtype} / head_dim {self.head_dim} is not one of "
+                             f"{SUPPORTED_DTYPES} / {SUPPORTED_HEAD_DIMS} (use backend='torch' for float64)")
+        plan = split_plan.plan_for_shape(self.B, self.Lq, self.num_heads, self.num_kv_heads, self.head_dim,
+                                         self.cache_capacity, torch.finfo(self.dtype).bits // 8, self.labels.device,
+                                         figures=split_plan.CUDA_FIGURES, invariant=self.shape_invariant)
+        self._rest = (self.cache_seqlens, self.labels, self.positions, int(self.mask_mode), float(self.rope_theta),
+                      float(self.softmax_scale), plan.num_splits, plan.block_m, plan.min_tiles, plan.invariant)
+
+    def forward(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        self._check(q, k, v, k_cache, v_cache)
         with _guard(q):
-            op = ops.attention_with_kvcache if write else ops.attention
-            return op(q, k, v, k_cache, v_cache, *rest)
-    return run
+            return ops.attention_with_kvcache(q, k, v, k_cache, v_cache, *self._rest)
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        self._check(q, k, v, k_cache, v_cache)
+        with _guard(q):
+            return ops.attention(q, k, v, k_cache, v_cache, *self._rest)
 
 
 def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
@@ -156,4 +164,4 @@ def mask_table(labels, mask_mode):
 
 def make_backend() -> Backend:
     """The :class:`~simsd_kernels.backends.Backend` for ``cuda`` (the import above already succeeded)."""
-    return Backend("cuda", attention, append_kv, is_available, supports, plan_options=True, kvcache=make_kvcache)
+    return Backend("cuda", attention, append_kv, is_available, supports, plan_options=True, kvcache=CudaAttention)

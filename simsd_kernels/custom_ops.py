@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .backends import OpConfig, resolve_backend
-from .metadata import prepare_attention
+from .prepare import prepare_attention
 
 
 def _prepared(q, k, k_cache, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, backend,

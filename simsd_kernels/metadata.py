@@ -6,12 +6,14 @@
         out = meta.forward(q, k, v, k_cache[layer], v_cache[layer])   # write the new K/V, attend
     cache_seqlens += num_write                                        # the caller advances the rows
 
-The shape of flash-attention's ``flash_attn_with_kvcache`` and vLLM's attention metadata:
+:func:`~simsd_kernels.prepare.prepare_attention` (``simsd_kernels/prepare.py``) builds it. The shape
+of flash-attention's ``flash_attn_with_kvcache`` and vLLM's attention metadata:
 :func:`prepare_attention` validates the forward's inputs, resolves the backend (self-check
-included, :func:`simsd_kernels.backends.resolve_backend`) and lets the backend plan the forward
-(:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`: the torch backend's host read, RoPE
-tables and SDPA calls; the fused backends' split plan) -- once per forward, not per layer.
-:meth:`AttentionMetadata.forward` then rotates the layer's new q and k once, writes the rotated k
+included, :func:`simsd_kernels.backends.resolve_backend`) and opens the backend's door, which plans
+the forward (:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`, a subclass of
+:class:`AttentionMetadata`: the torch backend's host read, RoPE tables and SDPA calls; the fused
+backends' split plan) -- once per forward, not per layer. Its :meth:`~AttentionMetadata.forward`
+(the backend's own, launching its kernels directly) then rotates the layer's new q and k once, writes the rotated k
 and v of all ``Lq`` new tokens at slots ``cache_seqlens[b] + i`` (slots past the capacity are
 skipped: the caller keeps ``Lq`` free slots past every row's length, then advances each row by its
 own write count) and attends. :meth:`AttentionMetadata.attend` is the same without the write
@@ -24,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import Backend, OpConfig, resolve_backend
-from .mask_rule import MaskMode, parse_mask_mode
+from .mask_rule import MaskMode
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -90,30 +91,22 @@ def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, po
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _composed(meta: "AttentionMetadata"):
-    """The door of a backend without its own (:attr:`Backend.kvcache` None): its ``attention``,
-    then its ``append_kv`` of all ``Lq`` tokens."""
-    impl = meta.backend
-    extra = {"shape_invariant": True} if meta.shape_invariant and impl.plan_options else {}
-
-    def run(q, k, v, k_cache, v_cache, write: bool):
-        out = impl.attention(q, k, v, k_cache, v_cache, meta.cache_seqlens, meta.labels, meta.positions,
-                             int(meta.mask_mode), meta.rope_theta, meta.softmax_scale, **extra)
-        if write:
-            impl.append_kv(k, v, meta.positions, k_cache, v_cache, meta.cache_seqlens, meta.rope_theta, meta.Lq)
-        return out
-    return run
-
-
 class AttentionMetadata:
-    """One forward's attention (built by :func:`prepare_attention`; read-only afterwards).
+    """One forward's attention, and the door every layer calls (built by :func:`prepare_attention`;
+    read-only afterwards).
+
+    Each backend's door is a subclass whose :meth:`forward` launches that backend's kernels
+    directly (:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`: the torch backend's
+    :class:`~simsd_kernels.torch_backend.TorchAttention`, the CUDA and Triton backends' doors;
+    :class:`ComposedAttention` for a backend without one), so a layer's call reaches the kernel
+    in one hop. This class itself is the door while ``torch.compile`` traces: the backend is
+    then resolved inside the custom ops of :mod:`simsd_kernels.custom_ops`.
 
     Attributes: ``backend`` (the resolved :class:`~simsd_kernels.backends.Backend`, or its
     requested name while ``torch.compile`` traces), ``cache_seqlens (B,)`` int32, ``labels
     (B, Lq, 3)`` int32, ``positions (B, Lq)`` int64, ``mask_mode`` (:class:`MaskMode`),
     ``rope_theta``, ``softmax_scale``, ``shape_invariant``, ``num_heads``, ``num_kv_heads``,
-    ``group``, ``head_dim``, ``dtype``, ``cache_capacity``, ``B``, ``Lq``; ``plan``: what the
-    backend prepared for the forward (called by every layer).
+    ``group``, ``head_dim``, ``dtype``, ``cache_capacity``, ``B``, ``Lq``.
     """
 
     def __init__(self, backend, cache_seqlens, labels, positions, mask_mode: MaskMode, rope_theta: float,
@@ -132,7 +125,6 @@ class AttentionMetadata:
         self._shapes = (torch.Size((self.B, self.Lq, num_heads, head_dim)), torch.Size(kv), torch.Size(kv), cache,
                         cache)
         self._validated = False
-        self.plan = (backend.kvcache or _composed)(self) if isinstance(backend, Backend) else None
 
     def _check(self, q, k, v, k_cache, v_cache) -> None:
         """Full validation at the first call, then only that the shapes and dtypes are the same."""
@@ -152,69 +144,50 @@ class AttentionMetadata:
         ``v`` into ``k_cache, v_cache (B, Lmax, Hkv, D)`` at ``cache_seqlens[b] + i`` (slots
         ``>= Lmax`` skipped), attend over the cache ``[0, cache_seqlens[b])`` and the new tokens
         by the mask rule. Returns ``(B, Lq, Hq, D)`` in q's dtype (possibly a strided view).
-        ``cache_seqlens`` is not advanced (the caller owns it).
+        ``cache_seqlens`` is not advanced (the caller owns it). Every backend's door keeps this
+        contract.
 
         Raises:
             ValueError: tensors that do not fit the prepared shapes (named, as
                 :func:`validate_attention_args`).
         """
         self._check(q, k, v, k_cache, v_cache)
-        if self.plan is None:
-            # registered by simsd_kernels.custom_ops (imported with the package), called by name
-            return torch.ops.simsd.attention_with_kvcache(q, k, v, k_cache, v_cache, *self._op_args())
-        return self.plan(q, k, v, k_cache, v_cache, True)
+        # registered by simsd_kernels.custom_ops (imported with the package), called by name
+        return torch.ops.simsd.attention_with_kvcache(q, k, v, k_cache, v_cache, *self._op_args())
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """:meth:`forward` without the cache write."""
         self._check(q, k, v, k_cache, v_cache)
-        if self.plan is None:
-            return torch.ops.simsd.temporal_attention(q, k, v, k_cache, v_cache, *self._op_args())
-        return self.plan(q, k, v, k_cache, v_cache, False)
+        return torch.ops.simsd.temporal_attention(q, k, v, k_cache, v_cache, *self._op_args())
 
     def _op_args(self) -> tuple:
         return (self.cache_seqlens, self.labels, self.positions, int(self.mask_mode), float(self.rope_theta),
                 float(self.softmax_scale), str(self.backend), bool(self.shape_invariant))
 
 
-def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, cache_capacity: int, mask_mode, rope_theta: float,
-                      softmax_scale: float | None = None, backend: str = "auto",
-                      shape_invariant: bool = False) -> AttentionMetadata:
-    """Validate one forward's inputs, resolve the backend and let it plan the forward.
+class ComposedAttention(AttentionMetadata):
+    """The door of a backend without its own (:attr:`Backend.kvcache` None): its ``attention``,
+    then its ``append_kv`` of all ``Lq`` tokens."""
 
-    Args:
-        cache_seqlens: ``(B,)`` int32, row ``b`` holds ``[0, cache_seqlens[b])`` (on the device).
-        labels: ``(B, Lq, 3)`` int32 ``(kind, tau, grp)`` of the new tokens
-            (:mod:`simsd_kernels.mask_rule`).
-        positions: ``(B, Lq)`` int64 RoPE positions of the new tokens.
-        num_heads, num_kv_heads, head_dim, dtype: the q / kv heads (GQA), their size (even) and
-            the float dtype of q, k, v and the caches.
-        cache_capacity: ``Lmax``, the caches' second dim.
-        mask_mode: ``bidirectional | block_causal | exact | paper`` (or the :class:`MaskMode`).
-        rope_theta, softmax_scale: RoPE base; scale (default ``head_dim ** -0.5``).
-        backend: ``auto | cuda | triton | torch`` (or a registered name), resolved here for the
-            configuration (dtype, head_dim, GQA group, mask mode), self-check included.
-        shape_invariant: the fused backends' split plan that never depends on Lq or B
-            (:mod:`simsd_kernels.split_plan`); the torch backend is invariant by construction.
+    def forward(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        out = self.attend(q, k, v, k_cache, v_cache)
+        self.backend.append_kv(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, self.Lq)
+        return out
 
-    Raises:
-        ValueError: an input that does not fit (named), an unknown mask mode, a GQA ratio that
-            does not divide, an odd head_dim, a backend that cannot run the configuration
-            (:class:`~simsd_kernels.backends.BackendCheckError` for a failed self-check).
-    """
-    mode = parse_mask_mode(mask_mode)
-    validate_forward_inputs(cache_seqlens, labels, positions)
-    if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"GQA: Hq={num_heads} must be a multiple of Hkv={num_kv_heads}")
-    if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {head_dim}")
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if torch.compiler.is_compiling():  # resolved inside the custom op when it runs
-        impl = backend
-    else:
-        config = OpConfig("attention", dtype, head_dim, num_heads // num_kv_heads, int(mode))
-        impl = resolve_backend(backend, labels.device, config)
-    return AttentionMetadata(impl, cache_seqlens, labels, positions, mode, float(rope_theta), scale,
-                             bool(shape_invariant), num_heads, num_kv_heads, head_dim, dtype, int(cache_capacity))
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        self._check(q, k, v, k_cache, v_cache)
+        extra = {"shape_invariant": True} if self.shape_invariant and self.backend.plan_options else {}
+        return self.backend.attention(q, k, v, k_cache, v_cache, self.cache_seqlens, self.labels, self.positions,
+                                      int(self.mask_mode), self.rope_theta, self.softmax_scale, **extra)
+
+
+def open_door(backend, cache_seqlens, labels, positions, mask_mode: MaskMode, rope_theta: float, softmax_scale: float,
+              shape_invariant: bool, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+              cache_capacity: int) -> AttentionMetadata:
+    """The door of ``backend`` (a resolved :class:`~simsd_kernels.backends.Backend`, or a name
+    while ``torch.compile`` traces) for one forward, arguments already validated: its
+    :attr:`~simsd_kernels.backends.Backend.kvcache` class (:class:`ComposedAttention` when it has
+    none) plans the forward here, once."""
+    cls = AttentionMetadata if isinstance(backend, str) else backend.kvcache or ComposedAttention
+    return cls(backend, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, shape_invariant,
+               num_heads, num_kv_heads, head_dim, dtype, cache_capacity)

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
 from .mask_rule import KIND_DRAFT, KIND_KNOWN, KIND_MASK, SHARED_GRP, TAU_INF, MaskMode, dense_new_token_mask
+from .metadata import open_door
 from .reference import temporal_attention_naive
 from .rope import apply_rope
 from .torch_backend import temporal_attention_torch
@@ -244,12 +244,9 @@ def check_door(backend, clean, poisoned, mask_mode, scale, ref, baseline: Baseli
     q, k, v, kc, vc, seqlens, labels, positions = poisoned
     kc, vc = kc.clone(), vc.clone()
     B, Lq, Hq, D = q.shape
-    # the fields of simsd_kernels.metadata.AttentionMetadata that a backend's plan reads
-    meta = SimpleNamespace(backend=backend, cache_seqlens=seqlens, labels=labels, positions=positions,
-                           mask_mode=MaskMode(int(mask_mode)), rope_theta=THETA, softmax_scale=scale,
-                           shape_invariant=invariant, num_heads=Hq, num_kv_heads=k.shape[2], group=Hq // k.shape[2],
-                           head_dim=D, dtype=q.dtype, cache_capacity=kc.shape[1], B=B, Lq=Lq)
-    out = backend.kvcache(meta)(q, k, v, kc, vc, True)
+    door = open_door(backend, seqlens, labels, positions, MaskMode(int(mask_mode)), THETA, scale, invariant, Hq,
+                     k.shape[2], D, q.dtype, kc.shape[1])
+    out = door.forward(q, k, v, kc, vc)
     res = judge(out, clean, ref, baseline, cache_lens)
     if not res.ok:
         res.detail = "door: " + res.detail

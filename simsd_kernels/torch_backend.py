@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask_rule import MaskMode, dense_new_token_mask
+from .metadata import AttentionMetadata
 from .rope import rope_tables, rotate
 
 
@@ -50,20 +51,20 @@ class _Group:
         self.row, self.pick, self.cols, self.prefix = row, pick, cols, prefix
 
 
-class TorchAttention:
-    """The torch backend's attention for one forward; ``self(q, k, v, k_cache, v_cache, write)``
-    per layer (shapes as :func:`simsd_kernels.temporal_attention`). ``write``: store the rotated
-    k and v of all ``Lq`` new tokens at slots ``cache_seqlens[b] + i`` (below the capacity)."""
+class TorchAttention(AttentionMetadata):
+    """The torch backend's door for one forward (:attr:`Backend.kvcache
+    <simsd_kernels.backends.Backend>`): planned at construction, then :meth:`forward` per layer
+    (shapes as :func:`simsd_kernels.temporal_attention`)."""
 
-    def __init__(self, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim: int,
-                 dtype, capacity: int, group: int):
+    def __init__(self, *args):
+        super().__init__(*args)
         # The plan is the backend's own work, made outside any TorchFunctionMode, as it was when
         # this backend ran inside a custom op: simsd.engine.host_sync.HostReads counts the
         # decoding loop's reads, not this backend's one read per forward (the fused backends
         # read nothing on the host).
         with torch._C.DisableTorchFunction():
-            self._plan(cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim, dtype,
-                       capacity, group)
+            self._plan(self.cache_seqlens, self.labels, self.positions, self.mask_mode, self.rope_theta,
+                       self.softmax_scale, self.head_dim, self.dtype, self.cache_capacity, self.group)
 
     def _plan(self, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, head_dim, dtype,
               capacity, group) -> None:
@@ -114,13 +115,27 @@ class TorchAttention:
             take = None if not cols else (_span(cols) or torch.tensor(cols, device=device))
             self.groups.append(_Group(b, pick, take, prefix))
 
-    def __call__(self, q, k, v, k_cache, v_cache, write: bool):
-        qr, kr = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+    def forward(self, q, k, v, k_cache, v_cache, write: bool = True):
+        """:meth:`AttentionMetadata.forward <simsd_kernels.metadata.AttentionMetadata.forward>`;
+        ``write`` False: without the cache write (:meth:`attend`)."""
+        self._check(q, k, v, k_cache, v_cache)
+        Hq, D = q.shape[2], q.shape[3]
+        Hkv = k.shape[2]
+        if q.stride() == k.stride() and q.stride(2) == D and q.stride(1) >= (Hq + Hkv) * D and \
+                k.data_ptr() == q.data_ptr() + Hq * D * q.element_size():
+            # q and k are adjacent heads of one tensor (the model's merged projection): one rotation
+            qk = q.as_strided((*q.shape[:2], Hq + Hkv, D), q.stride())
+            qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)
+        else:
+            qr, kr = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
         if write:
             self._write(kr, v, k_cache, v_cache)
         if self.groups:
             return self._grouped(qr, kr, v, k_cache, v_cache, write)
         return self._runs(qr, kr, v, k_cache, v_cache, write)
+
+    def attend(self, q, k, v, k_cache, v_cache):
+        return self.forward(q, k, v, k_cache, v_cache, False)
 
     def _write(self, kr, v, k_cache, v_cache) -> None:
         if self.keep is None:
@@ -177,9 +192,9 @@ def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, p
                              softmax_scale):
     """The torch backend's attention without a cache write (the :class:`~simsd_kernels.backends.Backend`
     ``attention`` entry; the self-check's SDPA baseline): :class:`TorchAttention` for one call."""
-    plan = TorchAttention(cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, q.shape[3],
-                          q.dtype, k_cache.shape[1], q.shape[2] // k.shape[2])
-    out = plan(q, k, v, k_cache, v_cache, False)
+    door = TorchAttention(None, cache_seqlens, labels, positions, MaskMode(mask_mode), rope_theta, softmax_scale, False,
+                          q.shape[2], k.shape[2], q.shape[3], q.dtype, k_cache.shape[1])
+    out = door.attend(q, k, v, k_cache, v_cache)
     return out if out.is_contiguous() else out.contiguous()
 
 
@@ -194,9 +209,3 @@ def append_kv_torch(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta
     keep = (slots < k_cache.shape[1]).nonzero(as_tuple=True)
     k_cache.index_put_((keep[0], slots[keep]), kr[keep].to(k_cache.dtype))
     v_cache.index_put_((keep[0], slots[keep]), v[keep].to(v_cache.dtype))
-
-
-def make_kvcache(meta) -> TorchAttention:
-    """The door's per-forward object for the torch backend (:attr:`Backend.kvcache`)."""
-    return TorchAttention(meta.cache_seqlens, meta.labels, meta.positions, meta.mask_mode, meta.rope_theta,
-                          meta.softmax_scale, meta.head_dim, meta.dtype, meta.cache_capacity, meta.group)

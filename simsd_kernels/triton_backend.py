@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 
 from .backends import Backend, supports_listed
+from .metadata import AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -67,32 +68,37 @@ def _append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num
         append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
 
 
-def make_kvcache(meta):
+class TritonAttention(AttentionMetadata):
     """The door (:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`): the split plan once per
     forward; per layer RoPE once (``rope_qk_kernel``), the rotated k and v written as they are
     (``append_kv_kernel`` without ``ROTATE``), the attention kernels on the rotated q and k."""
-    from triton_ops.ops import append_kv_fwd, attention_rotated_fwd, rope_qk_fwd
 
-    from .split_plan import TRITON_FIGURES, plan_for_shape
-    device = meta.labels.device
-    elt = torch.finfo(meta.dtype).bits // 8
-    plan = plan_for_shape(meta.B, meta.Lq, meta.num_heads, meta.num_kv_heads, meta.head_dim, meta.cache_capacity,
-                          elt, device, figures=TRITON_FIGURES, invariant=meta.shape_invariant)
-    positions, seqlens, theta = meta.positions, meta.cache_seqlens, meta.rope_theta
+    def __init__(self, *args):
+        super().__init__(*args)
+        from .split_plan import TRITON_FIGURES, plan_for_shape
+        self.plan = plan_for_shape(self.B, self.Lq, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.cache_capacity, torch.finfo(self.dtype).bits // 8, self.labels.device,
+                                   figures=TRITON_FIGURES, invariant=self.shape_invariant)
 
-    def run(q, k, v, k_cache, v_cache, write: bool):
-        with device_guard(device):
-            q_rot, k_rot = rope_qk_fwd(q, k, positions, theta)
+    def forward(self, q, k, v, k_cache, v_cache, write: bool = True) -> torch.Tensor:
+        from triton_ops.ops import append_kv_fwd, attention_rotated_fwd, rope_qk_fwd  # imported with the backend
+        self._check(q, k, v, k_cache, v_cache)
+        plan = self.plan
+        with device_guard(self.labels.device):
+            q_rot, k_rot = rope_qk_fwd(q, k, self.positions, self.rope_theta)
             if write:
-                append_kv_fwd(k_rot, v, positions, k_cache, v_cache, seqlens, theta, meta.Lq, rotate=False)
-            return attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, seqlens, meta.labels, int(meta.mask_mode),
-                                         meta.softmax_scale, num_splits=plan.num_splits, block_m=plan.block_m,
-                                         min_tiles=plan.min_tiles, invariant=plan.invariant)
-    return run
+                append_kv_fwd(k_rot, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, self.Lq,
+                              rotate=False)
+            return attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, self.cache_seqlens, self.labels,
+                                         int(self.mask_mode), self.softmax_scale, num_splits=plan.num_splits,
+                                         block_m=plan.block_m, min_tiles=plan.min_tiles, invariant=plan.invariant)
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        return self.forward(q, k, v, k_cache, v_cache, write=False)
 
 
 def make_backend() -> Backend:
     """Backend factory used by :func:`simsd_kernels.backends.get_backend`."""
     import triton  # noqa: F401  (ImportError -> backend reported unavailable)
     return Backend("triton", _attention, _append_kv, is_available, supports, plan_options=True,
-                   kvcache=make_kvcache)
+                   kvcache=TritonAttention)

@@ -611,6 +611,14 @@ MUTANTS = [
     m("eval", "simsd/entrypoints/scoring.py",
       "return [normalize_answer(a) for a in _ALTERNATIVES.split(answer) if a.strip()]",
       "return [normalize_answer(answer)]", SCORING, note="a reference's alternative forms dropped"),
+    # issue 24, the thin layer: the merged q/k norm weight, the torch door's joint rotation ---------------
+    m("thin layer", "simsd/models/model.py",
+      "key = (qw._version, kw._version, qw.data_ptr(), kw.data_ptr(), qw.dtype, self.num_heads, self.num_kv_heads)",
+      "key = (qw.data_ptr(), kw.data_ptr(), qw.dtype, self.num_heads, self.num_kv_heads)", FWD_CTX,
+      note="the merged q/k norm weight kept after a norm weight changed in place"),
+    m("thin layer", "simsd_kernels/torch_backend.py", "qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)",
+      "qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)[::-1]", FWD_CTX, DOOR,
+      note="the jointly rotated q and k swapped"),
 ]
 
 

@@ -1,8 +1,8 @@
 """Engine: running the forwards of many requests efficiently.
 
 Holds the batch engine (``batching``: forward requests of row programs, batched forwards over
-one static cache with per-row lengths, padding labels, cache-overflow checks), the one call of
-a model forward (``forward``), continuous batching (``scheduler``: the one driver of row
+one static cache with per-row lengths, padding labels, cache-overflow checks; it calls the
+model itself), continuous batching (``scheduler``: the one driver of row
 programs; requests admitted into free rows between rounds, retired at once, a bounded queue,
 cancellation, per-request fault isolation), CUDA-graph capture and replay
 (``graphs``), tensor parallelism of the target (``tp``: head/MLP sharding, rank set-up) and

@@ -33,8 +33,9 @@ once per engine; the steps of all rows run as one batched step on the forward's 
 
 ``static_shapes`` (implied by ``cuda_graphs``): every forward covers all rows and query lengths
 are rounded up to a multiple of the block length, so a few shapes serve a whole run; with
-``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.engine.graphs`). Every
-model forward of the engine goes through :func:`simsd.engine.forward.model_forward`.
+``cuda_graphs`` each shape is captured once and replayed (:mod:`simsd.engine.graphs`). The
+engine calls the model itself (``model(ids, positions, labels, mode, cache, num_write, logits,
+unit=block_length)``, :meth:`simsd.models.model.SDARForCausalLM.forward`): no wrapper between.
 
 The engine knows forwards, caches and rows, not decoding rules: a request's denoising step is
 an object with a ``run_batch(steps, logits)`` static method (:class:`simsd.decoding.step.Step`)
@@ -49,7 +50,6 @@ import torch
 
 from simsd_kernels import KIND_KNOWN, KIND_MASK, SHARED_GRP
 
-from .forward import model_forward
 from .host_sync import to_device
 from .memory import check_engine_memory
 
@@ -73,6 +73,20 @@ PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIN
              "block_causal": (0, 0, 1 << 30)}
 #: the label of a known token that sees every token of its forward (denoise, commit)
 KNOWN = (KIND_KNOWN, 0, 0)
+
+
+class NonFiniteLogits(RuntimeError):
+    """A forward gave a request non-finite (NaN or infinite) logits: decoding them would give
+    garbage (a NaN's argmax is token 0), so the request fails instead. ``model``: ``"target"``
+    or ``"draft"``; ``dtype``: the model's dtype name; ``block``, ``step``: the generated block
+    (0-based) and the denoising step in it where it was seen. In float16 the cause is usually an
+    overflow past 65504 (the message then suggests bfloat16, which has float32's range)."""
+
+    def __init__(self, model: str, dtype: str, block: int, step: int):
+        self.model, self.dtype, self.block, self.step = model, dtype, block, step
+        hint = ("; float16 overflows past 65504: use bfloat16 (float32's range)" if dtype == "float16" else "")
+        super().__init__(f"the {model} model ({dtype}) gave non-finite logits (NaN or inf) at generated block "
+                         f"{block}, step {step}{hint}")
 
 
 @dataclass
@@ -120,6 +134,24 @@ class Row:
     prefill_forwards: int = 0
     caches: dict = field(default_factory=dict)
     pending: dict = field(default_factory=dict)
+    nonfinite: torch.Tensor | None = None
+    dtypes: dict = field(default_factory=dict)
+
+    def nonfinite_flags(self, device) -> torch.Tensor:
+        """``(M,)`` bool on ``device``: per model (in the engine's order, ``dtypes``' keys), true
+        once a forward gave this row a non-finite logit (see :meth:`BatchEngine.forward`); read
+        on the host with the row's own decision (no read of its own), then passed to
+        :meth:`check_finite`. ``nonfinite`` is the row's column of the engine's ``(M, batch)``
+        float32 accumulator, NaN once a forward flagged it."""
+        flags = self.nonfinite.to(device, non_blocking=True)
+        return flags.ne(flags)
+
+    def check_finite(self, flags: list, block: int, step: int) -> None:
+        """Raise :class:`NonFiniteLogits` for the first model whose flag in ``flags`` (host ints
+        read from :meth:`nonfinite_flags`) is set; ``block``, ``step``: where the row is."""
+        for name, flag in zip(self.dtypes, flags):
+            if flag:
+                raise NonFiniteLogits(name, self.dtypes[name], block, step)
 
     def start(self, model: str) -> int:
         """Absolute position of the current block of ``model`` (after a pending commit)."""
@@ -232,6 +264,12 @@ class BatchEngine:
         self._views: dict = {}   # (model, a, b) -> the cache view of rows [a, b)
         self._zeros: dict = {}   # (n, device, dtype) -> zeros: padding ids and tau labels
         self._constants: dict = {}  # (device, values) -> labels and write counts seen before
+        self._span_masks: dict = {}  # (device, R, Lq, spans) -> True where the requests asked for no logits
+        # per model (rows of the names' order), per row: NaN once a forward gave the row a
+        # non-finite logit, else 0 (device-side, on the first model's device); each model's row
+        self.nonfinite = torch.zeros(len(models), batch_size, device=next(iter(models.values())).device)
+        self._nonfinite_of = dict(zip(models, self.nonfinite))
+        self._dtypes = {n: str(m.dtype).removeprefix("torch.") for n, m in models.items()}
         self.graphs = {}
         if cuda_graphs:
             from .graphs import GraphRunner
@@ -244,13 +282,15 @@ class BatchEngine:
         """Empty the caches and the row counters (captured graphs stay valid)."""
         for cache in self.caches.values():
             cache.reset()
+        self.nonfinite.zero_()
         self.rows = [self._new_row(i) for i in range(self.caches[next(iter(self.caches))].batch_size)]
         self.forwards = {n: 0 for n in self.models}
 
     def _new_row(self, index: int) -> Row:
         devices = {n: m.device for n, m in self.models.items()}
         return Row(index, devices, self.block_length, {n: 0 for n in self.models}, {n: 0 for n in self.models},
-                   caches=self.caches)
+                   caches=self.caches, nonfinite=self.nonfinite[:, index],
+                   dtypes=self._dtypes)
 
     def release(self, index: int) -> Row:
         """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
@@ -258,6 +298,7 @@ class BatchEngine:
         :class:`Row` (counters at 0, no pending commit), which is returned."""
         for cache in self.caches.values():
             cache.seqlens[index] = 0
+        self.nonfinite[:, index] = 0
         self.rows[index] = self._new_row(index)
         return self.rows[index]
 
@@ -276,10 +317,10 @@ class BatchEngine:
         for name, model in self.models.items():
             if aligned:
                 dev = model.device
-                model_forward(model, self._view(name, index, index + 1), to_device([prompt_ids[:aligned]], dev),
-                              to_device([list(range(aligned))], dev),
-                              to_device([[(KIND_KNOWN, 0, p // L) for p in range(aligned)]], dev, torch.int32),
-                              "block_causal", to_device([aligned], dev, torch.int32), False, L)
+                model(to_device([prompt_ids[:aligned]], dev), to_device([list(range(aligned))], dev),
+                      to_device([[(KIND_KNOWN, 0, p // L) for p in range(aligned)]], dev, torch.int32),
+                      "block_causal", self._view(name, index, index + 1), to_device([aligned], dev, torch.int32),
+                      None, unit=L)
             row.cached[name] = aligned
         row.prefill_forwards = 1 if aligned else 0
         return list(prompt_ids[aligned:])
@@ -341,14 +382,40 @@ class BatchEngine:
             if logits is not None:
                 logits = logits.clone()  # a graph's output is overwritten by its next replay
         else:
-            logits = model_forward(model, self._view(name, a, b), ids, positions, labels, mode, num_write, want,
-                                   self.block_length)
+            logits = model(ids, positions, labels, mode, self._view(name, a, b), num_write,
+                           slice(None) if want else None, unit=self.block_length)
         self.forwards[name] += 1
+        if logits is not None:
+            self._flag_nonfinite(name, logits, reqs, a)
         for i, r in reqs.items():
             row = self.rows[i]
             row.cached[name] += r.num_write
             row.forwards[name] += int(r.count)
         return self._outputs(logits, reqs, a)
+
+    def _flag_nonfinite(self, name: str, logits: torch.Tensor, reqs: dict, a: int) -> None:
+        """Set the non-finite flag of model ``name`` (device-side, no host read) for every row
+        whose requested logits (its ``logits`` slice of ``logits (R, Lq, V)``) hold a NaN or an
+        infinity; padding rows and positions are not looked at. A row sum is finite exactly when
+        its logits are (finite float32 logits summed over ``V`` stay far below float32's range),
+        and ``s - s`` is 0 for a finite ``s``, NaN otherwise: the row's flag accumulates zeros
+        until a NaN makes it stick."""
+        R, Lq = logits.shape[:2]
+        spans = tuple((i - a, *r.logits.indices(len(r.positions))[:2]) for i, r in sorted(reqs.items())
+                      if r.logits is not None)
+        key = (logits.device, R, Lq, spans)
+        mask = self._span_masks.get(key)
+        if mask is None:
+            host = torch.ones(R, Lq, dtype=torch.bool)
+            for j, s, e in spans:
+                host[j, s:e] = False
+            mask = host.to(logits.device, non_blocking=True)
+            if len(self._span_masks) < CONSTANTS:
+                self._span_masks[key] = mask
+        s = logits.sum(-1)
+        bad = (s - s).masked_fill_(mask, 0).sum(-1)  # mask: True where the requests did NOT ask
+        flags = self._nonfinite_of[name][a:a + R]
+        flags += bad.to(flags.device, flags.dtype, non_blocking=True)
 
     def _view(self, name: str, a: int, b: int):
         """The cache of model ``name`` restricted to rows ``[a, b)`` (views made once)."""

@@ -29,8 +29,6 @@ import torch
 from simsd_kernels import MaskMode
 from simsd_kernels.backends import OpConfig, resolve_backend
 
-from .forward import model_forward
-
 #: graph vs eager: max |difference| <= GRAPH_TOL[dtype] * max(1, max |eager|) (a few units in the
 #: last place of the largest value; equal kernels in equal order usually agree bit for bit)
 GRAPH_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -134,10 +132,10 @@ def eager_capture(fn, cache, device, pool):
 
 
 class GraphRunner:
-    """Captures and replays :func:`~simsd.engine.forward.model_forward` of ``model`` over ``cache``.
+    """Captures and replays the forward of ``model`` over ``cache`` (as the engine calls it).
 
     ``cache`` is fixed for the runner's lifetime (its buffers are baked into the graphs);
-    ``unit``: the block length (see :func:`~simsd.engine.forward.model_forward`).
+    ``unit``: the block length (see :meth:`~simsd.models.model.SDARForCausalLM.forward`).
     ``graphs`` counts captured shapes; ``replays`` counts replays. ``capture`` defaults to
     :func:`cuda_capture` (and then the model must pass :func:`check_graphable`). ``check``:
     compare the first replay of each shape with eager (module docstring); ``state`` (a dict
@@ -168,13 +166,13 @@ class GraphRunner:
         return self.state["disabled"]
 
     def __call__(self, ids, positions, labels, mask_mode: str, num_write: torch.Tensor, want_logits: bool):
-        """Same contract as :func:`~simsd.engine.forward.model_forward` (``num_write``: a ``(B,)``
+        """The model's forward over the runner's cache (``num_write``: a ``(B,)``
         int32 device tensor). Returns the graph's static logits ``(B, Lq, V)`` (overwritten by
         the next replay of this shape: copy what you keep) or None; once graphs are disabled,
         the eager forward's logits."""
         if self.disabled:
-            return model_forward(self.model, self.cache, ids, positions, labels, mask_mode, num_write, want_logits,
-                                 self.unit)
+            return self.model(ids, positions, labels, mask_mode, self.cache, num_write,
+                              slice(None) if want_logits else None, unit=self.unit)
         key = (mask_mode, tuple(ids.shape), want_logits)
         with device_of(ids.device):
             g = self._graphs.get(key)
@@ -229,8 +227,9 @@ class GraphRunner:
         return g.out
 
     def _run(self, g: _Graph, mask_mode, want_logits):
-        return model_forward(self.model, self.cache, g.ids, g.positions, g.labels, mask_mode, g.num_write,
-                             want_logits, self.unit)
+        """The model's forward on the graph's static inputs (all ``Lq`` logits or none)."""
+        return self.model(g.ids, g.positions, g.labels, mask_mode, self.cache, g.num_write,
+                          slice(None) if want_logits else None, unit=self.unit)
 
     def _capture(self, ids, positions, labels, mask_mode, num_write, want_logits) -> _Graph:
         g = _Graph(None, ids.clone(), positions.clone(), labels.clone(), num_write.clone(), None)

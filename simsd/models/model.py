@@ -105,25 +105,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self._qk_norm, self._qk_norm_key = None, None
         merged_names(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
                      lambda: [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2)
 
-    def qkv(self, x: torch.Tensor):
-        """``x (T, hidden)`` -> q ``(T, Hq, D)``, k and v ``(T, Hkv, D)`` (q and k RMS-normalised
-        per head, not rotated; v a view of the projection)."""
-        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        h = F.rms_norm(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), (D,), eps=self.q_norm.eps)
-        return h[:, :Hq] * self.q_norm.weight, h[:, Hq:] * self.k_norm.weight, qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    def qkv(self, x: torch.Tensor, lead: tuple = ()):
+        """``x (T, hidden)`` -> q ``(*lead, Hq, D)``, k and v ``(*lead, Hkv, D)`` (q and k
+        RMS-normalised per head, not rotated; q and k adjacent views of one tensor, v a view of
+        the projection). ``lead``: the leading shape of the ``T`` tokens (default ``(T,)``;
+        ``(B, L)`` gives the door's shapes without further views)."""
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).view(*(lead or x.shape[:1]), Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], -2)
+        q, k = (F.rms_norm(qk, (D,), eps=self.q_norm.eps) * self.qk_norm_weight()).split([Hq, Hkv], -2)
+        return q, k, v
 
-    def attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
-        """The door of the forward (:meth:`simsd_kernels.AttentionMetadata.forward`): RoPE, the
-        new K/V written to this layer's cache, attention; ``(T, Hq * D)``."""
-        B, L, D = ctx.B, ctx.L, self.head_dim
-        out = ctx.attention.forward(q.view(B, L, self.num_heads, D), k.view(B, L, self.num_kv_heads, D),
-                                    v.view(B, L, self.num_kv_heads, D), ctx.cache.k[self.layer_idx],
-                                    ctx.cache.v[self.layer_idx])
-        return out.reshape(B * L, self.num_heads * D)
+    def qk_norm_weight(self) -> torch.Tensor:
+        """``(Hq + Hkv, D)``: ``q_norm.weight`` for each q head, then ``k_norm.weight`` for each k
+        head, so that q and k are normalised and weighted by one product (the same elementwise
+        products as two). Kept between forwards and rebuilt when either weight changes (its
+        version counter, storage or the head counts: loading, ``.to()``, tensor parallelism)."""
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        key = (qw._version, kw._version, qw.data_ptr(), kw.data_ptr(), qw.dtype, self.num_heads, self.num_kv_heads)
+        if self._qk_norm_key != key:
+            self._qk_norm = torch.cat([qw.detach().expand(self.num_heads, -1),
+                                       kw.detach().expand(self.num_kv_heads, -1)])
+            self._qk_norm_key = key
+        return self._qk_norm
 
 
 class MLP(nn.Module):
@@ -150,14 +157,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``x (B * L, hidden)``; with ``ctx.unit`` the token-wise parts run per unit (:func:`per_unit`)."""
-        att = self.self_attn
-        if ctx.unit is None:
-            x = x + att.o_proj(att.attend(*att.qkv(self.input_layernorm(x)), ctx))
-            return x + self.mlp(self.post_attention_layernorm(x))
-        q, k, v = per_unit(lambda t: att.qkv(self.input_layernorm(t)), ctx, x)
-        x = x + per_unit(att.o_proj, ctx, att.attend(q, k, v, ctx))
-        return x + per_unit(lambda t: self.mlp(self.post_attention_layernorm(t)), ctx, x)
+        """``x (B * L, hidden)``; with ``ctx.unit`` the token-wise parts run per unit (:func:`per_unit`).
+        Attention is one call of the forward's door (:meth:`simsd_kernels.AttentionMetadata.forward`:
+        RoPE, the new K/V written to this layer's cache, attention)."""
+        att, unit = self.self_attn, ctx.unit
+        B, L, i = ctx.B, ctx.L, att.layer_idx
+
+        def token_wise(fn, t):
+            return fn(t) if unit is None else per_unit(fn, ctx, t)
+        if unit is None:
+            q, k, v = att.qkv(self.input_layernorm(x), (B, L))
+        else:
+            q, k, v = (t.view(B, L, *t.shape[1:]) for t in per_unit(lambda t: att.qkv(self.input_layernorm(t)), ctx, x))
+        o = ctx.attention.forward(q, k, v, ctx.cache.k[i], ctx.cache.v[i])
+        x = x + token_wise(att.o_proj, o.reshape(B * L, att.num_heads * att.head_dim))
+        return x + token_wise(lambda t: self.mlp(self.post_attention_layernorm(t)), x)
 
 
 class SDARBackbone(nn.Module):

@@ -95,3 +95,20 @@ def test_sampling_row(tmp_path, capsys):
     assert "temperature 1.0" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
     assert row["mode"] == "exact" and row["temperature"] == 1.0 and row["draft_forwards"] > 0
+
+
+def test_layer_counts(tmp_path, capsys):
+    """``--layer``: one decoder layer's ops on real tensors (the torch door's SDPA counted op by
+    op) and on fake tensors with the attention as the door's one op; the rows name every op."""
+    bh = load()
+    out = tmp_path / "layer.json"
+    assert bh.main(["--layer", "--json", str(out)]) == 0
+    assert "not views" in capsys.readouterr().out
+    real, fake = json.loads(out.read_text())["rows"]
+    assert (real["layer_count"], fake["layer_count"]) == ("real", "fake:cpu")
+    for r in (real, fake):
+        assert r["layer_ops"] == len(r["layer_op_list"]) == r["layer_views"] + r["layer_not_views"]
+        assert r["layer_op_list"].count("aten::mm.default") == 4  # q/k/v, o, gate/up, down projections
+    assert fake["layer_op_list"].count("simsd::attention_with_kvcache.default") == 1
+    assert not [op for op in fake["layer_op_list"] if "scaled_dot_product" in op or op.startswith("aten::index_put_")]
+    assert any("scaled_dot_product" in op for op in real["layer_op_list"])

@@ -47,6 +47,27 @@ def test_a_difference_is_reported_with_its_margin(monkeypatch, capsys):
     assert math.isfinite(margin) and margin >= 0  # a number: the top-1 logit minus the top-2 one
 
 
+def test_fold_commit_folds_and_keeps_the_tokens(tmp_path, monkeypatch, capsys):
+    """``--fold-commit``: simsd decodes with ``fold_commit`` (fewer target forwards per block than
+    without), the tokens are still those of the reference, and the row and header say so."""
+    br = load()
+    real, forwards = br.vanilla_generate_batch, {}
+
+    def counted(model, prompts, cfg, *args, **kwargs):
+        out = real(model, prompts, cfg, *args, **kwargs)
+        forwards.setdefault(cfg.fold_commit, []).append(out.results[0].stats["target_forwards"])
+        return out
+    monkeypatch.setattr(br, "vanilla_generate_batch", counted)
+    for fold in (False, True):
+        out = tmp_path / f"ref{fold}.json"
+        args = ["--prompts", "1", "--max-new-tokens", "16", "--passes", "1", "--json", str(out)]
+        assert br.main(args + (["--fold-commit"] if fold else [])) == 0
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["fold_commit"] is fold and row["identical"] == row["prompts"] == 1
+        assert ("simsd folds commits" in capsys.readouterr().out) is fold
+    assert min(forwards[False]) > max(forwards[True]), forwards
+
+
 def test_first_difference():
     br = load()
     assert br.first_difference([1, 2, 3], [1, 2, 3]) is None

@@ -417,25 +417,22 @@ def test_the_triton_kernels_pass_the_selfcheck_in_bfloat16():
 
 def _door_backend(name, wrong):
     """The torch backend's attention and append_kv, with a door (``kvcache``) that is wrong in one way."""
-    from simsd_kernels.torch_backend import make_kvcache
+    from simsd_kernels.torch_backend import TorchAttention
 
-    def kvcache(meta):
-        run = make_kvcache(meta)
-
-        def door(q, k, v, k_cache, v_cache, write):
+    class WrongDoor(TorchAttention):
+        def forward(self, q, k, v, k_cache, v_cache, write=True):
             if wrong == "unrotated k":  # the new keys cached as they came (RoPE forgotten in the write)
-                out = run(q, k, v, k_cache.clone(), v_cache, write)
+                out = super().forward(q, k, v, k_cache.clone(), v_cache, write)
                 rows = torch.arange(q.shape[0])[:, None]
-                slots = meta.cache_seqlens.long()[:, None] + torch.arange(q.shape[1])
+                slots = self.cache_seqlens.long()[:, None] + torch.arange(q.shape[1])
                 keep = slots < k_cache.shape[1]
                 k_cache[rows.expand_as(slots)[keep], slots[keep]] = k[keep]
                 return out
             if wrong == "no write":
-                return run(q, k, v, k_cache, v_cache, False)
-            return run(q, k, v, k_cache, v_cache, write)
-        return door
+                return super().forward(q, k, v, k_cache, v_cache, False)
+            return super().forward(q, k, v, k_cache, v_cache, write)
     return Backend(name, temporal_attention_torch, append_kv_torch, lambda device: (True, ""),
-                   auto_devices=("cpu",), kvcache=kvcache)
+                   auto_devices=("cpu",), kvcache=WrongDoor)
 
 
 @pytest.mark.parametrize("wrong", ["unrotated k", "no write", None])

@@ -1,11 +1,14 @@
 """One driver (docs/design.md §6): the batch decoders and the Python API run the same row programs
 through the scheduler, so they give the same tokens and the same per-row statistics, built in
 one place (``RowProgram.stats_for``); the batch decoders keep no engine after a call, and every
-model forward of the engine goes through ``simsd.engine.forward.model_forward``."""
+model forward of the engine is called from the engine itself (the batched forward, the prefill, the
+CUDA-graph runner), with no wrapper between."""
 import dataclasses
 import gc
 import inspect
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,9 +89,10 @@ def test_no_engine_outlives_a_batch_call(pair, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
-def test_every_model_forward_goes_through_one_call(pair, mode, monkeypatch):
+def test_every_model_forward_is_called_by_the_engine(pair, mode, monkeypatch):
     """Prefill, batched forwards and graph replays (eager capture on the CPU) all call the model
-    from ``model_forward``, the engine's one call site."""
+    straight from the engine's methods: the batched forward, the prefill and the graph runner
+    (its eager path and the forward it captures)."""
     import simsd.engine.graphs as graphs
     monkeypatch.setattr(graphs, "cuda_capture", graphs.eager_capture)
     monkeypatch.setattr(graphs, "check_graphable", lambda model: None)
@@ -97,7 +101,8 @@ def test_every_model_forward_goes_through_one_call(pair, mode, monkeypatch):
 
     def hook(module, args):
         frames = inspect.stack()[2:6]
-        callers.append(next((f.function for f in frames if "simsd/" in f.filename.replace("\\", "/")), "?"))
+        caller = next((f for f in frames if "simsd/" in f.filename.replace("\\", "/")), None)
+        callers.append("?" if caller is None else (Path(caller.filename).name, caller.function))
     handles = [c.model.register_forward_pre_hook(hook) for c in (target, draft)]
     try:
         for graphs_on in (False, True):
@@ -110,4 +115,53 @@ def test_every_model_forward_goes_through_one_call(pair, mode, monkeypatch):
     finally:
         for h in handles:
             h.remove()
-    assert len(callers) > 20 and set(callers) == {"model_forward"}, set(callers)
+    engine = {("batching.py", "forward"), ("batching.py", "prefill"), ("graphs.py", "__call__"),
+              ("graphs.py", "_run")}
+    assert len(callers) > 20 and set(callers) <= engine, set(callers)
+    assert {("batching.py", "forward"), ("batching.py", "prefill")} <= set(callers), set(callers)
+
+
+def _project_frames() -> list:
+    """The qualified names of the calling stack's frames in simsd's packages, outermost first."""
+    root = Path(__file__).resolve().parents[3]
+    packages = tuple(str(root / p) + "/" for p in ("simsd", "simsd_kernels"))
+    names, f = [], sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename.startswith(packages):
+            names.append(f.f_code.co_qualname)
+        f = f.f_back
+    return names[::-1]
+
+
+def test_the_path_from_a_request_to_the_attention_kernel(pair, monkeypatch):
+    """The hops of docs/design.md §6 (no wrapper between): ``LLM.submit`` queues the request
+    (``Scheduler.submit``); on the scheduling thread a round (``Scheduler.step``) runs the engine's
+    batched forward, which calls the model, whose layers call the backend's door, which launches
+    the kernel (here the torch backend's SDPA calls)."""
+    import torch.nn.functional as F
+
+    from simsd.engine.scheduler import Scheduler
+    target, _ = pair
+    sdpa, submit = F.scaled_dot_product_attention, Scheduler.submit
+    launches, queued = [], []
+
+    def recording_sdpa(*args, **kwargs):
+        launches.append(_project_frames())
+        return sdpa(*args, **kwargs)
+
+    def recording_submit(self, *args, **kwargs):
+        queued.append(_project_frames())
+        return submit(self, *args, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(Scheduler, "submit", recording_submit)
+    llm = LLM(target, None, "vanilla", batch_size=1, block_length=4, max_model_len=64, scheduler_thread=True)
+    try:
+        llm.submit(PROMPTS[1], SamplingParams(max_tokens=8)).result(timeout=300)
+    finally:
+        assert llm.shutdown(timeout=60)
+    assert queued == [["LLM.submit"]]
+    decode = [s for s in launches if "BatchEngine.forward" in s]
+    assert decode and all(s == decode[0] for s in decode), {tuple(s) for s in decode}
+    assert decode[0] == ["Scheduler._loop", "Scheduler.step", "BatchEngine.forward", "SDARForCausalLM.forward",
+                         "DecoderLayer.forward", "TorchAttention.forward", "TorchAttention._runs",
+                         "TorchAttention._sdpa"], decode[0]

@@ -5,7 +5,9 @@
 * the merged q/k/v and gate/up projections keep Qwen3's parameter names in ``state_dict`` and
   ``load_state_dict`` (the checkpoint format), and split back into the rows they were made of;
 * q and k normalised in one pass over their heads give the bits of two separate per-head
-  RMSNorms (transformers' ``Qwen3RMSNorm`` formula), in float32 and bfloat16;
+  RMSNorms (transformers' ``Qwen3RMSNorm`` formula), in float32 and bfloat16, and follow the
+  norm weights when they change; the torch door rotates such adjacent q and k in one pass with
+  the bits of two rotations;
 * bad write counts are refused with the shape named.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import simsd_kernels
 from simsd.models.config import ModelConfig
 from simsd.models.model import SDARForCausalLM, labels_for
 from simsd.testing import config_dict, random_state_dict
-from simsd_kernels import metadata, torch_backend
+from simsd_kernels import prepare, torch_backend
 
 QWEN3_LAYER_NAMES = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                      "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
@@ -38,8 +40,8 @@ def _model(layers=3, dtype=torch.float32):
 def test_backend_resolved_and_rope_tables_made_once_per_forward(monkeypatch):
     m, _ = _model(layers=5)
     resolutions, tables = [], []
-    real_resolve, real_tables = metadata.resolve_backend, torch_backend.rope_tables
-    monkeypatch.setattr(metadata, "resolve_backend", lambda *a: resolutions.append(a[0]) or real_resolve(*a))
+    real_resolve, real_tables = prepare.resolve_backend, torch_backend.rope_tables
+    monkeypatch.setattr(prepare, "resolve_backend", lambda *a: resolutions.append(a[0]) or real_resolve(*a))
     monkeypatch.setattr(torch_backend, "rope_tables", lambda *a: tables.append(1) or real_tables(*a))
     cache = m.new_cache(2, 32)
     L = 6
@@ -86,6 +88,36 @@ def test_qk_norm_in_one_pass_equals_two_rms_norms(dtype):
     want_k = qwen3_rms_norm(proj[:, 256:384].view(9, 2, 64), att.k_norm.weight, att.k_norm.eps)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(v, proj[:, 384:].view(9, 2, 64))
+    # the merged norm weight follows the parameters (loading, in-place changes)
+    with torch.no_grad():
+        att.k_norm.weight.mul_(2)
+    q2, k2, _ = att.qkv(x)
+    assert torch.equal(q2, q) and torch.equal(k2, qwen3_rms_norm(proj[:, 256:384].view(9, 2, 64), att.k_norm.weight,
+                                                                   att.k_norm.eps))
+    att.load_state_dict({**att.state_dict(), "q_norm.weight": att.q_norm.weight * 3})
+    assert torch.equal(att.qkv(x)[0], qwen3_rms_norm(proj[:, :256].view(9, 4, 64), att.q_norm.weight, att.q_norm.eps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["bidirectional", "exact"])
+def test_the_torch_door_rotates_adjacent_q_and_k_in_one_pass_with_the_same_bits(dtype, mode):
+    m, _ = _model(layers=1, dtype=dtype)
+    att = m.model.layers[0].self_attn
+    q, k, v = att.qkv(torch.randn(2 * 6, 64, dtype=dtype), (2, 6))
+    assert k.data_ptr() == q.data_ptr() + q.shape[2] * q.shape[3] * q.element_size()  # one tensor: one rotation
+    caches = [(torch.randn(2, 16, 2, 64, dtype=dtype), torch.randn(2, 16, 2, 64, dtype=dtype)) for _ in range(2)]
+    caches[1] = tuple(c.clone() for c in caches[0])
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    labels = labels_for(6, "cpu", grp=torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32)).expand(2, 6, 3).contiguous()
+    positions = (seqlens.long()[:, None] + torch.arange(6)).contiguous()
+    outs = []
+    for (kc, vc), (qq, kk) in zip(caches, [(q, k), (q.clone(), k.clone())]):
+        door = simsd_kernels.prepare_attention(seqlens, labels, positions, num_heads=4, num_kv_heads=2, head_dim=64,
+                                               dtype=dtype, cache_capacity=16, mask_mode=mode, rope_theta=1e6,
+                                               backend="torch")
+        outs.append(door.forward(qq, kk, v, kc, vc))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def test_bad_write_counts_are_named():
@@ -95,4 +127,4 @@ def test_bad_write_counts_are_named():
     with pytest.raises(ValueError, match=r"num_write .*\(B=2,\)"):
         m(ids, pos, labels_for(4, "cpu").expand(2, 4, 3).contiguous(), "exact", cache,
           num_write=torch.tensor([1, 2, 3]))
-    assert simsd_kernels.prepare_attention is metadata.prepare_attention
+    assert simsd_kernels.prepare_attention is prepare.prepare_attention
