@@ -102,3 +102,21 @@ def rejection_rng(n: int, vocab: int, g: torch.Generator) -> tuple:
     """The ``(u (n,), noise (n, vocab))`` of :func:`simsd.speculative.verification.token_verdicts`
     from a seeded generator (tests of the rejection sampling law over many draws)."""
     return torch.rand(n, generator=g, dtype=torch.float64), exp_noise((n, vocab), g)
+
+
+@functools.lru_cache(maxsize=None)
+def float16_overflow_checkpoint(name: str = "overflow", seed: int = 0) -> Path:
+    """A random SDAR checkpoint (with tokenizer) whose logits reach ~1e5: finite in float32 and
+    bfloat16 (float32's range), infinite in float16 (largest finite value 65504). Its LM head is
+    a random checkpoint's scaled by 1e5."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    path = _ROOT / f"{name}-{seed}"
+    if not (path / "config.json").exists():
+        make_random_checkpoint(path, seed=seed)
+        weights = load_file(str(path / "model.safetensors"))
+        weights["lm_head.weight"] = weights["lm_head.weight"] * 1e5
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        json.loads((path / "config.json").read_text())  # still a readable checkpoint
+    return path

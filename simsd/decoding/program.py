@@ -104,6 +104,19 @@ class RowProgram:
         """One step of the block (a generator of forward requests): updates ``blk``."""
         raise NotImplementedError
 
+    def read(self, values: torch.Tensor, blk: BlockState) -> list:
+        """``values`` (a 1-D int64 device tensor: the row's decision) on the host, read together
+        with the row's non-finite-logits flags (one host read).
+
+        Raises:
+            NonFiniteLogits: a forward of the target or the draft gave this row non-finite
+                logits (:meth:`simsd.engine.batching.Row.check_finite`).
+        """
+        host = torch.cat([values, self.row.nonfinite_flags(values.device)]).tolist()
+        n = values.shape[0]
+        self.row.check_finite(host[n:], self.blocks, blk.step)
+        return host[:n]
+
     def finish_block(self, blk: BlockState) -> None:
         """Bookkeeping of a finished block (nothing here)."""
 

@@ -41,7 +41,7 @@ from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  #
 from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
 from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .detokenize import TextStream
-from .encoding import encode_prompt, is_ids, is_messages, template_stop_ids
+from .encoding import bytes_per_token, encode_prompt, is_ids, is_messages, template_stop_ids
 from .errors import ParamError, SimsdWarning
 from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401  (re-exported)
 from .settings import EngineArgs, SamplingParams, resolve
@@ -153,8 +153,15 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
 def run_warnings(target, draft, block_length: int | None) -> list:
     """What a run is allowed to do but should say, one line each: a ``block_length`` (the caller's)
     other than the target's ``block_size``, a draft trained for another block length than the
-    target, a draft with more parameters than the target (checkpoints or infos)."""
+    target, a draft with more parameters than the target, the sampling fields of a
+    checkpoint's ``generation_config.json`` that are not applied (checkpoints or infos)."""
     notes, tb = [], target.config.block_size
+    for ck in (target, draft):
+        ignored = getattr(ck, "ignored_sampling", None)
+        if ignored:
+            notes.append(f"{ck.path / 'generation_config.json'}: {', '.join(f'{k}={v!r}' for k, v in ignored.items())} "
+                         f"not applied: a request samples with its own settings (greedy unless it sets a "
+                         f"temperature)")
     if block_length is not None and tb is not None and block_length != tb:
         notes.append(f"block length {block_length} differs from the target's block_size {tb} (SDAR checkpoints "
                      f"are trained for one block length)")
@@ -242,6 +249,7 @@ class LLM:
         self._make_engine(config.batch_size, config.kv_cache_memory, config.cuda_graphs)
         self.scheduler = Scheduler(self.engine, config.max_waiting)
         self.tokenizer = self.target.tokenizer
+        self._bytes_per_token = bytes_per_token(self.tokenizer)  # a text certainly too long is refused untokenized
         #: stop ids of prompts that went through the chat template (its role markers)
         self.template_stop_ids = template_stop_ids(self.tokenizer, self.target.mask_token_id)
         self.default_params = default_params if default_params is not None else SamplingParams()
@@ -325,7 +333,8 @@ class LLM:
         return self._encode(prompt)[0]
 
     def _encode(self, prompt) -> tuple:
-        ids, templated = encode_prompt(prompt, self.tokenizer, self.target.mask_token_id)
+        ids, templated = encode_prompt(prompt, self.tokenizer, self.target.mask_token_id, self.max_model_len,
+                                       self._bytes_per_token)
         try:
             check_prompt_ids(ids, self.target.config, self.target.mask_token_id)
         except ValueError as exc:
@@ -348,12 +357,14 @@ class LLM:
         return cap
 
     def submit(self, prompt, params: SamplingParams | None = None, *, listener=None, block: bool = False,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, fit_max_tokens: bool = False) -> RequestHandle:
         """Queue one request; returns its :class:`RequestHandle` at once.
 
         ``listener(kind, payload)``: receives the events on the scheduling thread (see
         :class:`RequestHandle`); ``block``: wait for room in a full queue instead of refusing
-        (with a scheduling thread only).
+        (with a scheduling thread only); ``fit_max_tokens``: ``params.max_tokens`` is a default,
+        not the caller's: cut it to the positions the prompt leaves (``max_model_len - prompt``;
+        OpenAI's and vLLM's rule for an omitted ``max_tokens``) instead of refusing it.
 
         Raises:
             ParamError: a bad prompt or parameter (``param`` names it).
@@ -361,18 +372,20 @@ class LLM:
             SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``; also from
                 :meth:`generate`, :meth:`generate_iter` and :meth:`stream`).
         """
-        handle = self._request(prompt, params, listener, request_id)
+        handle = self._request(prompt, params, listener, request_id, fit_max_tokens)
         self._start()
         self.scheduler.submit(handle._request, block=block and self.scheduler_thread)
         return handle
 
-    def _request(self, prompt, params, listener, request_id) -> RequestHandle:
+    def _request(self, prompt, params, listener, request_id, fit_max_tokens: bool = False) -> RequestHandle:
         """A checked request, not queued yet (``SchedulerClosed`` after :meth:`shutdown`)."""
         if self.scheduler.closed:
             raise SchedulerClosed("this LLM was shut down (LLM.shutdown(), or the end of its with block) and takes "
                                   "no new requests: create a new LLM")
         ids, templated = self._encode(prompt)
         params = self.default_params if params is None else params
+        if fit_max_tokens and 0 < self.max_model_len - len(ids) < params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         cfg, spec, seed = resolve(params, self.config, self.vocab_size)
         capacity = self._capacity(ids, params.max_tokens)
         if params.stop and self.tokenizer is None:

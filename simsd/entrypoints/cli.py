@@ -30,7 +30,7 @@ from ..decoding.choices import (
     settings_of,
 )
 from .errors import SimsdWarning
-from .settings import EngineArgs, SamplingParams
+from .settings import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT, EngineArgs, SamplingParams
 
 #: the command line's own settings (what to decode, where to write, where to listen)
 OPTIONS = {
@@ -58,6 +58,24 @@ OPTIONS = {
     "served_model_name": Setting(str, "the model name clients use (default: the target directory's name)",
                                  parse=lambda value, name: nonblank(value, name)),
     "log_level": Setting(str, "uvicorn's log level", choices=("critical", "error", "warning", "info", "debug")),
+    "api_key": Setting(str, "require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; default: the "
+                            "SIMSD_API_KEY environment variable, else no key)",
+                       parse=lambda value, name: nonblank(value, name)),
+    "allowed_origins": Setting(str, "comma-separated browser origins CORS allows (e.g. https://app.example.com, or "
+                                    "*; default: none)", parse=lambda value, name: nonblank(value, name)),
+    "disable_docs": Setting(bool, "do not serve /docs, /redoc and /openapi.json"),
+    "max_request_bytes": Setting(int, "largest request body in bytes (413 beyond it)", low=1),
+    "shutdown_timeout": Setting(float, "seconds the requests in flight may take to finish after SIGTERM/SIGINT "
+                                       "(new ones get 503 meanwhile); then they are cancelled with a 503 (a "
+                                       "second signal cancels them at once)", low=0),
+    "ray": Setting(bool, "run on Ray (pip install 'simsd[ray]'; the cluster of RAY_ADDRESS, else a local one): "
+                         "Ray Data workers for generate/eval, Ray Serve replicas for serve"),
+    "num_workers": Setting(int, "with --ray: Ray Data workers, each an LLM decoding chunks of --batch-size prompts",
+                           low=1),
+    "replicas": Setting(int, "with --ray: Ray Serve replicas, each an LLM behind one endpoint", low=1),
+    "max_replicas": Setting(int, "with --ray: autoscale between --replicas and this many replicas (Ray Serve's "
+                                 "autoscaling, aiming at --batch-size ongoing requests per replica; default: a "
+                                 "fixed --replicas)", low=1),
 }
 SETTINGS = {**settings_of(EngineArgs), **settings_of(SamplingParams), **OPTIONS}
 #: older spellings still accepted (``--help`` shows the canonical name first)
@@ -86,24 +104,31 @@ _PROMPTS = _SOURCES + ("raw", "limit")
 _REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
             "draft_strategy", "draft_threshold")
 _SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "paper_variant")
+#: the options of running on Ray (README "Scaling out"), per command
+_RAY = {"generate": ("ray", "num_workers"), "eval": ("ray", "num_workers"),
+        "serve": ("ray", "replicas", "max_replicas")}
 #: each command's options, by help group, and the defaults that differ from the settings'
 COMMANDS = {
     "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
-                  "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "output": ("json",)},
-                 {"mode": "vanilla", "batch_size": 1}),
+                  "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "output": ("json",),
+                  "scaling out": _RAY["generate"]},
+                 {"mode": "vanilla", "batch_size": 1, "num_workers": 1}),
     "bench": ({"models and engine": _MODEL + ("tp", "batch_size"), "prompts": _PROMPTS,
                "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "bench": ("modes", "warmup", "repeats", "json_file")},
               {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "repeats": 3}),
     "eval": ({"models and engine": _MODEL + ("batch_size",), "prompts": ("prompt_set", "prompts_file", "raw", "limit"),
               "decoding": _REQUEST + ("seed",) + _SPECULATIVE[:-1],
-              "eval": ("modes", "execute", "timeout", "warmup", "json_file")},
-             {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "timeout": 10.0}),
+              "eval": ("modes", "execute", "timeout", "warmup", "json_file"), "scaling out": _RAY["eval"]},
+             {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "timeout": 10.0, "num_workers": 1}),
     "serve": ({"models and engine": _MODEL + ("mode",) + _SPECULATIVE + ("batch_size", "max_model_len",
                                                                         "kv_cache_memory", "max_waiting",
                                                                         "max_gamma"),
                "request defaults (a request's own fields override them)": _REQUEST,
-               "HTTP": ("host", "port", "served_model_name", "log_level")},
-              {"host": "127.0.0.1", "port": 8000, "log_level": "info"}),
+               "HTTP": ("host", "port", "served_model_name", "log_level", "api_key", "allowed_origins",
+                        "disable_docs", "max_request_bytes", "shutdown_timeout"),
+               "scaling out": _RAY["serve"]},
+              {"host": "127.0.0.1", "port": 8000, "log_level": "info", "max_request_bytes": MAX_REQUEST_BYTES,
+               "shutdown_timeout": SHUTDOWN_TIMEOUT, "replicas": 1}),
 }
 DESCRIPTIONS = {"generate": "decode prompts with vanilla SDAR or SimSD speculative decoding",
                 "bench": "run a prompt set through several modes in one process",
@@ -305,8 +330,24 @@ def check_options(args, modes: list) -> None:
     if single and args.batch_size > 1:
         raise ParamError("batch_size", f"{opt('batch_size')} {args.batch_size} with a single prompt: batches need "
                                        f"{opt('prompts_file')} or {opt('prompt_set')}")
+    check_ray_options(args)
     if args.engine.tp > 1:  # last: it loads torch (unless the device is the CPU)
         check_tp_devices(args.engine.device, args.engine.tp)
+
+
+def check_ray_options(args) -> None:
+    """The Ray options (:data:`_RAY`) only with ``--ray``; ``--ray`` without ``--tp`` (a worker or
+    replica is one process); ``--max-replicas`` at least ``--replicas``. Raises :class:`ParamError`."""
+    ray = getattr(args, "ray", False)  # (simsd bench has no Ray options)
+    given = [n for n in _RAY.get(args.command, ()) if n != "ray" and n in args.typed]
+    if given and not ray:
+        raise ParamError(given[0], f"{opt(given[0])} applies to Ray runs: add {opt('ray')}")
+    if ray and args.engine.tp > 1:
+        raise ParamError("tp", f"{opt('tp')} {args.engine.tp} with {opt('ray')}: a Ray worker or replica is one "
+                               f"process (tensor parallelism over torchrun: README \"Scaling out\")")
+    high = getattr(args, "max_replicas", None)
+    if high is not None and high < args.replicas:
+        raise ParamError("max_replicas", f"{opt('max_replicas')} {high} is below {opt('replicas')} {args.replicas}")
 
 
 def check_tp_devices(device, tp: int) -> None:
@@ -452,14 +493,23 @@ def run_command(args, argv=None) -> int:
             return run(args)
         modes = modes_of(args)
         check_options(args, modes)  # before any rank is spawned or file read
+        if getattr(args, "ray", False):  # a missing Ray before anything is read
+            from .ray_cluster import require_ray
+            require_ray("ray.serve" if args.command == "serve" else "ray.data")
         if getattr(args, "tp", 1) > 1:
             code = launch_tp(args, argv)
             if code is not None:
                 return code
         try:
+            if args.command == "generate" and args.ray:
+                from .ray_data import run_generate
+                return run_generate(args)
             if args.command == "generate":
                 from .commands import run_generate
                 return run_generate(args)
+            if args.command == "serve" and args.ray:
+                from .ray_serve import run_serve
+                return run_serve(args)
             if args.command == "serve":
                 from .serve import leave, run_serve
                 code = run_serve(args)
@@ -492,6 +542,22 @@ def run_command(args, argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, no traceback
         print("simsd: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # a request that failed on non-finite logits: one line, status 1
+        cause = nonfinite_cause(exc)
+        if cause is None:
+            raise
+        path = getattr(args, cause.model, None)
+        print(f"simsd: error: {cause}{'' if path is None else f' (model {path})'}", file=sys.stderr)
+        return 1
+
+
+def nonfinite_cause(exc: BaseException):
+    """The :class:`simsd.engine.batching.NonFiniteLogits` that ``exc`` is or was caused by, else None."""
+    while exc is not None:
+        if type(exc).__name__ == "NonFiniteLogits":  # by name: this module does not import torch
+            return exc
+        exc = exc.__cause__
+    return None
 
 
 if __name__ == "__main__":

@@ -11,10 +11,23 @@ naming the character; ids that hold the mask id are refused by
 A prompt that went through the chat template also stops at the template's role markers
 (:func:`role_markers`, ``<|im_start|>`` in Qwen's template): a model
 that starts a new turn has finished its answer.
+
+A text far longer than the model's positions is refused before it is tokenized (issue 26: a
+20 MB prompt took 100 s and 2 GB to tokenize) where the tokenizer bounds the bytes a token
+stands for (:func:`bytes_per_token`).
 """
 from __future__ import annotations
 
+import json
+import math
+
 from .errors import ParamError
+
+#: how many times fewer UTF-8 bytes Unicode NFC can make of a text, at most: a character's
+#: canonical decomposition (NFD) has from 1/3 (U+212A KELVIN SIGN, 3 bytes, is ``K``) to 3 times
+#: its bytes (checked over every code point by tests/simsd/entrypoints/test_length_bound.py), and NFC
+#: and NFD of a text share their decomposition, so ``bytes(NFC(s)) >= bytes(s) / 9``
+NFC_SHRINK = 9
 
 
 def is_messages(x) -> bool:
@@ -58,14 +71,57 @@ def render_chat(tokenizer, messages) -> str:
                                             f"({' '.join(str(exc).split())})") from exc
 
 
-def encode_prompt(prompt, tokenizer, mask_id: int) -> tuple[list, bool]:
+def bytes_per_token(tokenizer) -> int | None:
+    """The most UTF-8 bytes of prompt text one token of ``tokenizer`` stands for, or None when
+    no bound is known. Known for byte-level BPE tokenizers (Qwen's, GPT-2's) whose vocabulary
+    holds all 256 bytes: every byte of the text, after the normalizer, lands in exactly one token,
+    whose vocabulary entry spells it one character per byte, and an added token stands for its
+    content; so a text of ``n`` bytes is at least ``ceil(n / bytes_per_token)`` tokens. Without a
+    normalizer that is the longest entry; with Unicode NFC (Qwen's) :data:`NFC_SHRINK` times it;
+    other normalizers, other models: None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE" or backend.pre_tokenizer is None:
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+    pre = json.loads(backend.pre_tokenizer.__getstate__())
+    if "ByteLevel" not in [p.get("type") for p in pre.get("pretokenizers", [pre])]:
+        return None
+    norm = None if backend.normalizer is None else json.loads(backend.normalizer.__getstate__()).get("type")
+    if norm not in (None, "NFC"):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=False)
+    if not all(b in vocab for b in ByteLevel.alphabet()):
+        return None
+    added = [t.content for t in backend.get_added_tokens_decoder().values()]
+    most = max([len(t) for t in vocab] + [len(t.encode("utf-8")) for t in added])
+    return most * (NFC_SHRINK if norm == "NFC" else 1)
+
+
+def check_length(text: str, max_len: int | None, per_token: int | None, param: str = "prompt") -> None:
+    """``ParamError`` when ``text`` (already checked to be valid Unicode) is certainly at least
+    ``max_len`` tokens, each token standing for at most ``per_token`` bytes of it
+    (:func:`bytes_per_token`): refused before the tokenizer runs. No-op without a bound."""
+    if max_len is None or per_token is None or len(text) <= (max_len - 1) * per_token // 4:  # a char <= 4 bytes
+        return
+    n = len(text.encode("utf-8"))
+    least = math.ceil(n / per_token)
+    if least >= max_len:
+        raise ParamError(param, f"prompt of {n} bytes of text is at least {least} tokens (a token of this tokenizer "
+                                f"stands for at most {per_token} bytes), longer than max_model_len {max_len} - 1: "
+                                f"refused before tokenizing")
+
+
+def encode_prompt(prompt, tokenizer, mask_id: int, max_len: int | None = None,
+                  per_token: int | None = None) -> tuple[list, bool]:
     """``(token ids, templated)`` of ``prompt`` (see the module doc for the forms); ``templated``:
     the chat template was applied. The ids are checked against a model by
-    :func:`simsd.decoding.config.check_prompt_ids` (the vocabulary, the mask id).
+    :func:`simsd.decoding.config.check_prompt_ids` (the vocabulary, the mask id). With
+    ``max_len`` (positions) and ``per_token`` (:func:`bytes_per_token`), a text certainly too
+    long for ``max_len`` is refused before it is tokenized (:func:`check_length`).
 
     Raises:
         ParamError: no tokenizer (or chat template) for text, bad messages, a text that spells
-            the mask token (``param``: ``prompt`` or ``messages``).
+            the mask token, a text certainly too long (``param``: ``prompt`` or ``messages``).
     """
     if isinstance(prompt, (str, list, tuple)) and not prompt:
         raise ParamError("prompt", f"a prompt must not be empty (got an empty {type(prompt).__name__}: give token "
@@ -74,6 +130,7 @@ def encode_prompt(prompt, tokenizer, mask_id: int) -> tuple[list, bool]:
         if tokenizer is None:
             raise ParamError("prompt", "this checkpoint has no tokenizer: give token ids")
         check_text(prompt, tokenizer, mask_id)
+        check_length(prompt, max_len, per_token)
         # verbose=False: the length against the model's positions is checked by the caller, in one line
         return tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"], False
     if is_messages(prompt):
@@ -84,8 +141,9 @@ def encode_prompt(prompt, tokenizer, mask_id: int) -> tuple[list, bool]:
             raise ParamError("messages", "this checkpoint has no chat template: give a text prompt or ids")
         for m in prompt:
             check_text(m["content"], tokenizer, mask_id, "messages")
-        return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False,
-                         verbose=False)["input_ids"], True
+        text = render_chat(tokenizer, prompt)
+        check_length(text, max_len, per_token, "messages")
+        return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], True
     if is_ids(prompt):
         return list(prompt), False
     raise ParamError("prompt", f"a prompt is a string, a list of chat messages or a list of token ids, "

@@ -14,12 +14,13 @@ Read from the :class:`~simsd.entrypoints.api.LLM` at scrape time:
   forward with the work of its rows each).
 
 Observed by the server per request: ``simsd_time_to_first_token_seconds``,
-``simsd_time_per_output_token_seconds`` and ``simsd_request_latency_seconds`` (histograms).
+``simsd_time_per_output_token_seconds`` and ``simsd_request_latency_seconds`` (histograms);
+``simsd_requests_rejected_total{reason=queue_full|shutting_down}`` (HTTP requests answered 503).
 Each :class:`Metrics` has its own registry (several servers may share a process).
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 
@@ -74,6 +75,8 @@ class Metrics:
                               buckets=buckets, registry=self.registry)
         self.latency = Histogram("simsd_request_latency_seconds", "Submission to the last token.",
                                  buckets=buckets, registry=self.registry)
+        self.rejected = Counter("simsd_requests_rejected", "HTTP requests refused with 503, by reason.",
+                                labelnames=["reason"], registry=self.registry)
 
     def observe(self, output, seconds: float) -> None:
         """Record a finished request (``seconds``: its end-to-end latency)."""

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
 from ..decoding.choices import settings_of
 from .errors import ParamError
@@ -26,6 +26,15 @@ from .settings import SamplingParams
 class _Body(BaseModel):
     # strict: no coercion ("5" or true are not a max_tokens); unknown fields are refused
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """An explicit ``null`` means the field's default, as OpenAI types its optional fields
+        (SDK wrappers send ``null`` for what they leave unset)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(_Body):
@@ -110,8 +119,15 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[TextPart], None] = Field(default=None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _user_needs_text(cls, value, info: ValidationInfo):
+        if info.data.get("role") == "user" and (value is None or value == []):
+            raise ValueError("a user message needs content: a string, or parts of type 'text' (OpenAI's rule)")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -128,7 +144,10 @@ class ChatMessage(_Body):
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:  # the chat template sees it, as simsd's API passes it
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Common):
@@ -141,7 +160,7 @@ class ChatCompletionRequest(_Common):
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (False,), "top_logprobs": (None,), "tools": (None, []),
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (False,), "top_logprobs": (None, 0), "tools": (None, []),
                "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 
     def check_unsupported(self) -> None:

@@ -3,11 +3,19 @@
 Server-wide settings come from the command line (models, mode, block length, engine size);
 the request defaults too (``--max-tokens``, ``--temperature``, ``--strategy`` ...: the fields
 of a request, under the same names), which each request may override with its own fields.
-SIGTERM (or Ctrl-C) drains: no new requests (503), the running and waiting ones finish, then
-the process exits.
+``--api-key`` (or ``SIMSD_API_KEY``), ``--allowed-origins`` and ``--disable-docs`` say what a
+network client may reach (:func:`simsd.entrypoints.server.build_app`).
+
+Shutdown, on SIGTERM or SIGINT (Ctrl-C): the listener stays open and answers new requests with
+a 503 while the requests in flight finish, for ``--shutdown-timeout`` seconds at most; then,
+or at once on a second signal, the rest are cancelled (a 503, a stream's error chunk) and
+uvicorn's own shutdown closes the listener and the connections; the process exits 0. A third
+signal is uvicorn's forced exit. Whatever still runs in the engine then is cancelled, not
+decoded for nobody.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import sys
@@ -63,6 +71,18 @@ def listen_socket(host: str, port: int):
     return sock
 
 
+def app_of(args, llm):
+    """The server app of ``simsd serve``'s HTTP options for ``llm``: ``--api-key`` (else the
+    ``SIMSD_API_KEY`` environment variable), ``--allowed-origins`` (comma-separated),
+    ``--disable-docs``, ``--max-request-bytes`` (:func:`simsd.entrypoints.server.build_app`)."""
+    import os
+
+    from .server import build_app
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    return build_app(llm, args.served_model_name, api_key=args.api_key or os.environ.get("SIMSD_API_KEY") or None,
+                     allowed_origins=origins, docs=not args.disable_docs, max_request_bytes=args.max_request_bytes)
+
+
 def run_serve(args) -> int:
     try:
         import fastapi  # noqa: F401
@@ -71,20 +91,48 @@ def run_serve(args) -> int:
     except ImportError as exc:
         raise MissingPackageError(f"simsd serve needs the serve extra ({exc.name} is not installed): "
                                   f"pip install 'simsd[serve]'") from None
-    from .server import build_app
     sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
     try:
         llm = build_llm(args)
     except BaseException:
         sock.close()
         raise
-    app = build_app(llm, args.served_model_name)
+    app = app_of(args, llm)
     state = app.state.simsd
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: refuse new requests, let the open ones finish
-            state.draining = True
-            super().handle_exit(sig, frame)
+        """uvicorn's server; its exit hook (``handle_exit``, called by the signal handler) runs
+        the drain (:meth:`simsd.entrypoints.server.ServerState.drain`) before ``should_exit``
+        lets uvicorn shut down."""
+        loop = None
+        signals = 0
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            if self.loop is None:  # before start-up: uvicorn's own (it stops before serving)
+                return super().handle_exit(sig, frame)
+            self.loop.call_soon_threadsafe(self.on_signal, signal.Signals(sig).name)
+
+        def on_signal(self, name: str) -> None:  # the event loop
+            self.signals += 1
+            if self.signals == 1:
+                print(f"simsd: {name}: refusing new requests, the {len(state.calls)} in flight have "
+                      f"{args.shutdown_timeout:g} s to finish (a second signal cancels them)",
+                      file=sys.stderr, flush=True)
+                self.drain_task = asyncio.ensure_future(self.drain())  # held: an unreferenced task may vanish
+            elif self.signals == 2:
+                print(f"simsd: {name}: cancelling the {len(state.calls)} requests in flight", file=sys.stderr,
+                      flush=True)
+                state.cancel_calls(f"the server is shutting down ({name}): the request was cancelled")
+            else:
+                self.should_exit = self.force_exit = True
+
+        async def drain(self):
+            await state.drain(args.shutdown_timeout)
+            self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -97,11 +145,17 @@ def run_serve(args) -> int:
                 for sig, handler in saved.items():
                     signal.signal(sig, handler)
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    # timeout_graceful_shutdown: after the drain nothing runs; a connection still open after
+    # that (a client still sending its body) is closed by uvicorn
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=5))
     print(f"simsd: serving {state.model_name!r} ({serving_summary(llm)}) on http://{args.host}:"
           f"{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
-    llm.shutdown()
+    llm.shutdown(drain=False)  # after a forced exit: nobody is left to receive what still runs
+    done = llm.scheduler.finished
+    print(f"simsd: stopped ({done['ok']} requests finished, {done['cancelled']} cancelled, {done['error']} failed)",
+          file=sys.stderr, flush=True)
     return 0
 
 

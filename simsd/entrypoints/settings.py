@@ -38,6 +38,13 @@ from ..decoding.choices import SamplingParams as StepSampling
 #: the largest seed (a signed 64-bit value; :mod:`simsd.decoding.noise` keys the noise with it)
 SEED_MAX = SETTINGS["seed"].high
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+#: the server's default request body limit (``simsd serve --max-request-bytes``): far above any
+#: prompt a context holds (a 128k-token prompt as JSON ids is under 1 MiB), far below the memory
+#: a body costs
+MAX_REQUEST_BYTES = 8 * 2 ** 20
+#: seconds the requests in flight may take to finish after SIGTERM/SIGINT before the server
+#: cancels them (``simsd serve --shutdown-timeout``; Kubernetes' default grace period is 30 s)
+SHUTDOWN_TIMEOUT = 30.0
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 

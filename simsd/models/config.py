@@ -130,6 +130,8 @@ class ModelConfig:
         if fields.get("head_dim", 0) is None:  # null: hidden_size / heads (checked above)
             fields.pop("head_dim")
             fields["head_dim"] = raw.get("hidden_size", 4096) // raw.get("num_attention_heads", 32)
+        if fields.get("rope_scaling", 0) is None:  # null: default RoPE, as absent (transformers 5 warns on the name)
+            fields.pop("rope_scaling")
         # Qwen3Config only reads the fields it knows; the SDAR extras are read from `raw`.
         logging.getLogger("transformers.configuration_utils").setLevel(logging.ERROR)
         try:

@@ -11,6 +11,7 @@ tensors that are missing, unexpected, of the wrong shape or not where the index 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,6 +180,9 @@ class CheckpointInfo:
     tokenizer: object
     mask_token_id: int
     stop_ids: list = field(default_factory=list)
+    #: the sampling fields of generation_config.json (:data:`GENERATION_SAMPLING_FIELDS`) that
+    #: it sets and simsd does not apply, with their values
+    ignored_sampling: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -189,6 +193,7 @@ class Checkpoint:
     tokenizer: object
     mask_token_id: int
     stop_ids: list = field(default_factory=list)
+    ignored_sampling: dict = field(default_factory=dict)  # as CheckpointInfo's
 
     @property
     def config(self) -> ModelConfig:
@@ -216,7 +221,10 @@ def load_tokenizer(path):
     path = Path(path)
     files = _check_tokenizer_files(path) + [f for f in (path / "chat_template.jinja",) if f.is_file()]
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        with warnings.catch_warnings():  # it parses config.json to find the tokenizer class: a supported
+            # "rope_scaling": null (SDAR's configs, checked by ModelConfig) is named deprecated by transformers 5
+            warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # tokenizers, transformers and jinja raise many types
         msg = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise CheckpointError(f"{_cite(files) or path}: cannot load the tokenizer ({msg})") from exc
@@ -242,23 +250,39 @@ def _ids(value, where: Path, field: str) -> list:
     raise CheckpointError(f"{where}: {field} = {value!r} must be a token id or a list of token ids")
 
 
-def stop_ids_of(path: Path, config_raw: dict, tokenizer) -> tuple[list, Path | None]:
-    """Stop ids and the file that gave them: ``generation_config.json`` (``eos_token_id``, int or
-    list), else ``config.json``, else the tokenizer's eos token."""
+#: the sampling fields of ``generation_config.json`` simsd does not apply (named once per run:
+#: :func:`simsd.entrypoints.api.run_warnings`); a request's own settings decide
+GENERATION_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k")
+
+
+def read_generation_config(path: Path) -> dict:
+    """``path/generation_config.json`` as a dict (empty when the file is absent).
+
+    Raises:
+        CheckpointError: invalid JSON, or not a JSON object (naming the file).
+    """
     gen = path / "generation_config.json"
-    if gen.is_file():
-        raw = read_json(gen, "generation config")
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
-        ids = _ids(raw.get("eos_token_id"), gen, "eos_token_id")
-        if ids:
-            return sorted(set(ids)), gen
-    ids = _ids(config_raw.get("eos_token_id"), path / "config.json", "eos_token_id")
-    if ids:
-        return sorted(set(ids)), path / "config.json"
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return [int(tokenizer.eos_token_id)], None
-    return [], None
+    if not gen.is_file():
+        return {}
+    raw = read_json(gen, "generation config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def stop_ids_of(path: Path, config_raw: dict, generation_raw: dict, tokenizer) -> dict:
+    """The stop ids, each with the file that named it: the union of ``eos_token_id`` (an int or a
+    list) in ``generation_config.json`` and in ``config.json`` (as vLLM does: a chat model whose
+    generation config names only ``<|endoftext|>`` still stops at the ``<|im_end|>`` its config
+    names); when neither names one, the tokenizer's eos token (its file None). Returns
+    ``{id: Path | None}`` in ascending id order."""
+    sources: dict = {}
+    for raw, where in ((generation_raw, path / "generation_config.json"), (config_raw, path / "config.json")):
+        for i in _ids(raw.get("eos_token_id"), where, "eos_token_id"):
+            sources.setdefault(i, where)
+    if not sources and tokenizer is not None and tokenizer.eos_token_id is not None:
+        sources[int(tokenizer.eos_token_id)] = None
+    return dict(sorted(sources.items()))
 
 
 def check_block_diffusion(path, config: ModelConfig, has_mask: bool, block_length=None) -> None:
@@ -327,16 +351,20 @@ def read_checkpoint(path, with_tokenizer: bool = True, *, block_length=None,
         if mask_id is None:
             mask_id, source = mask_token_id, f"{path} (the mask token id given)"
     check_block_diffusion(path, config, mask_id is not None, block_length)
-    stops, stop_file = stop_ids_of(path, raw, tokenizer)
-    where = stop_file or f"{path} (the tokenizer's eos token)"
+    generation = read_generation_config(path)
+    stops = stop_ids_of(path, raw, generation, tokenizer)
+
+    def where(i):
+        return stops[i] or f"{path} (the tokenizer's eos token)"
     bad = [s for s in stops if not 0 <= s < V]
     if bad:
-        raise CheckpointError(f"{where}: eos_token_id {bad[0]} is outside the vocabulary [0, {V})")
+        raise CheckpointError(f"{where(bad[0])}: eos_token_id {bad[0]} is outside the vocabulary [0, {V})")
     if mask_id in stops:
-        raise CheckpointError(f"{source}: mask_token_id = {mask_id} is also a stop id (eos_token_id in {where}); "
-                              f"the mask token cannot end generation")
+        raise CheckpointError(f"{source}: mask_token_id = {mask_id} is also a stop id (eos_token_id in "
+                              f"{where(mask_id)}); the mask token cannot end generation")
     scan_weights(path, config)
-    return CheckpointInfo(path, config, tokenizer, int(mask_id), stops)
+    ignored = {k: generation[k] for k in GENERATION_SAMPLING_FIELDS if generation.get(k) is not None}
+    return CheckpointInfo(path, config, tokenizer, int(mask_id), list(stops), ignored)
 
 
 def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True,
@@ -351,4 +379,4 @@ def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True,
     """
     info = info or read_checkpoint(path, with_tokenizer, block_length=block_length, mask_token_id=mask_token_id)
     model = load_model(info.path, dtype, device, config=info.config)
-    return Checkpoint(info.path, model, info.tokenizer, info.mask_token_id, info.stop_ids)
+    return Checkpoint(info.path, model, info.tokenizer, info.mask_token_id, info.stop_ids, info.ignored_sampling)

@@ -1,5 +1,6 @@
 """``simsd serve``: a real process with the bundled pair answers the openai client (streaming and
 not) and drains on SIGTERM; bad options and a missing extra fail in one line."""
+import contextlib
 import json
 import os
 import signal
@@ -22,13 +23,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server_process():
+@contextlib.contextmanager
+def serve_process(*argv):
+    """A ``simsd serve`` process (``--max-batch-size 2`` and ``argv``) on a free port: ``(proc, url)``;
+    killed on exit if still running."""
     pytest.importorskip("fastapi")
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "simsd.entrypoints.cli", "serve", "--port", str(port),
-                             "--max-batch-size", "2", "--log-level", "warning"],
+                             "--max-batch-size", "2", "--log-level", "warning", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         yield proc, f"http://127.0.0.1:{port}"
@@ -38,6 +41,12 @@ def server_process():
         proc.wait(30)
         proc.stdout.close()
         proc.stderr.close()
+
+
+@pytest.fixture
+def server_process():
+    with serve_process() as served:
+        yield served
 
 
 def wait_healthy(httpx, proc, url):
@@ -215,3 +224,33 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
     finally:
         llm.shutdown()
         torch.set_num_threads(before)
+
+
+def test_serve_http_options_reach_the_app(monkeypatch):
+    """--api-key (else SIMSD_API_KEY), --allowed-origins and --disable-docs configure the app
+    ``simsd serve`` runs (their behaviour: tests/simsd/entrypoints/test_server.py)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from simsd import LLM
+    from simsd.entrypoints.cli import parse
+    from simsd.entrypoints.serve import app_of
+    llm = LLM(mode="vanilla", dtype="float32", device="cpu", batch_size=1)
+    try:
+        monkeypatch.delenv("SIMSD_API_KEY", raising=False)
+        h = TestClient(app_of(parse(["serve"]), llm))
+        assert h.get("/v1/models").status_code == 200 and h.get("/openapi.json").status_code == 200
+        h = TestClient(app_of(parse(["serve", "--api-key", "k1", "--allowed-origins", "https://a.example, https://b.example",
+                                     "--disable-docs"]), llm))
+        assert h.get("/v1/models").status_code == 401
+        assert h.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert h.get("/openapi.json").status_code == 404 and h.get("/docs").status_code == 404
+        for origin in ("https://a.example", "https://b.example"):
+            r = h.options("/v1/models", headers={"Origin": origin, "Access-Control-Request-Method": "GET"})
+            assert r.headers.get("access-control-allow-origin") == origin
+        monkeypatch.setenv("SIMSD_API_KEY", "from-env")
+        h = TestClient(app_of(parse(["serve"]), llm))
+        assert h.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 401
+        assert h.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+    finally:
+        assert llm.shutdown(timeout=60)

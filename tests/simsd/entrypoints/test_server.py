@@ -223,6 +223,8 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "max_tokens": True}, "max_tokens", "integer"),
     ({"model": NAME, "prompt": "hi", "stream": 1}, "stream", "boolean"),
     (json.dumps({"model": NAME, "prompt": "a \ud800 b"}).encode(), "prompt", "lone surrogate"),  # JSON escape
+    # more prompts than 4 rows + 64 waiting can ever hold: a 400 (a 503 would be retried in vain)
+    ({"model": NAME, "prompt": [[11, 12]] * 69, "max_tokens": 2}, "prompt", "at most 68 at once"),
 ]
 
 
@@ -247,6 +249,11 @@ def test_bad_completion_requests_are_400_naming_the_field(url, body, param, word
     ({"model": NAME, "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, "messages.0.role"),
     (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "a \ud800 b"}]}).encode(), "messages"),
+    ({"model": NAME, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),  # a user turn needs text
+    ({"model": NAME, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"model": NAME, "messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+    ({"model": NAME, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": NAME, "messages": CHAT, "logprobs": True}, "logprobs"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(url, body, param):
     with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
@@ -346,6 +353,7 @@ def test_full_queue_is_503_with_retry_after(llm):
             r = h.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["type"] == "server_busy"
+            assert 'simsd_requests_rejected_total{reason="queue_full"} 1.0' in h.get("/metrics").text
             assert r.json()["error"]["message"] == ("the server is busy: 1 request already waiting for a row "
                                                     "(max_waiting=1; 1 row, all taken)")
             a.__exit__(None, None, None)
@@ -418,3 +426,135 @@ def test_a_request_draft_threshold_and_the_server_default():
     assert req(draft_strategy="dynamic").draft_threshold is None
     assert req(strategy="entropy").draft_threshold is None and req(strategy="entropy").threshold is None
     assert req(draft_strategy="dynamic", draft_threshold=0.6).draft_threshold == 0.6
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "n": None, "echo": None, "stream": None, "presence_penalty": None,
+                         "frequency_penalty": None, "logprobs": None, "max_tokens": None, "temperature": None}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": None, "presence_penalty": None, "frequency_penalty": None,
+                              "logprobs": None, "stream": None, "top_logprobs": None, "stream_options": None}),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}),  # both mean off
+])
+def test_null_fields_and_neutral_logprobs_are_their_defaults(url, path, body):
+    """OpenAI types its optional fields nullable and SDK wrappers send null: null is the default."""
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        got = h.post(path, json={"model": NAME, **body, "max_tokens": 4})
+        plain = {k: v for k, v in body.items() if v is not None and k not in ("logprobs", "top_logprobs")}
+        want = h.post(path, json={"model": NAME, **plain, "max_tokens": 4})
+    assert got.status_code == 200, got.text
+    key = "message" if "chat" in path else "text"
+    assert got.json()["choices"][0][key] == want.json()["choices"][0][key]
+
+
+def test_an_omitted_max_tokens_fits_the_positions_left(llm, url):
+    """OpenAI's and vLLM's rule: without max_tokens a request gets min(server default, positions
+    left); an explicit max_tokens that does not fit is the 400 naming it."""
+    L = llm.max_model_len
+    prompt = [11] * (L - 5)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/completions", json={"model": NAME, "prompt": prompt, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = h.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 6})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13], "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == llm.default_params.max_tokens  # the default where it fits
+
+
+def test_a_message_name_reaches_the_chat_template(llm, url):
+    """``name`` is passed to the chat template as the Python API passes it, never dropped."""
+    from simsd.entrypoints.protocol import ChatCompletionRequest
+    messages = [{"role": "user", "content": "Hi", "name": "ada"}]
+    assert ChatCompletionRequest(model=NAME, messages=messages).chat() == messages
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(llm.prompt_ids(messages))
+
+
+def test_api_key_cors_and_docs(llm):
+    """--api-key: /v1/* needs the Bearer token (401 with OpenAI's body otherwise), /health stays
+    open; --allowed-origins: CORS for those origins only; --disable-docs: no /docs, /openapi.json."""
+    app = build_app(llm, shutdown_llm=False, api_key="s3cret", allowed_origins=["https://app.example.com"],
+                    docs=False)
+    body = {"model": NAME, "prompt": [11, 12, 13], "max_tokens": 2}
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret-and-more"}):
+            r = h.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            assert r.json() == {"error": {"message": "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                          "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+            assert h.get("/v1/models", headers=headers).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert h.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert h.get("/v1/models", headers=ok).status_code == 200
+        assert h.get("/health").status_code == 200  # probes need no key
+        client = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=TIMEOUT)
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(**body)
+        # CORS: the allowed origin's preflight passes without a key, another origin's does not
+        pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        r = h.options("/v1/completions", headers={"Origin": "https://app.example.com", **pre})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+        r = h.options("/v1/completions", headers={"Origin": "https://evil.example.com", **pre})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = h.post("/v1/completions", json=body, headers={"Origin": "https://app.example.com", **ok})
+        assert r.headers["access-control-allow-origin"] == "https://app.example.com"
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert h.get(path).status_code == 404
+    with running_server(build_app(llm, shutdown_llm=False)) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        # the defaults: no key, no CORS, docs on
+        assert h.post("/v1/completions", json=body, headers={"Authorization": "Bearer anything"}).status_code == 200
+        r = h.options("/v1/completions", headers={"Origin": "https://app.example.com",
+                                                  "Access-Control-Request-Method": "POST"})
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+        assert h.get("/openapi.json").status_code == 200
+
+
+def test_a_body_over_the_limit_is_413(llm):
+    """--max-request-bytes: over it a 413 with OpenAI's body, by Content-Length at once or, for a
+    chunked body, as soon as the bytes pass the limit; the server answers the next request."""
+    limit = 4096
+    body = {"model": NAME, "prompt": [11, 12, 13], "max_tokens": 2}
+    big = json.dumps({**body, "prompt": "x " * limit}).encode()
+    with running_server(build_app(llm, shutdown_llm=False, max_request_bytes=limit)) as url, \
+            httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        want = {"error": {"message": f"the request body exceeds the server's limit of {limit} bytes (simsd serve "
+                                     f"--max-request-bytes)", "type": "invalid_request_error", "param": None,
+                          "code": None}}
+        r = h.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json() == want
+
+        def chunks():
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+        r = h.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert "content-length" not in r.request.headers and r.status_code == 413 and r.json() == want
+        assert h.post("/v1/completions", json=body).status_code == 200
+        small = json.dumps(body).encode()
+        r = h.post("/v1/completions", content=(small[i:i + 7] for i in range(0, len(small), 7)),
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text  # a chunked body under the limit is read whole
+
+
+def test_tokenization_runs_off_the_event_loop(llm, url, monkeypatch):
+    """A request's prompt is encoded and checked in a worker thread: while one is held inside
+    its encoding (a scripted stall, no timing), /health and another request are answered."""
+    real, held, release = llm._encode, threading.Event(), threading.Event()
+
+    def encode(prompt):
+        if prompt == "stall here":
+            held.set()
+            assert release.wait(TIMEOUT)
+        return real(prompt)
+    monkeypatch.setattr(llm, "_encode", encode)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h, ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(h.post, "/v1/completions", json={"model": NAME, "prompt": "stall here", "max_tokens": 2})
+        assert held.wait(TIMEOUT)
+        try:
+            assert h.get("/health", timeout=30).status_code == 200  # would hang if the encoding held the loop
+            r = h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13], "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200
+        finally:
+            release.set()
+        assert stalled.result(TIMEOUT).status_code == 200

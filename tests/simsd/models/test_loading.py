@@ -221,3 +221,54 @@ def test_an_explicit_mask_id_is_checked(tmp_path):
                 mask_token_id=bad)
     refused(path, f"{path} (the mask token id given): mask_token_id = 254 is also a stop id", mask_token_id=254)
     assert read_checkpoint(path, mask_token_id=7).mask_token_id == 7
+
+
+def test_stop_ids_are_the_union_of_generation_config_and_config(ck):
+    """vLLM's rule: a chat model whose generation config names only <|endoftext|> still stops at
+    the <|im_end|> its config names; each id's file is named when it is refused."""
+    im_end, eos = 5, 7
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    edit_json(ck / "config.json", lambda d: {**d, "eos_token_id": [im_end, eos]})
+    assert read_checkpoint(ck).stop_ids == [im_end, eos]
+    edit_json(ck / "config.json", lambda d: {**d, "eos_token_id": None})
+    assert read_checkpoint(ck).stop_ids == [eos]
+    (ck / "generation_config.json").unlink()
+    edit_json(ck / "config.json", lambda d: {**d, "eos_token_id": im_end})
+    assert read_checkpoint(ck).stop_ids == [im_end]
+    edit_json(ck / "config.json", lambda d: {**d, "eos_token_id": 10 ** 6})
+    refused(ck, ck / "config.json", f"eos_token_id {10 ** 6} is outside the vocabulary")
+
+
+def test_generation_config_sampling_fields_are_named_as_ignored(ck):
+    """generation_config.json's temperature / top_p / top_k / do_sample are not applied (README,
+    "Checkpoints"): the checkpoint reports them and a run names them once."""
+    import warnings
+
+    from simsd import LLM, SimsdWarning
+    edit_json(ck / "generation_config.json", lambda d: {**d, "temperature": 0.6, "top_p": 0.95, "top_k": None})
+    info = read_checkpoint(ck)
+    assert info.ignored_sampling == {"temperature": 0.6, "top_p": 0.95}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        llm = LLM(ck, mode="vanilla", dtype="float32", device="cpu", batch_size=1)
+        assert llm.generate([[11, 12, 13]])[0].token_ids  # greedy (the request's default), not temperature 0.6
+        assert llm.shutdown(timeout=60)
+    notes = [str(w.message) for w in seen]
+    assert len(notes) == 1 and issubclass(seen[0].category, SimsdWarning), notes
+    assert "generation_config.json" in notes[0] and "temperature=0.6, top_p=0.95 not applied" in notes[0]
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "default"}])
+def test_supported_rope_configs_load_without_any_warning(ck, rope_scaling):
+    """SDAR checkpoints carry "rope_scaling": null; transformers 5.x warns about the name when it
+    is passed on (FutureWarning), which would break simsd's one-line messages."""
+    import warnings
+
+    from simsd import LLM
+    edit_json(ck / "config.json", lambda d: {**d, "rope_scaling": rope_scaling})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        llm = LLM(ck, mode="vanilla", dtype="float32", device="cpu", batch_size=1)
+        assert llm.generate([[11, 12, 13]])[0].token_ids
+        assert llm.shutdown(timeout=60)
+    assert [str(w.message) for w in seen] == []

@@ -1,0 +1,284 @@
+"""Probes of ``simsd serve`` under the faults of issue 26, on loopback with the bundled pair.
+
+    python bench/probe_server.py [--repo DIR] [--python EXE] [--sizes 1,4,20] [--in-flight 8]
+                                 [--max-tokens 300] [--only large,signals,codes] [--out FILE]
+
+``--repo``/``--python``: the checkout whose ``simsd serve`` is probed (default: this one, with
+the running interpreter), e.g. an older commit in its own worktree; options that checkout's
+``simsd serve --help`` does not list are left out (and say so in the row). Every server is a
+fresh process on 127.0.0.1 and a free port; nothing else is contacted.
+
+(a) ``large``: while one request with a prompt of S MB (``"a " * S/2 MiB``) is in flight, another
+client's stream (1900 tokens) and ``/health`` (polled every 50 ms) are watched: the longest
+pause between the stream's chunks and the slowest ``/health`` in that window (and, as the
+baseline, in the 3 s before it), the large request's status and seconds, the server's RSS
+before and after; with the default body limit
+and with ``--max-request-bytes`` raised to 64 MiB (where the option exists).
+(b) ``signals``: ``--in-flight`` requests (half streaming) of ``--max-tokens`` tokens on as many
+rows, then SIGTERM / SIGINT in each order (TERM, TERM+TERM, TERM+INT, INT, INT+INT; a second
+signal 0.5 s after the first; ``--shutdown-timeout 5`` where the option exists): the status
+of a new request 0.5 s after the first signal, what each client got (HTTP status, or for a
+stream: ``done``, ``error-chunk`` or ``cut``), seconds from the first signal to the last
+answer and to the process's exit (killed after 240 s).
+(c) ``codes``: status codes of a wrong API key, a CORS preflight, 100 prompts on an 8-row
+server (``--max-waiting 64``), a request with ``null`` OpenAI fields.
+
+Times come from one run on whatever machine runs it: on a loaded machine read them as rough
+ratios. Rows go to ``--out`` (JSON) and a table to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parents[1]
+MODEL = "tiny-sdar-target"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``simsd serve`` process of ``repo`` with ``options`` (those its --help lacks dropped)."""
+
+    def __init__(self, repo: Path, python: str, options: dict, help_text: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dropped = [k for k in options if k not in help_text]
+        argv = [python, "-m", "simsd.entrypoints.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        for k, v in options.items():
+            if k not in self.dropped:
+                argv += [k] if v is None else [k, str(v)]
+        self.err = open(f"/tmp/probe_server_{os.getpid()}_{self.port}.err", "w+")
+        self.proc = subprocess.Popen(argv, cwd=repo, stdout=subprocess.DEVNULL, stderr=self.err,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"simsd serve exited: {self.stderr()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("simsd serve did not become healthy")
+
+    def rss_mb(self) -> float:
+        for line in open(f"/proc/{self.proc.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stderr(self) -> str:
+        self.err.flush()
+        self.err.seek(0)
+        return self.err.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self.err.close()
+        os.unlink(self.err.name)
+
+
+def long_body(max_tokens: int, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+
+
+def read_stream(url: str, body: dict, out: dict) -> None:
+    """Stream ``body``; ``out``: chunk arrival times and the outcome (done / error-chunk / cut / status)."""
+    out["times"], out["outcome"] = [], "cut"
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                out["outcome"] = str(r.status_code)
+                return
+            for line in r.iter_lines():
+                if out.get("stop") is not None and out["stop"].is_set():
+                    break  # the client goes: the server cancels the request
+                if line.startswith("data: "):
+                    out["times"].append(time.monotonic())
+                    if line == "data: [DONE]":
+                        out["outcome"] = "done" if out["outcome"] != "error-chunk" else "error-chunk"
+                    elif '"error"' in line[:20]:
+                        out["outcome"] = "error-chunk"
+    except httpx.HTTPError:
+        pass
+    out["ended"] = time.monotonic()
+
+
+def post(url: str, body, out: dict, **kwargs) -> None:
+    """POST ``body`` (a dict, or JSON already encoded: bytes) to /v1/completions; ``out``: outcome, end time."""
+    data = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else \
+        {"json": body}
+    try:
+        r = httpx.post(url + "/v1/completions", timeout=600, **data, **kwargs)
+        out["outcome"] = str(r.status_code)
+    except httpx.HTTPError as exc:
+        out["outcome"] = type(exc).__name__
+    out["ended"] = time.monotonic()
+
+
+def probe_large(repo, python, help_text, sizes, raise_limit: bool) -> list:
+    rows = []
+    opts = {"--max-batch-size": 2}
+    if raise_limit:
+        opts["--max-request-bytes"] = 64 * 2 ** 20
+    srv = Server(repo, python, opts, help_text)
+    try:
+        for mb in sizes:
+            rss0 = srv.rss_mb()
+            stream = {"stop": threading.Event()}
+            reader = threading.Thread(target=read_stream, args=(srv.url, long_body(1900, True), stream))
+            reader.start()
+            while not stream.get("times"):
+                time.sleep(0.01)
+            health, big, stop = [], {}, threading.Event()
+
+            def poll():
+                while not stop.is_set():
+                    t = time.monotonic()
+                    try:
+                        httpx.get(srv.url + "/health", timeout=600)
+                    except httpx.HTTPError:
+                        pass
+                    health.append(time.monotonic() - t)
+                    time.sleep(0.05)
+            # encoded before the window: the probe's own JSON encoding would pause its threads too
+            body = json.dumps({"model": MODEL, "prompt": "a " * (mb * 2 ** 19), "max_tokens": 4}).encode()
+            poller = threading.Thread(target=poll)
+            poller.start()
+            time.sleep(3)  # the baseline: the same stream and /health without the large request
+            start = time.monotonic()
+            base = [start - 3] + [t for t in stream["times"] if start - 3 < t < start] + [start]
+            health_base = list(health)
+            post(srv.url, body, big)
+            end = big["ended"]
+            time.sleep(0.5)
+            stop.set()
+            poller.join()
+            times = [start] + [t for t in stream["times"] if start < t < end] + [end]
+            limit = "raised" if raise_limit and not srv.dropped else "default"
+            rows.append({"probe": "large", "mb": mb, "limit": limit,
+                         "status": big["outcome"], "seconds": round(end - start, 2),
+                         "stream_max_pause_s": round(max(b - a for a, b in zip(times, times[1:])), 2),
+                         "health_max_s": round(max(health[len(health_base):]), 2),
+                         "baseline_pause_s": round(max(b - a for a, b in zip(base, base[1:])), 2),
+                         "baseline_health_s": round(max(health_base), 2), "rss_before_mb": round(rss0),
+                         "rss_after_mb": round(srv.rss_mb()), "dropped": srv.dropped})
+            print(rows[-1], flush=True)
+            stream["stop"].set()
+            reader.join(600)
+    finally:
+        srv.stop()
+    return rows
+
+
+def probe_signals(repo, python, help_text, order, n, max_tokens) -> dict:
+    srv = Server(repo, python, {"--max-batch-size": n, "--shutdown-timeout": 5}, help_text)
+    try:
+        outs = [{} for _ in range(n)]
+        threads = [threading.Thread(target=read_stream if i % 2 == 0 else post,
+                                    args=(srv.url, long_body(max_tokens, i % 2 == 0), outs[i])) for i in range(n)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 300
+        while httpx.get(srv.url + "/health", timeout=60).json().get("running", 0) < n and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        srv.proc.send_signal(getattr(signal, order[0]))
+        time.sleep(0.5)
+        late = {}
+        post(srv.url, {"model": MODEL, "prompt": "hi", "max_tokens": 4}, late)
+        if len(order) > 1:
+            time.sleep(max(0.0, t0 + 0.5 - time.monotonic()))
+            srv.proc.send_signal(getattr(signal, order[1]))
+        for t in threads:
+            t.join(240)
+        answered = max(o.get("ended", float("nan")) for o in outs) - t0
+        try:
+            code = srv.proc.wait(max(1, 240 - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            code = "killed"
+        exited = time.monotonic() - t0
+        err = srv.stderr()
+        got = {}
+        for o in outs:
+            got[o.get("outcome", "none")] = got.get(o.get("outcome", "none"), 0) + 1
+        row = {"probe": "signals", "order": "+".join(s[3:] for s in order), "new_request": late["outcome"],
+               "clients": got, "last_answer_s": round(answered, 1), "exit_s": round(exited, 1), "exit_code": code,
+               "event_loop_closed_lines": err.count("Event loop is closed"), "dropped": srv.dropped}
+        print(row, flush=True)
+        return row
+    finally:
+        srv.stop()
+
+
+def probe_codes(repo, python, help_text) -> dict:
+    srv = Server(repo, python, {"--max-batch-size": 8, "--max-waiting": 64, "--api-key": "k",
+                                "--allowed-origins": "https://app.example"}, help_text)
+    try:
+        key = {"Authorization": "Bearer k"}
+        row = {"probe": "codes", "dropped": srv.dropped}
+        row["wrong_key"] = httpx.post(srv.url + "/v1/completions", headers={"Authorization": "Bearer wrong"},
+                                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=600).status_code
+        row["cors_preflight"] = httpx.options(srv.url + "/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"}, timeout=60).status_code
+        row["100_prompts_8_rows"] = httpx.post(srv.url + "/v1/completions", headers=key, timeout=600, json={
+            "model": MODEL, "prompt": ["hi"] * 100, "max_tokens": 2}).status_code
+        row["null_fields"] = httpx.post(srv.url + "/v1/completions", headers=key, timeout=600, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2, "n": None, "echo": None, "stream": None,
+            "presence_penalty": None}).status_code
+        print(row, flush=True)
+        return row
+    finally:
+        srv.stop()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repo", type=Path, default=HERE)
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--sizes", default="1,4,20")
+    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=300)
+    ap.add_argument("--only", default="large,signals,codes")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    help_text = subprocess.run([a.python, "-m", "simsd.entrypoints.cli", "serve", "--help"], cwd=a.repo,
+                               capture_output=True, text=True, check=True).stdout
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=a.repo, capture_output=True, text=True).stdout
+    rows, only = [], a.only.split(",")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    if "large" in only:
+        rows += probe_large(a.repo, a.python, help_text, sizes, raise_limit=False)
+        if "--max-request-bytes" in help_text:
+            rows += probe_large(a.repo, a.python, help_text, [max(sizes)], raise_limit=True)
+    if "signals" in only:
+        for order in [("SIGTERM",), ("SIGTERM", "SIGTERM"), ("SIGTERM", "SIGINT"), ("SIGINT",), ("SIGINT", "SIGINT")]:
+            rows.append(probe_signals(a.repo, a.python, help_text, order, a.in_flight, a.max_tokens))
+    if "codes" in only:
+        rows.append(probe_codes(a.repo, a.python, help_text))
+    if a.out:
+        a.out.write_text(json.dumps({"git": git.strip(), "repo": str(a.repo), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
