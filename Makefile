@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[triton,test,data,serve]"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[triton,test,data,serve,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

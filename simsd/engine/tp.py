@@ -15,7 +15,10 @@ without any further communication. Each rank's KV cache holds its own kv heads.
 
 Launch: ``torchrun --nproc-per-node N -m simsd.entrypoints.cli generate --tp N ...`` or plain
 ``simsd generate --tp N ...``, which spawns the N ranks itself (NCCL on CUDA, one GPU per
-rank: ``cuda:<rank>``; gloo on CPU). Only rank 0 prints.
+rank: ``cuda:<local rank>``; gloo on CPU). Across M machines, one torchrun per machine
+(``--nnodes M --nproc-per-node N/M --node-rank r --master-addr HOST --master-port P``): every
+rank joins the group from torchrun's environment (:func:`init_from_env`), the same way on one
+machine or many. Only rank 0 prints.
 """
 from __future__ import annotations
 

@@ -220,6 +220,16 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
     return llm
 
 
+def build_llms(run: Run, modes: dict, loaded: dict | None = None) -> dict:
+    """``{label: LLM}``: one :func:`build_llm` per label of ``modes`` (label -> (the LLM's mode,
+    its paper variant), e.g. :data:`simsd.entrypoints.eval.MODES`), the checkpoints loaded once
+    and shared (``loaded``, as in :func:`build_llm`)."""
+    loaded = {} if loaded is None else loaded
+    return {label: build_llm(dataclasses.replace(run, config=dataclasses.replace(run.config, paper_variant=variant)),
+                             mode, loaded)
+            for label, (mode, variant) in modes.items()}
+
+
 def summary_line(stats: dict) -> str:
     line = (f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['decode_seconds']:.3f} s "
             f"({stats['tokens_per_second']:.1f} tokens/s), target forwards/token "
@@ -228,6 +238,20 @@ def summary_line(stats: dict) -> str:
         line += (f", acceptance {stats['acceptance_rate']:.3f}, draft share {stats['draft_share']:.3f}, "
                  f"accepted/round {stats['accepted_per_round']:.2f}")
     return line
+
+
+def print_output(prompt, out, args, many: bool) -> None:
+    """One prompt's result as ``simsd generate`` prints it: a JSON line with ``--json``, else
+    its text (``### id`` first when the run has several prompts) and its statistics."""
+    if args.json:
+        print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": out.text, "token_ids": out.token_ids,
+                          "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                          "stats": out.stats}), flush=True)
+        return
+    if many:
+        print(f"### {prompt.id}")
+    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    print(summary_line(out.stats), flush=True)
 
 
 def run_generate(args) -> int:
@@ -239,15 +263,7 @@ def run_generate(args) -> int:
     for prompt, out in zip(prompts, llm.generate_iter([p.request for p in prompts], run.params_of(args.mode),
                                                       use_tqdm=len(prompts) > n)):
         outs.append(out)
-        if args.json:
-            print(json.dumps({"id": prompt.id, "prompt": prompt.text, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                              "stats": out.stats}), flush=True)
-        else:
-            if len(prompts) > 1:
-                print(f"### {prompt.id}")
-            print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
-            print(summary_line(out.stats), flush=True)
+        print_output(prompt, out, args, len(prompts) > 1)
     if n > 1 and not args.json:  # the run as a whole: its tokens over its decode time
         tokens, seconds = sum(len(o.token_ids) for o in outs), decode_span(outs)
         print(f"[{len(prompts)} prompts, batch size {n}] {tokens} tokens in {seconds:.3f} s "

@@ -26,7 +26,6 @@ whether resumed or not.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ from ..decoding.choices import ParamError, opt
 MODES = {"vanilla": ("vanilla", "described"), "paper": ("paper", "described"),
          "paper-release": ("paper", "release"), "exact": ("exact", "described")}
 #: options that may differ between a run and the run it resumes (they change no result)
-RESUMABLE = ("json_file", "limit", "warmup", "threads", "command")
+RESUMABLE = ("json_file", "limit", "warmup", "threads", "command", "ray", "num_workers")
 
 
 def check_eval_options(args) -> None:
@@ -154,7 +153,7 @@ def run_eval(args, modes: list) -> int:
     from tqdm import tqdm
 
     from .bench import check_json_path, git_sha, one_pass, warm_up
-    from .commands import build_llm, prepare
+    from .commands import build_llms, prepare
     args.prompt = args.prompt_ids = None  # eval's prompts come from a set or a file
     if args.prompts_file is None and args.prompt_set is None:
         args.prompt_set = "champ"
@@ -175,34 +174,41 @@ def run_eval(args, modes: list) -> int:
         print("simsd: note: these prompts carry no answer: accuracy is not measured", file=sys.stderr)
     if kind == "humaneval" and not args.execute:
         print("simsd: note: HumanEval is scored only with --execute (it runs the generated code)", file=sys.stderr)
-    llms, loaded = {}, {}
-    for mode in modes:
-        llm_mode, variant = MODES[mode]
-        mode_run = dataclasses.replace(run, config=dataclasses.replace(run.config, paper_variant=variant))
-        llms[mode] = build_llm(mode_run, llm_mode, loaded)
-    n = llms[modes[0]].batch_size
-    params = {m: run.params_of(MODES[m][0]) for m in modes}
     records, chunks = partial["prompts"], partial["chunks"]
     ids = [p.id for p in prompts]
     todo = [i for i, p in enumerate(prompts) if not all(m in records.get(p.id, {}).get("results", {}) for m in modes)]
     if len(todo) < len(prompts):
         print(f"simsd: resuming {args.json_file}: {len(prompts) - len(todo)} of {len(prompts)} prompts done",
               file=sys.stderr)
+    n = min(run.config.batch_size, len(prompts))
+    warmup = todo[: args.warmup]
+    if args.ray:  # the chunks on Ray Data workers, each with every mode's LLM (simsd.entrypoints.ray_data)
+        from .ray_data import map_chunks
+        passes = map_chunks(run, {m: MODES[m] for m in modes}, todo, args.num_workers, warmup)
+        loaded = {"target": run.target, "draft": run.draft}
+        dtype, device = f"torch.{run.config.dtype}", str(run.config.device)
+    else:
+        passes, loaded = None, {}
+        llms = build_llms(run, {m: MODES[m] for m in modes}, loaded)
+        dtype, device = str(loaded["target"].model.dtype), str(loaded["target"].model.device)
+    params = {m: run.params_of(MODES[m][0]) for m in modes}
     target, draft = loaded["target"], loaded.get("draft")
     meta = {"settings": settings, "modes": modes, "set": args.prompt_set or str(args.prompts_file),
             "prompts": ids, "target": str(target.path), "draft": str(draft.path) if draft else None,
-            "dtype": str(target.model.dtype), "device": str(target.model.device), "threads": torch.get_num_threads(),
+            "dtype": dtype, "device": device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "git_sha": git_sha()}
-    if todo and args.warmup:
-        warm_up(llms, [prompts[i].request for i in todo[: args.warmup]],
-                {m: [params[m][i] for i in todo[: args.warmup]] for m in modes}, n)
+    if passes is None:
+        if warmup:
+            warm_up(llms, [prompts[i].request for i in warmup], {m: [params[m][i] for i in warmup] for m in modes}, n)
+        first = len(chunks)  # the passes' indices continue the resumed run's (the modes' order rotates)
+        passes = ((part, one_pass(llms, [prompts[i].request for i in part],
+                                  {m: [params[m][i] for i in part] for m in modes}, first + k))
+                  for k, part in enumerate(todo[s:s + n] for s in range(0, len(todo), n)))
     bar = tqdm(total=len(prompts) * len(modes), initial=(len(prompts) - len(todo)) * len(modes), file=sys.stderr,
                desc="eval")
     from ..engine.scheduler import decode_span
-    for start in range(0, len(todo), n):
-        part = todo[start:start + n]
-        outs = one_pass(llms, [prompts[i].request for i in part], {m: [params[m][i] for i in part] for m in modes},
-                        len(chunks), bar)
+    for part, outs in passes:
+        bar.update(len(part) * len(modes))
         chunks.append({"index": len(chunks), "prompts": [ids[i] for i in part],
                        "decode_seconds": {m: decode_span(outs[m]) for m in modes}})
         for j, i in enumerate(part):

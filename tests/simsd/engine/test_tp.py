@@ -228,3 +228,37 @@ def test_cli_tp2_refusal_is_one_line_exit_2():
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("simsd: loading")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("simsd: error: --prompt-ids: token id 999999 is outside the vocabulary"), proc.stderr
+
+
+def test_torchrun_two_nodes_equal_one_process(tmp_path):
+    """Multi-node TP as README "Scaling out" launches it, on one machine: two ``torchrun --nnodes 2
+    --nproc-per-node 1 --node-rank {0,1}`` launches over loopback (gloo), rendezvous at
+    127.0.0.1, each joining the group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR`` ...). Sampled exact mode with the bundled pair, 3 prompts in rows of 2:
+    node 0's JSON lines equal one process's (timings aside); node 1 prints nothing."""
+    from simsd.engine.tp import free_port
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hello", "Why is the sky blue?", "2+2=")))
+    command = ["-m", "simsd.entrypoints.cli", "generate", "--mode", "exact", "--prompts-file", str(prompts),
+               "--json", "--max-tokens", "16", "--temperature", "0.8", "--seed", "3", "--batch-size", "2",
+               "--device", "cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               *command, "--tp", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for rank in range(2)]
+    one = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    outs = [node.communicate(timeout=300) for node in nodes]
+    assert one.returncode == 0 and [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "the target tensor-parallel over 2 ranks" in outs[0][1]
+    timings = ("decode_seconds", "tokens_per_second", "queue_seconds", "time_to_first_token")
+
+    def rows(text):
+        out = [json.loads(line) for line in text.splitlines()]
+        for row in out:
+            row["stats"] = {k: v for k, v in row["stats"].items() if k not in timings}
+        return out
+    assert len(rows(one.stdout)) == 3 and rows(outs[0][0]) == rows(one.stdout)
+    assert outs[1][0] == ""

@@ -122,7 +122,7 @@ def test_an_option_error_answers_before_torch_loads(argv, line):
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert res.returncode == 2 and res.stderr.startswith("simsd: error: ") and line in res.stderr, res.stderr
     assert cpu < 2.0, f"{' '.join(argv)}: {cpu:.2f} s of CPU for a one-line error"
-    heavy = ("torch", "transformers", "fastapi", "uvicorn", "simsd_kernels", "triton")
+    heavy = ("torch", "transformers", "fastapi", "uvicorn", "simsd_kernels", "triton", "ray")
     probe = ("import json, sys\nfrom simsd.entrypoints.cli import main\ncode = main(sys.argv[1:])\n"
              f"print(json.dumps([code, [m for m in {heavy!r} if m in sys.modules]]))")
     res = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT,
