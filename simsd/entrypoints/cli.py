@@ -348,6 +348,28 @@ def check_ray_options(args) -> None:
     high = getattr(args, "max_replicas", None)
     if high is not None and high < args.replicas:
         raise ParamError("max_replicas", f"{opt('max_replicas')} {high} is below {opt('replicas')} {args.replicas}")
+    if ray:
+        check_ray_devices(args.engine)
+
+
+def check_ray_devices(engine) -> None:
+    """With ``--ray`` a worker or replica sees only the GPUs Ray gives it, one per distinct CUDA
+    device it names (:func:`~simsd.entrypoints.ray_cluster.llm_resources`), as ``cuda:0`` ..
+    ``cuda:{n-1}`` (Ray sets its ``CUDA_VISIBLE_DEVICES``): :class:`ParamError` naming the option
+    whose index is outside them (``--device cuda:1`` alone would name a GPU the actor cannot see)."""
+    named = [("device", engine.device)] + ([("draft_device", engine.draft_device)] if engine.mode != "vanilla" else [])
+    cuda = {}
+    for name, device in named:
+        kind, _, index = str(device or "").partition(":")
+        if kind == "cuda":
+            cuda[name] = int(index) if index.isdigit() else 0
+    n = len(set(cuda.values()))
+    for name, index in cuda.items():
+        if index >= n:
+            seen = "cuda:0" + (f" .. cuda:{n - 1}" if n > 1 else "")
+            raise ParamError(name, f"{opt(name)} cuda:{index} with {opt('ray')}: a Ray worker or replica sees the "
+                                   f"GPUs Ray gives it as {seen} (one per distinct CUDA device named); Ray, not the "
+                                   f"index, picks the GPU")
 
 
 def check_tp_devices(device, tp: int) -> None:

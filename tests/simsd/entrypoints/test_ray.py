@@ -55,6 +55,10 @@ def test_ray_missing_is_one_line_naming_the_package(capsys, monkeypatch, argv, m
     (["serve", "--ray", "--replicas", "3", "--max-replicas", "2"], "--max-replicas 2 is below --replicas 3"),
     (["generate", "--ray", "--tp", "2", "--device", "cpu"], "--tp 2 with --ray: a Ray worker or replica is one "
                                                              "process"),
+    (["generate", "--ray", "--device", "cuda:1"], "--device cuda:1 with --ray: a Ray worker or replica sees the GPUs "
+                                                  "Ray gives it as cuda:0 (one per distinct CUDA device named)"),
+    (["serve", "--ray", "--mode", "exact", "--device", "cuda:0", "--draft-device", "cuda:2"],
+     "--draft-device cuda:2 with --ray: a Ray worker or replica sees the GPUs Ray gives it as cuda:0 .. cuda:1"),
 ])
 def test_ray_option_refusals(capsys, argv, line):
     code, out, err = run(capsys, *argv)
