@@ -1,7 +1,8 @@
 """Probes of ``simsd serve`` under the faults of issue 26, on loopback with the bundled pair.
 
     python bench/probe_server.py [--repo DIR] [--python EXE] [--sizes 1,4,20] [--in-flight 8]
-                                 [--max-tokens 300] [--only large,signals,codes] [--out FILE]
+                                 [--max-tokens 300] [--requests 120] [--only large,signals,codes,load]
+                                 [--out FILE]
 
 ``--repo``/``--python``: the checkout whose ``simsd serve`` is probed (default: this one, with
 the running interpreter), e.g. an older commit in its own worktree; options that checkout's
@@ -22,6 +23,15 @@ stream: ``done``, ``error-chunk`` or ``cut``), seconds from the first signal to 
 answer and to the process's exit (killed after 240 s).
 (c) ``codes``: status codes of a wrong API key, a CORS preflight, 100 prompts on an 8-row
 server (``--max-waiting 64``), a request with ``null`` OpenAI fields.
+(d) ``load``: the load and fault probes the server passed before issue 26, run again on one
+8-row server: ``--requests`` mixed requests (completions and chat, streamed or not, greedy and
+seeded sampling, 4 to 40 tokens) sent at concurrency 1, 4 and 16, each answer compared with the
+same request's answer at concurrency 1 (alone: text, finish reason, token counts); clients
+that go away after their first streamed chunk (the seconds until ``/health`` shows no request
+running); a slow reader (a stream read one chunk per 0.2 s) while a quick request is answered;
+bad inputs (malformed JSON, wrong types, unknown fields and models, out-of-range values),
+each answered with a 4xx and OpenAI's error body, with no traceback on the server's stderr;
+the RSS before and after.
 
 Times come from one run on whatever machine runs it: on a loaded machine read them as rough
 ratios. Rows go to ``--out`` (JSON) and a table to stdout.
@@ -251,6 +261,150 @@ def probe_codes(repo, python, help_text) -> dict:
         srv.stop()
 
 
+def load_bodies(n: int) -> list:
+    """``n`` mixed requests: ``(path, body)``, completions and chat, streamed or not, greedy or seeded."""
+    prompts = ["Once upon a time", "Write a function that reverses a list.", "What is 2 + 2?", "Tell me a story.",
+               "Why is the sky blue?", "def add(a, b):"]
+    out = []
+    for i in range(n):
+        body = {"model": MODEL, "max_tokens": 4 + (i * 7) % 37, "stream": i % 3 == 0}
+        if i % 2:
+            body["temperature"], body["seed"] = 0.8, 1000 + i
+        if i % 4 < 2:
+            out.append(("/v1/completions", {**body, "prompt": prompts[i % len(prompts)]}))
+        else:
+            out.append(("/v1/chat/completions", {**body, "messages": [{"role": "user",
+                                                                        "content": prompts[i % len(prompts)]}]}))
+    return out
+
+
+def answer_of(url: str, path: str, body: dict) -> tuple:
+    """``(text, finish_reason, completion_tokens)`` of one request (a stream's pieces joined)."""
+    chat = path.endswith("chat/completions")
+    if not body["stream"]:
+        r = httpx.post(url + path, json=body, timeout=600)
+        if r.status_code != 200:
+            return ("HTTP", r.status_code, None)
+        c, usage = r.json()["choices"][0], r.json()["usage"]
+        return (c["message"]["content"] if chat else c["text"], c["finish_reason"], usage["completion_tokens"])
+    text, finish, tokens = "", None, None
+    with httpx.stream("POST", url + path, json={**body, "stream_options": {"include_usage": True}},
+                      timeout=600) as r:
+        if r.status_code != 200:
+            return ("HTTP", r.status_code, None)
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices", []):
+                text += (c.get("delta", {}).get("content") or "") if chat else c.get("text", "")
+                finish = c.get("finish_reason") or finish
+    return (text, finish, tokens)
+
+
+BAD_INPUTS = [
+    b"{", b"[]", b"null", b'"text"', b'{"model": "tiny-sdar-target"}',
+    {"prompt": "hi"}, {"model": "other", "prompt": "hi"}, {"model": MODEL, "prompt": "hi", "max_tokens": 0},
+    {"model": MODEL, "prompt": "hi", "max_tokens": -1}, {"model": MODEL, "prompt": "hi", "max_tokens": "5"},
+    {"model": MODEL, "prompt": "hi", "max_tokens": True}, {"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9},
+    {"model": MODEL, "prompt": "hi", "temperature": -1}, {"model": MODEL, "prompt": "hi", "temperature": "hot"},
+    {"model": MODEL, "prompt": "hi", "top_p": 0}, {"model": MODEL, "prompt": "hi", "top_p": 1.5},
+    {"model": MODEL, "prompt": "hi", "top_k": -2}, {"model": MODEL, "prompt": "hi", "seed": -1},
+    {"model": MODEL, "prompt": "hi", "seed": 2 ** 64}, {"model": MODEL, "prompt": "hi", "n": 2},
+    {"model": MODEL, "prompt": "hi", "logprobs": 3}, {"model": MODEL, "prompt": "hi", "unknown_field": 1},
+    {"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": []}, {"model": MODEL, "prompt": [-1]},
+    {"model": MODEL, "prompt": [10 ** 9]}, {"model": MODEL, "prompt": [[1, 2], "x"]}, {"model": MODEL, "prompt": 5},
+    {"model": MODEL, "prompt": "hi", "stop": 5}, {"model": MODEL, "prompt": "hi", "stream": "yes"},
+    {"model": MODEL, "prompt": "hi", "strategy": "nope"}, {"model": MODEL, "prompt": "hi", "steps": 0},
+    {"model": MODEL, "prompt": [11] * 5000},
+]
+BAD_CHAT = [
+    {"model": MODEL, "messages": []}, {"model": MODEL, "messages": "hi"},
+    {"model": MODEL, "messages": [{"role": "user"}]}, {"model": MODEL, "messages": [{"role": "user", "content": []}]},
+    {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+]
+
+
+def probe_load(repo, python, help_text, n: int) -> dict:
+    srv = Server(repo, python, {"--max-batch-size": 8}, help_text)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+        rss0 = srv.rss_mb()
+        bodies = load_bodies(n)
+        answers = {}
+        for c in (1, 4, 16):
+            with ThreadPoolExecutor(c) as pool:
+                answers[c] = list(pool.map(lambda pb: answer_of(srv.url, *pb), bodies))
+        alone = answers[1]
+        row = {"probe": "load", "dropped": srv.dropped, "requests": n,
+               "failed_alone": sum(a[0] == "HTTP" for a in alone),
+               "equal_to_alone": {c: sum(a == b for a, b in zip(answers[c], alone)) for c in (1, 4, 16)}}
+        # clients that go away after the first chunk
+        gone, stops = 20, []
+        for _ in range(gone):
+            out = {"stop": threading.Event()}
+            out["stop"].set()  # leave after the first line
+            stops.append(out)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(gone) as pool:
+            list(pool.map(lambda o: read_stream(srv.url, long_body(1500, True), o), stops))
+        left = time.monotonic()
+        while httpx.get(srv.url + "/health", timeout=60).json().get("running", 0) and time.monotonic() < left + 60:
+            time.sleep(0.02)
+        row["disconnects"] = gone
+        row["disconnects_freed_s"] = round(time.monotonic() - left, 2)
+        row["disconnect_round_s"] = round(left - t0, 2)
+        # a slow reader while a quick request runs
+        slow = {"times": []}
+
+        def slow_reader():
+            with httpx.stream("POST", srv.url + "/v1/completions", json=long_body(200, True), timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        slow["times"].append(time.monotonic())
+                        time.sleep(0.2)
+        quick_body = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 16}
+        t = time.monotonic()
+        httpx.post(srv.url + "/v1/completions", json=quick_body, timeout=600)
+        row["quick_alone_s"] = round(time.monotonic() - t, 2)
+        reader = threading.Thread(target=slow_reader)
+        reader.start()
+        while not slow["times"]:
+            time.sleep(0.01)
+        t = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json=quick_body, timeout=600)
+        row["quick_beside_slow_reader_s"] = round(time.monotonic() - t, 2)
+        row["quick_status"] = r.status_code
+        reader.join(600)
+        # bad inputs
+        codes = {}
+        shaped = 0
+        for path, items in (("/v1/completions", BAD_INPUTS), ("/v1/chat/completions", BAD_CHAT)):
+            for b in items:
+                data = {"content": b} if isinstance(b, bytes) else {"content": json.dumps(b).encode()}
+                res = httpx.post(srv.url + path, headers={"Content-Type": "application/json"}, timeout=600, **data)
+                codes[res.status_code] = codes.get(res.status_code, 0) + 1
+                try:
+                    err = res.json()["error"]
+                    shaped += isinstance(err.get("message"), str) and "type" in err and "param" in err
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    pass
+        row["bad_inputs"] = len(BAD_INPUTS) + len(BAD_CHAT)
+        row["bad_input_codes"] = codes
+        row["bad_inputs_openai_shaped"] = shaped
+        err = srv.stderr()
+        row["tracebacks"] = err.count("Traceback")
+        row["rss_before_mb"], row["rss_after_mb"] = round(rss0), round(srv.rss_mb())
+        print(row, flush=True)
+        return row
+    finally:
+        srv.stop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, default=HERE)
@@ -258,7 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1,4,20")
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=300)
-    ap.add_argument("--only", default="large,signals,codes")
+    ap.add_argument("--requests", type=int, default=120, help="(d) load: mixed requests per concurrency")
+    ap.add_argument("--only", default="large,signals,codes,load")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     help_text = subprocess.run([a.python, "-m", "simsd.entrypoints.cli", "serve", "--help"], cwd=a.repo,
@@ -275,6 +430,8 @@ def main(argv=None) -> int:
             rows.append(probe_signals(a.repo, a.python, help_text, order, a.in_flight, a.max_tokens))
     if "codes" in only:
         rows.append(probe_codes(a.repo, a.python, help_text))
+    if "load" in only:
+        rows.append(probe_load(a.repo, a.python, help_text, a.requests))
     if a.out:
         a.out.write_text(json.dumps({"git": git.strip(), "repo": str(a.repo), "rows": rows}, indent=1) + "\n")
     return 0

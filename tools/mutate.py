@@ -96,6 +96,11 @@ RELEASE = "tests/simsd/speculative/test_release_variant.py"
 PAPER_VARIANT = "tests/simsd/entrypoints/test_paper_variant.py"
 EVAL = "tests/simsd/entrypoints/test_eval.py"
 SCORING = "tests/simsd/entrypoints/test_scoring.py"
+SHUTDOWN = "tests/simsd/entrypoints/test_serve_shutdown.py"
+NONFINITE = "tests/simsd/entrypoints/test_nonfinite_logits.py"
+LENGTH = "tests/simsd/entrypoints/test_length_bound.py"
+LOADING = "tests/simsd/models/test_loading.py"
+RAY = "tests/simsd/entrypoints/test_ray.py"
 
 
 @dataclass(frozen=True)
@@ -619,6 +624,47 @@ MUTANTS = [
     m("thin layer", "simsd_kernels/torch_backend.py", "qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)",
       "qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)[::-1]", FWD_CTX, DOOR,
       note="the jointly rotated q and k swapped"),
+    # issue 26, the server facing a network ----------------------------------------------------------
+    m("server", "simsd/entrypoints/server.py",
+      'if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):',
+      'if scheme.lower() != "bearer" and not hmac.compare_digest(token.strip().encode(), want):', SERVER,
+      note="any Bearer token accepted"),
+    m("server", "simsd/entrypoints/server.py", "if total > self.limit:", "if total > 4 * self.limit:", SERVER,
+      note="a chunked body read past the limit"),
+    m("server", "simsd/entrypoints/server.py", "if len(prompts) > s.max_rows + s.max_waiting:",
+      "if len(prompts) > s.max_rows + 2 * s.max_waiting:", SERVER,
+      note="a request that can never be queued gets 503, not 400"),
+    m("server", "simsd/entrypoints/server.py", 'state.metrics.rejected.labels("queue_full").inc()',
+      'state.metrics.rejected.labels("shutting_down").inc()', SERVER, note="queue-full refusals counted as shutdown"),
+    m("server", "simsd/entrypoints/api.py",
+      "if fit_max_tokens and 0 < self.max_model_len - len(ids) < params.max_tokens:",
+      "if fit_max_tokens and 0 < self.max_model_len - len(ids) < params.max_tokens - 1:", SERVER,
+      note="an omitted max_tokens fitted one position short of the refusal"),
+    m("server", PROTO, "return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}",
+      "return data", SERVER, note="an explicit null refused instead of the default"),
+    m("server", PROTO, "if self.name is not None:  # the chat template sees it, as simsd's API passes it",
+      "if False:", SERVER, note="a message's name dropped"),
+    m("server", "simsd/entrypoints/server.py", "await asyncio.wait_for(self._idle.wait(), timeout)",
+      "await asyncio.wait_for(self._idle.wait(), timeout + 60)", SHUTDOWN,
+      note="the drain's deadline 60 s late"),
+    m("server", "simsd/entrypoints/encoding.py", 'return most * (NFC_SHRINK if norm == "NFC" else 1)',
+      "return most", LENGTH, note="the NFC shrink left out of the length bound"),
+    m("server", "simsd/models/loading.py",
+      "for raw, where in ((generation_raw, path / \"generation_config.json\"), (config_raw, path / \"config.json\")):",
+      "for raw, where in ((generation_raw, path / \"generation_config.json\"),):", LOADING,
+      note="config.json's eos ids left out of the stop ids"),
+    m("non-finite", BAT, "bad = (s - s).masked_fill_(mask, 0).sum(-1)  # mask: True where the requests did NOT ask",
+      "bad = (s - s).masked_fill_(mask, 0).sum(-1).nan_to_num(0.0)", NONFINITE, note="non-finite logits never flagged"),
+    m("non-finite", BAT, "host[j, s:e] = False", "host[j, s:e - 1] = False", NONFINITE,
+      note="a request's last logit position not looked at"),
+    # issue 29, Ray and torchrun ----------------------------------------------------------------------
+    m("ray", "simsd/entrypoints/ray_data.py", "for i, out in zip(indices, chunk[args.mode]):",
+      "for i, out in zip(indices[::-1], chunk[args.mode]):", RAY, note="a chunk's outputs put back reversed"),
+    m("ray", "simsd/entrypoints/ray_cluster.py", 'return {"num_cpus": config.threads or 1, "num_gpus": len(cuda)}',
+      'return {"num_cpus": config.threads or 1, "num_gpus": min(len(cuda), 1)}', RAY,
+      note="one GPU asked for a replica that names two"),
+    m("ray", "simsd/entrypoints/cli.py", "if index >= n:", "if index > n:", RAY,
+      note="a CUDA index just outside the actor's GPUs accepted"),
 ]
 
 

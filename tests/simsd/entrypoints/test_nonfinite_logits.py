@@ -62,9 +62,10 @@ MARK = 77  # only the poisoned prompt holds this id
 @pytest.fixture
 def poison(monkeypatch):
     """``poison["model"] = model``: from then on, the logits of every row of ``model`` whose
-    forward input holds :data:`MARK` are NaN at one position (a scripted forward wrapped around
-    the model's own); ``poison["model"] = None`` turns it off."""
-    state = {"model": None}
+    forward input holds :data:`MARK` are NaN at one position (``poison["at"]`` of the returned
+    positions, default the first; a scripted forward wrapped around the model's own);
+    ``poison["model"] = None`` turns it off."""
+    state = {"model": None, "at": 0}
     real = SDARForCausalLM.forward
 
     def forward(model, ids, *args, **kwargs):
@@ -72,7 +73,7 @@ def poison(monkeypatch):
         if logits is not None and state["model"] is not None and model is state["model"]:
             for r in range(ids.shape[0]):
                 if bool((ids[r] == MARK).any()):
-                    logits[r, 0, 5] = float("nan")
+                    logits[r, state["at"], 5] = float("nan")
         return logits
     monkeypatch.setattr(SDARForCausalLM, "forward", forward)
     return state
@@ -125,3 +126,17 @@ def test_the_server_answers_an_error_for_the_request(capsys):
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "target model (float16) gave non-finite logits" in r.json()["error"]["message"]
         assert h.get("/health").status_code == 200
+
+
+def test_a_nan_at_the_last_requested_position_is_seen(pair, poison):
+    """Every position a request asked logits for is looked at, the last one too (vanilla and exact:
+    the denoise forward's block and the verify forward's copies)."""
+    params = SamplingParams(max_tokens=8)
+    poison["model"], poison["at"] = pair.target.model, -1
+    for mode in ("vanilla", "exact"):
+        llm = pair if mode == "exact" else LLM(pair.target, None, "vanilla", batch_size=2)
+        with pytest.raises(RequestError) as info:
+            llm.generate([[11, 12, MARK]], params)
+        assert cause_of(info).model == "target"
+        if llm is not pair:
+            assert llm.shutdown(timeout=60)

@@ -459,6 +459,10 @@ def test_an_omitted_max_tokens_fits_the_positions_left(llm, url):
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         r = h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13], "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == llm.default_params.max_tokens  # the default where it fits
+        D = llm.default_params.max_tokens
+        for left in (D - 1, D):  # at the edge: one position short of the default, and exactly the default
+            r = h.post("/v1/completions", json={"model": NAME, "prompt": [11] * (L - left), "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == left, r.text
 
 
 def test_a_message_name_reaches_the_chat_template(llm, url):
