@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--mode", default="exact")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
     a = p.parse_args()
     import ray
     ray.init(num_cpus=a.cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
@@ -98,6 +99,21 @@ def main() -> None:
     same = data[1][1] == data[2][1]
     print(f"| Ray Data workers: prompts/s ({a.prompts} prompts, start included) | {data[1][0]:.2f} | "
           f"{data[2][0]:.2f} | {data[2][0] / data[1][0]:.2f} | {same} |")
+    if a.json:
+        import json
+        import subprocess
+
+        import ray as ray_module
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        rows = [{"what": "serve", "count": r, "requests_per_second": serve[r][0], "requests": a.requests}
+                for r in (1, 2)] + [{"what": "data", "count": w, "prompts_per_second": data[w][0],
+                                     "prompts": a.prompts} for w in (1, 2)]
+        meta = {"mode": a.mode, "max_tokens": a.max_tokens, "batch_size": a.batch_size, "ray_cpus": a.cpus,
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "ray": ray_module.__version__,
+                "git_sha": git, "load_average_1min": os.getloadavg()[0],
+                "serve_tokens_identical": serve[1][1] == serve[2][1], "data_tokens_identical": same}
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

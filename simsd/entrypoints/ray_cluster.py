@@ -5,6 +5,7 @@ asks Ray for. Ray is an optional extra (``pip install 'simsd[ray]'``), imported 
 from __future__ import annotations
 
 import importlib
+import logging
 
 from .errors import MissingPackageError
 
@@ -20,12 +21,27 @@ def require_ray(module: str) -> None:
                                   f"installed): pip install 'simsd[ray]'") from None
 
 
+class _Quiet(logging.Filter):
+    """Drops the notices Ray logs on every run that need nothing from the user (a local cluster
+    starting with token authentication on, as Ray's secure default; progress bars off, as simsd
+    asks); every other record, Ray's warning that token authentication is *off* among them,
+    passes."""
+    NOTICES = ("Token authentication is enabled for this Ray cluster", "Progress bars disabled")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOTICES)
+
+
 def init_ray() -> None:
     """Connect to Ray unless this process already is: the cluster of ``RAY_ADDRESS`` (e.g. a
     cluster started by ``ray start --head``), else a local instance of this machine's CPUs and
     GPUs. The workers' and replicas' own output stays in Ray's logs (their errors come back as
-    exceptions)."""
+    exceptions); of the driver's, Ray's per-run notices are dropped (:class:`_Quiet`)."""
     import ray
+    for name in ("ray._private.authentication.authentication_token_setup", "ray.data._internal.progress"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Quiet) for f in logger.filters):
+            logger.addFilter(_Quiet())
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
 

@@ -53,10 +53,14 @@ def deployment(args):
 
 def start(args) -> str:
     """Deploy ``simsd serve --ray``'s application (Ray Serve's HTTP proxy on ``--host`` /
-    ``--port``) and return its URL once every replica has loaded its LLM."""
+    ``--port``) and return its URL once every replica has loaded its LLM. Ray Serve's own
+    progress lines (INFO) stay out of the driver's output; its warnings and errors do not."""
+    import logging
+
     from ray import serve
 
     from .ray_cluster import init_ray
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     init_ray()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(deployment(args), name=NAME, route_prefix="/", blocking=False)

@@ -250,3 +250,21 @@ def test_ray_serve_deployment_options():
     assert llm_resources(EngineArgs(device="cuda:0", draft_device="cuda:1")) == {"num_cpus": 1, "num_gpus": 2}
     assert llm_resources(EngineArgs(device="cuda:1", draft_device="cuda:1")) == {"num_cpus": 1, "num_gpus": 1}
     assert llm_resources(EngineArgs(mode="vanilla", device="cuda")) == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_only_rays_per_run_notices_are_dropped():
+    """The driver's log filter drops the two notices Ray logs on every run (token authentication
+    on by default, progress bars off) and keeps everything else, the warning that token
+    authentication is off among it."""
+    import logging
+
+    from simsd.entrypoints.ray_cluster import _Quiet
+
+    def record(msg):
+        return logging.LogRecord("ray", logging.WARNING, __file__, 1, msg, None, None)
+    quiet = _Quiet()
+    assert not quiet.filter(record("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=..."))
+    assert not quiet.filter(record("Progress bars disabled. To enable, set ..."))
+    assert quiet.filter(record("Token authentication is disabled for this Ray cluster. Anyone with network access..."))
+    assert quiet.filter(record("Progress bars for operators disabled."))
+    assert quiet.filter(record("a worker died"))
