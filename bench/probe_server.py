@@ -25,8 +25,9 @@ answer and to the process's exit (killed after 240 s).
 server (``--max-waiting 64``), a request with ``null`` OpenAI fields.
 (d) ``load``: the load and fault probes the server passed before issue 26, run again on one
 8-row server: ``--requests`` mixed requests (completions and chat, streamed or not, greedy and
-seeded sampling, 4 to 40 tokens) sent at concurrency 1, 4 and 16, each answer compared with the
-same request's answer at concurrency 1 (alone: text, finish reason, token counts); clients
+seeded sampling, 4 to 40 tokens) sent at concurrency 1, 4, 16 and 16 again, each answer compared
+with the same request's answer at concurrency 1 (alone: text, finish reason, token counts), the
+RSS after each pass; clients
 that go away after their first streamed chunk (the seconds until ``/health`` shows no request
 running); a slow reader (a stream read one chunk per 0.2 s) while a quick request is answered;
 bad inputs (malformed JSON, wrong types, unknown fields and models, out-of-range values),
@@ -335,14 +336,17 @@ def probe_load(repo, python, help_text, n: int) -> dict:
         from concurrent.futures import ThreadPoolExecutor
         rss0 = srv.rss_mb()
         bodies = load_bodies(n)
-        answers = {}
-        for c in (1, 4, 16):
+        answers, rss = {}, {}
+        passes = ((1, 1), (4, 4), (16, 16), ("16 again", 16))  # the last: is the RSS flat after warm-up?
+        for name, c in passes:
             with ThreadPoolExecutor(c) as pool:
-                answers[c] = list(pool.map(lambda pb: answer_of(srv.url, *pb), bodies))
+                answers[name] = list(pool.map(lambda pb: answer_of(srv.url, *pb), bodies))
+            rss[name] = round(srv.rss_mb())
         alone = answers[1]
         row = {"probe": "load", "dropped": srv.dropped, "requests": n,
                "failed_alone": sum(a[0] == "HTTP" for a in alone),
-               "equal_to_alone": {c: sum(a == b for a, b in zip(answers[c], alone)) for c in (1, 4, 16)}}
+               "equal_to_alone": {name: sum(a == b for a, b in zip(answers[name], alone)) for name, _ in passes},
+               "rss_after_pass_mb": rss}
         # clients that go away after the first chunk
         gone, stops = 20, []
         for _ in range(gone):
