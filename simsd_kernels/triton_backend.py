@@ -75,13 +75,16 @@ class TritonAttention(AttentionMetadata):
 
     def __init__(self, *args):
         super().__init__(*args)
+        from triton_ops.ops import append_kv_fwd, attention_rotated_fwd, rope_qk_fwd  # imported with the backend
+
         from .split_plan import TRITON_FIGURES, plan_for_shape
+        self._ops = (rope_qk_fwd, append_kv_fwd, attention_rotated_fwd)  # once per forward, not per layer
         self.plan = plan_for_shape(self.B, self.Lq, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.cache_capacity, torch.finfo(self.dtype).bits // 8, self.labels.device,
                                    figures=TRITON_FIGURES, invariant=self.shape_invariant)
 
     def forward(self, q, k, v, k_cache, v_cache, write: bool = True) -> torch.Tensor:
-        from triton_ops.ops import append_kv_fwd, attention_rotated_fwd, rope_qk_fwd  # imported with the backend
+        rope_qk_fwd, append_kv_fwd, attention_rotated_fwd = self._ops
         self._check(q, k, v, k_cache, v_cache)
         plan = self.plan
         with device_guard(self.labels.device):

@@ -104,16 +104,16 @@ class RowProgram:
         """One step of the block (a generator of forward requests): updates ``blk``."""
         raise NotImplementedError
 
-    def read(self, values: torch.Tensor, blk: BlockState) -> list:
-        """``values`` (a 1-D int64 device tensor: the row's decision) on the host, read together
-        with the row's non-finite-logits flags (one host read).
+    def read(self, parts: list, blk: BlockState) -> list:
+        """``parts`` (1-D int64 device tensors: the row's decision) on the host, concatenated, read
+        together with the row's non-finite-logits flags (one concatenation, one host read).
 
         Raises:
             NonFiniteLogits: a forward of the target or the draft gave this row non-finite
                 logits (:meth:`simsd.engine.batching.Row.check_finite`).
         """
-        host = torch.cat([values, self.row.nonfinite_flags(values.device)]).tolist()
-        n = values.shape[0]
+        host = torch.cat([*parts, self.row.nonfinite_flags(parts[0].device)]).tolist()
+        n = sum(p.shape[0] for p in parts)
         self.row.check_finite(host[n:], self.blocks, blk.step)
         return host[:n]
 

@@ -163,7 +163,7 @@ class SpecRow(RowProgram):
         before = blk.host
         blk.block, _, _ = yield self.row.denoise(
             "target", blk.block, Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start)))
-        blk.host = self.read(blk.block, blk)
+        blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
         self.stats.fallback_steps += 1
         blk.step += 1
@@ -229,7 +229,7 @@ class SpecRow(RowProgram):
         new, taken, acc = verdict.block, verdict.taken, verdict.accepted
         draft = rnd.draft
         L = new.shape[0]
-        host = self.read(torch.cat([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)]), blk)
+        host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)
         block_host, tau, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
         proposals = self.verifier.acceptance_order(tau, draft.n)
         self.stats.proposed += len(proposals)
