@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .choices import SETTINGS, check_fields, check_threshold
+from .choices import SETTINGS, ParamError, check_fields, check_threshold, opt
 from .sampling import SamplingParams
 from .strategies import transfer_schedule
 
@@ -105,18 +105,22 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mas
     generation needs.
 
     Raises:
-        ValueError: see :func:`check_prompt_ids`; a prompt too long for the model (including the
-            rounding of the last block to a whole block).
+        ValueError: see :func:`check_prompt_ids`.
+        ParamError: a prompt too long for the model (``param`` ``prompt``), or too long with
+            ``max_new_tokens`` (``param`` ``max_tokens``, including the rounding of the last
+            block to a whole block); each surface names the setting as its user spells it.
     """
     check_prompt_ids(prompt_ids, config, mask_id)
     limit = config.max_position_embeddings
-    if len(prompt_ids) >= limit:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than the model's maximum length {limit}")
-    if len(prompt_ids) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's maximum length {limit}")
-    total = -(-(len(prompt_ids) + max_new_tokens) // block_length) * block_length
+    P = len(prompt_ids)
+    if P >= limit:
+        raise ParamError("prompt", f"prompt of {P} tokens is longer than the model's maximum length {limit}")
+    if P + max_new_tokens > limit:
+        raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_new_tokens}) exceeds the "
+                                       f"model's maximum length {limit}")
+    total = -(-(P + max_new_tokens) // block_length) * block_length
     if total > limit:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) rounded up to whole "
-                         f"blocks of {block_length} is {total} positions, past the model's maximum length {limit}")
+        raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_new_tokens}) rounded up "
+                                       f"to whole blocks of {block_length} is {total} positions, past the model's "
+                                       f"maximum length {limit}")
     return total + block_length

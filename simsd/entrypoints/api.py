@@ -35,7 +35,7 @@ import torch
 from ..decoding.choices import at_most, opt
 from ..decoding.config import DecodeConfig, check_prompt, check_prompt_ids
 from ..decoding.vanilla import VanillaRow
-from ..engine.batching import BatchEngine, round_capacity
+from ..engine.batching import BatchEngine
 from ..engine.memory import fmt_bytes, parameter_count
 from ..engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed  # noqa: F401  (QueueFull re-exported)
 from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
@@ -44,13 +44,8 @@ from .detokenize import TextStream
 from .encoding import bytes_per_token, encode_prompt, is_ids, is_messages, template_stop_ids
 from .errors import ParamError, SimsdWarning
 from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401  (re-exported)
+from .resources import check_llm_memory, engine_size
 from .settings import EngineArgs, SamplingParams, resolve
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one cached token takes in ``model`` (all layers)."""
-    c = model.config
-    return 2 * c.num_hidden_layers * model.num_local_kv_heads * c.head_dim * model.dtype.itemsize
 
 
 def check_device(name: str, value) -> torch.device:
@@ -230,6 +225,8 @@ class LLM:
         apply_threads([i.config for i in infos.values()], config.threads)
         self.mode, self.scheduler_thread, self.tp = mode, config.scheduler_thread, config.tp
         self.max_model_len = config.max_model_len
+        size = engine_size(config, infos)
+        check_llm_memory(config, infos, size)  # before any weight loads (a CPU's OOM killer gives no message)
         self.target = self._load(infos["target"], config.dtype, config.device, config.attention_backend)
         if config.invariant is not None or not isinstance(infos["target"], Checkpoint):
             self.target.model.invariant = bool(config.invariant)
@@ -246,7 +243,7 @@ class LLM:
                                check=False)
         self.models = [m for m in (self.target, self.draft) if m is not None]
         self.vocab_size = infos["target"].config.vocab_size
-        self._make_engine(config.batch_size, config.kv_cache_memory, config.cuda_graphs)
+        self._make_engine(size, config.cuda_graphs)
         self.scheduler = Scheduler(self.engine, config.max_waiting)
         self.tokenizer = self.target.tokenizer
         self._bytes_per_token = bytes_per_token(self.tokenizer)  # a text certainly too long is refused untokenized
@@ -278,29 +275,18 @@ class LLM:
         ckpt.model.attention_backend = backend or "auto"
         return ckpt
 
-    def _make_engine(self, batch_size: int, kv_cache_memory, cuda_graphs: bool) -> None:
-        block_length, L = self.block_length, self.max_model_len
-        capacity = round_capacity(-(-L // block_length) * block_length + block_length)
-        gamma = self.config.max_gamma or block_length
-        margin = (2 if self.mode == "vanilla" else gamma + 2) * block_length  # the longest query
-        per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)
-        rows = batch_size
-        if kv_cache_memory is not None:
-            rows = min(batch_size, int(kv_cache_memory // per_row))
-            if rows < 1:
-                raise ParamError("kv_cache_memory", f"{opt('kv_cache_memory')} {fmt_bytes(kv_cache_memory)} holds no "
-                                                    f"row of {L} tokens ({fmt_bytes(per_row)} per row); lower "
-                                                    f"{opt('max_model_len')}")
-        self.kv_cache_bytes = rows * per_row
+    def _make_engine(self, size, cuda_graphs: bool) -> None:
+        self.kv_cache_bytes = size.kv_cache_bytes
         engine_models = {"target": self.target.model}
         if self.draft is not None:
             engine_models["draft"] = self.draft.model
         try:
-            self.engine = BatchEngine(engine_models, block_length, rows, capacity, margin, cuda_graphs=cuda_graphs)
+            self.engine = BatchEngine(engine_models, self.block_length, size.rows, size.capacity, size.margin,
+                                      cuda_graphs=cuda_graphs)
         except RuntimeError as exc:  # torch.OutOfMemoryError among them
             if "out of memory" not in str(exc).lower():
                 raise
-            raise ParamError("batch_size", f"the KV caches of {rows} rows x {L} positions "
+            raise ParamError("batch_size", f"the KV caches of {size.rows} rows x {self.max_model_len} positions "
                                            f"({fmt_bytes(self.kv_cache_bytes)}) do not fit: lower {opt('batch_size')} "
                                            f"or {opt('max_model_len')}, or set {opt('kv_cache_memory')}") from None
 
@@ -344,17 +330,11 @@ class LLM:
     def _capacity(self, ids: list, max_tokens: int) -> int:
         P, L = len(ids), self.max_model_len
         if P >= L:
-            raise ParamError("prompt", f"prompt of {P} tokens is longer than max_model_len {L} - 1")
+            raise ParamError("prompt", f"prompt of {P} tokens is longer than {opt('max_model_len')} {L} - 1")
         if P + max_tokens > L:
-            raise ParamError("max_tokens", f"prompt ({P} tokens) + max_tokens ({max_tokens}) exceeds "
-                                           f"max_model_len {L}")
-        cap = 0
-        for m in self.models:
-            try:
-                cap = max(cap, check_prompt(ids, m.config, max_tokens, self.block_length))
-            except ValueError as exc:
-                raise ParamError("max_tokens", str(exc)) from None
-        return cap
+            raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_tokens}) exceeds "
+                                           f"{opt('max_model_len')} {L}")
+        return max(check_prompt(ids, m.config, max_tokens, self.block_length) for m in self.models)
 
     def submit(self, prompt, params: SamplingParams | None = None, *, listener=None, block: bool = False,
                request_id: str | None = None, fit_max_tokens: bool = False) -> RequestHandle:

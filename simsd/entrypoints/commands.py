@@ -116,6 +116,8 @@ def check_prompts(prompts: list, models: list, cfg: DecodeConfig, mask_id: int |
         for m in models:
             try:
                 check_prompt(p.ids, m.config, cfg.max_new_tokens, cfg.block_length, mask_id=mask_id)
+            except ParamError as exc:
+                raise ParamError(exc.param, f"{prompt_label(p, i)}: {exc.template}") from exc
             except ValueError as exc:
                 raise ParamError("prompt", f"{prompt_label(p, i)}: {exc}") from exc
 

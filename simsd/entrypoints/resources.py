@@ -77,3 +77,117 @@ def check_run_memory(shape: RunShape) -> Estimate:
     hint = ("; it fits with " + " or ".join(hints) + (" (each alone)" if len(hints) > 1 else "")) if hints else \
         "; no smaller block length, gamma, batch size or max_tokens fits (a smaller model or dtype may)"
     raise ParamError("batch_size", f"this run needs {est.describe(device)} but {fmt_bytes(free)} are free{hint}")
+
+
+@dataclass
+class EngineSize:
+    """The engine an :class:`~simsd.entrypoints.api.LLM` builds, sized before any weight loads:
+    ``rows`` (``batch_size``, or fewer within ``kv_cache_memory``), ``capacity`` and ``margin``
+    (tokens per row, as :class:`simsd.engine.batching.BatchEngine` takes them) and
+    ``row_bytes`` (the KV caches of one row, every model)."""
+    rows: int
+    capacity: int
+    margin: int
+    row_bytes: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def engine_models(config, infos: dict) -> dict:
+    """``{role: (config, dtype, device, dense_attention)}`` of the models an LLM of ``config``
+    (resolved by :func:`~simsd.entrypoints.api.check_engine`) runs, as they will be once loaded:
+    a loaded checkpoint keeps its dtype, device and backend; a tensor-parallel target caches its
+    share of the KV heads."""
+    import dataclasses
+
+    import torch
+
+    from simsd_kernels.backends import resolve_backend
+    out = {}
+    for role, device in (("target", config.device), ("draft", config.draft_device)):
+        info = infos.get(role)
+        if info is None:
+            continue
+        model = getattr(info, "model", None)
+        dtype, backend = config.dtype, config.attention_backend or "auto"
+        if model is not None:  # a loaded Checkpoint
+            dtype, device = model.dtype, model.device
+            backend = config.attention_backend or getattr(model, "attention_backend", "auto")
+        cfg = info.config
+        if role == "target" and config.tp > 1:
+            cfg = dataclasses.replace(cfg, num_key_value_heads=cfg.num_key_value_heads // config.tp)
+        try:
+            dense = resolve_backend(backend, torch.device(device)).name == "torch"
+        except ValueError:  # refused by check_engine already; count the dense reference
+            dense = True
+        out[role] = (cfg, dtype, str(device), dense)
+    return out
+
+
+def engine_size(config, infos: dict) -> EngineSize:
+    """The rows, capacity and margin of the engine of ``config`` (see :class:`EngineSize`);
+    :class:`ParamError` (``kv_cache_memory``) when ``kv_cache_memory`` holds no row."""
+    from ..engine.batching import round_capacity
+    from ..engine.memory import kv_cache_bytes
+    block_length, L = config.block_length, config.max_model_len
+    capacity = round_capacity(-(-L // block_length) * block_length + block_length)
+    gamma = config.max_gamma or block_length
+    margin = (2 if config.mode == "vanilla" else gamma + 2) * block_length  # the longest query
+    row_bytes = sum(kv_cache_bytes(cfg, dtype, 1, capacity + margin)
+                    for cfg, dtype, _, _ in engine_models(config, infos).values())
+    rows = config.batch_size
+    if config.kv_cache_memory is not None:
+        rows = min(rows, int(config.kv_cache_memory // row_bytes))
+        if rows < 1:
+            raise ParamError("kv_cache_memory", f"{opt('kv_cache_memory')} {fmt_bytes(config.kv_cache_memory)} holds "
+                                                f"no row of {L} tokens ({fmt_bytes(row_bytes)} per row); lower "
+                                                f"{opt('max_model_len')}")
+    return EngineSize(rows, capacity, margin, row_bytes)
+
+
+def llm_estimate(config, infos: dict, size: EngineSize) -> Estimate:
+    """The bytes per device an LLM of ``config`` will allocate: the weights of the checkpoints
+    not loaded yet (a loaded one's are in memory already), the KV caches of ``size.rows`` rows
+    and the workspace of the largest forward."""
+    models = engine_models(config, infos)
+    total = estimate(models, size.rows, size.capacity, size.margin, with_weights=False)
+    for role, (_, dtype, device, _) in models.items():
+        if getattr(infos[role], "model", None) is None:
+            total.add(device, "weights", weight_bytes(infos[role].config, dtype))  # whole, before any TP shard
+    return total
+
+
+def check_llm_memory(config, infos: dict, size: EngineSize) -> Estimate:
+    """Before an LLM loads any weight: :class:`ParamError` (one line: the estimate, the free
+    memory, and the largest ``batch_size`` or ``max_model_len`` that would fit, each with the
+    other unchanged) when its weights, KV caches and workspace do not fit a device's free memory
+    (:func:`simsd.engine.memory.shortfall`); returns the estimate otherwise."""
+    import dataclasses
+    est = llm_estimate(config, infos, size)
+    short = shortfall(est)
+    if short is None:
+        return est
+    device, _, free = short
+
+    def fits(**change) -> bool:
+        changed = dataclasses.replace(config, **change)
+        try:
+            return shortfall(llm_estimate(changed, infos, engine_size(changed, infos))) is None
+        except ParamError:
+            return False
+
+    hints = []
+    if size.rows > 1:
+        best = largest_fitting(lambda n: fits(batch_size=n), 1, size.rows - 1)
+        if best is not None:
+            hints.append(f"{opt('batch_size')} {best}")
+    if config.max_model_len > config.block_length + 1:
+        best = largest_fitting(lambda n: fits(max_model_len=n), config.block_length + 1, config.max_model_len - 1)
+        if best is not None:
+            hints.append(f"{opt('max_model_len')} {best}")
+    hint = ("; it fits with " + " or ".join(hints) + (" (each alone)" if len(hints) > 1 else "")) if hints else \
+        "; no smaller batch size or max_model_len fits (a smaller model, dtype or another device may)"
+    raise ParamError("batch_size", f"the models and the engine need {est.describe(device)} but {fmt_bytes(free)} "
+                                   f"are free{hint}")

@@ -226,7 +226,12 @@ def load_tokenizer(path):
             warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # tokenizers, transformers and jinja raise many types
-        msg = " ".join(str(exc).split())[:300] or type(exc).__name__
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        if not (path / "tokenizer.json").is_file():
+            names = ", ".join(f.name for f in sorted(path.iterdir()) if f.is_file())
+            raise CheckpointError(f"{path}: cannot load the tokenizer: there is no tokenizer.json (the tokenizers "
+                                  f"library's file, which SDAR checkpoints ship) and transformers could not build "
+                                  f"one from the files there ({names}): {msg}") from exc
         raise CheckpointError(f"{_cite(files) or path}: cannot load the tokenizer ({msg})") from exc
     template = getattr(tok, "chat_template", None)
     if isinstance(template, str):

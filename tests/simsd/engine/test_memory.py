@@ -164,3 +164,55 @@ def test_threads_option_sets_torch(capsys, monkeypatch):
         assert code == 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# -- the LLM and simsd serve: refused before any weight loads ----------------------------------
+def _no_loading(monkeypatch):
+    import simsd.entrypoints.api as api
+    monkeypatch.setattr(api, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+
+
+def test_llm_refuses_weights_that_do_not_fit_before_loading(monkeypatch):
+    """Issue 34: a checkpoint whose weights exceed the free memory is refused by ``LLM`` in one
+    line naming the weights, before any load (on a CPU the OOM killer ends a process that tries,
+    with no message)."""
+    from simsd import LLM
+    from simsd.assets import DEFAULT_TARGET
+    from simsd.entrypoints.errors import ParamError
+    weights = memory.weight_bytes(ModelConfig.from_dir(DEFAULT_TARGET), "float32")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: weights // 2)
+    _no_loading(monkeypatch)
+    with pytest.raises(ParamError, match=r"^the models and the engine need about .* \(weights ") as exc:
+        LLM(None, mode="vanilla", batch_size=1, max_model_len=64)
+    assert "\n" not in str(exc.value) and "no smaller batch size or max_model_len fits" in str(exc.value)
+    assert memory.fmt_bytes(weights) in str(exc.value)
+
+
+def test_llm_suggests_the_rows_and_positions_that_fit(long_ck, monkeypatch):
+    """The KV caches of 8 rows x 32768 positions do not fit 600 MiB: the refusal names a batch
+    size and a max_model_len that do (each alone), and the LLM builds with either."""
+    from simsd import LLM
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 600 << 20)
+    with pytest.raises(ValueError, match="it fits with batch_size ") as exc:
+        LLM(long_ck, mode="vanilla", batch_size=8)
+    msg = str(exc.value)
+    rows = int(msg.split("batch_size ")[-1].split()[0])
+    length = int(msg.split("max_model_len ")[-1].split()[0])
+    assert 1 <= rows < 8 and 4 < length < 32768, msg
+    for kw in (dict(batch_size=rows), dict(batch_size=8, max_model_len=length)):
+        LLM(long_ck, mode="vanilla", scheduler_thread=False, **kw).shutdown()
+    with pytest.raises(ValueError, match="are free"):  # one more of either does not fit
+        LLM(long_ck, mode="vanilla", batch_size=rows + 1)
+
+
+def test_serve_refuses_a_checkpoint_that_cannot_fit_before_loading(capsys, monkeypatch):
+    """``simsd serve`` says it in one line and exits 2 (it loaded until the OOM killer came)."""
+    from simsd.assets import DEFAULT_TARGET
+    weights = memory.weight_bytes(ModelConfig.from_dir(DEFAULT_TARGET), "float32")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: weights // 2)
+    _no_loading(monkeypatch)
+    code = main(["serve", "--mode", "vanilla", "--port", "0"])
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "loading" not in err, err
+    assert line.startswith("simsd: error: the models and the engine need about ") and " are free" in line, line

@@ -319,6 +319,15 @@ def test_long_prompt_refused_before_any_output(ckdir, capsys, tmp_path):
     assert "late.jsonl:3" in err and "exceeds" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("typed", ["--max-tokens", "--max-new-tokens"])
+def test_a_prompt_too_long_for_max_tokens_names_the_option_typed(ckdir, capsys, typed):
+    """Issue 34: the refusal named ``max_new_tokens`` whatever the user typed."""
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6,7", typed, "2046")
+    assert code == 2 and out == ""
+    assert f"prompt (3 tokens) + {typed} (2046) exceeds the model's maximum length 2048" in err, err
+    assert "max_new_tokens" not in err.replace("--max-new-tokens", ""), err
+
+
 @pytest.mark.parametrize("content,needle", [
     (b'{"prompt_ids": [5], "id": "a"}\n{"prompt_ids": [6], "id": "a"}\n', "id 'a' already used on line 1"),
     ('{"prompt": "caf\u00e9"}\n'.encode("latin-1"), "not UTF-8"),

@@ -22,6 +22,14 @@ from tests.helpers import random_checkpoint
 
 V = 96
 PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
+#: the directories of simsd's own packages ("simsd/" in a path also matches a checkout named simsd)
+PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[3] / p) + "/" for p in ("simsd", "simsd_kernels"))
+
+
+def in_packages(filename: str) -> bool:
+    """``filename`` (a frame's) is a module of simsd's own packages."""
+    return str(Path(filename).resolve()).startswith(PACKAGE_DIRS)
+
 TIMING = {"decode_seconds", "tokens_per_second"}  # the run's clock: not comparable between two runs
 API_ONLY = {"queue_seconds", "time_to_first_token"}
 
@@ -101,7 +109,7 @@ def test_every_model_forward_is_called_by_the_engine(pair, mode, monkeypatch):
 
     def hook(module, args):
         frames = inspect.stack()[2:6]
-        caller = next((f for f in frames if "simsd/" in f.filename.replace("\\", "/")), None)
+        caller = next((f for f in frames if in_packages(f.filename)), None)
         callers.append("?" if caller is None else (Path(caller.filename).name, caller.function))
     handles = [c.model.register_forward_pre_hook(hook) for c in (target, draft)]
     try:
@@ -123,11 +131,9 @@ def test_every_model_forward_is_called_by_the_engine(pair, mode, monkeypatch):
 
 def _project_frames() -> list:
     """The qualified names of the calling stack's frames in simsd's packages, outermost first."""
-    root = Path(__file__).resolve().parents[3]
-    packages = tuple(str(root / p) + "/" for p in ("simsd", "simsd_kernels"))
     names, f = [], sys._getframe(1)
     while f is not None:
-        if f.f_code.co_filename.startswith(packages):
+        if in_packages(f.f_code.co_filename):
             names.append(f.f_code.co_qualname)
         f = f.f_back
     return names[::-1]

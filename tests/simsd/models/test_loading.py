@@ -102,6 +102,15 @@ def test_malformed_tokenizer_files(ck, name, content, needle):
     assert str(ck) in msg
 
 
+def test_a_missing_tokenizer_json_is_named(ck):
+    """Issue 34: without tokenizer.json transformers' message was cut off mid-sentence and named
+    no file; now the file, the files there and transformers' whole message are given."""
+    (ck / "tokenizer.json").unlink()
+    msg = refused(ck, f"{ck}: cannot load the tokenizer: there is no tokenizer.json", "tokenizer_config.json",
+                  "config.json")
+    assert msg.endswith(".") and "to a )" not in msg, msg
+
+
 def test_chat_template_that_does_not_compile(ck):
     edit_json(ck / "tokenizer_config.json", lambda d: {**d, "chat_template": "{% for m in messages %}"})
     (ck / "chat_template.jinja").unlink(missing_ok=True)
