@@ -52,8 +52,8 @@ class RejectionVerifier(ExactVerifier):
     """Exact verify forward, per-token rejection sampling (the pre-§4.2 rule, for comparison)."""
     rejection_sampling = True
 
-    def request(self, row, rnd):
-        fwd = super().request(row, rnd)
+    def request(self, layouts, rnd):
+        fwd = super().request(layouts, rnd)
         fwd.step = None  # the judge reads the copies' logits
         return fwd
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from simsd.decoding.config import DecodeConfig, check_prompt  # noqa: E402
+from simsd.decoding.layouts import RowLayouts  # noqa: E402
 from simsd.decoding.step import denoise_step  # noqa: E402
 from simsd.decoding.vanilla import vanilla_generate  # noqa: E402
 from simsd.engine.batching import BatchEngine, round_capacity  # noqa: E402
@@ -69,7 +70,7 @@ def agreement(target, draft, prompt_ids: list, cfg: DecodeConfig) -> dict:
     c = {"same": 0, "total": 0, "same_all_masked": 0, "total_all_masked": 0}
 
     def program(row, tail):
-        generated = []
+        row, generated = RowLayouts(row), []
         while True:
             block = torch.tensor(list(tail) + [mask_id] * (block_length - len(tail)), device=target.model.device)
             first, tail, step = len(block) - int((block == mask_id).sum()), [], 0

@@ -100,6 +100,7 @@ SHUTDOWN = "tests/simsd/entrypoints/test_serve_shutdown.py"
 NONFINITE = "tests/simsd/entrypoints/test_nonfinite_logits.py"
 LENGTH = "tests/simsd/entrypoints/test_length_bound.py"
 LOADING = "tests/simsd/models/test_loading.py"
+DRIVER = "tests/simsd/entrypoints/test_one_driver.py"
 RAY = "tests/simsd/entrypoints/test_ray.py"
 
 
@@ -123,6 +124,7 @@ MR, TR, CR = "simsd_kernels/mask_rule.py", "triton_ops/common.py", "csrc/mask_ru
 SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
+LAY = "simsd/decoding/layouts.py"
 PROTO, SETS = "simsd/entrypoints/protocol.py", "simsd/entrypoints/settings.py"
 #: the request fields a server request gives (protocol.py), and the same with one of them dropped
 GIVEN = "given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}"
@@ -205,9 +207,9 @@ MUTANTS = [
       "ok = (pd_x > 0) & (u.double() * pt_x.double() < pd_x.double())", REJECT, note="accept with min(1, p_d / p_t)"),
     m("rejection", VER, "residual = (p_t - p_d).clamp_min(0)", "residual = p_t.clone()", REJECT,
       note="a rejected token resampled from p_t instead of the residual"),
-    m("verdict", VFY, "fwd = row.exact(\"target\", *exact_layout(verified, rnd.start))",
-      "fwd = row.exact(\"target\", *exact_layout(torch.cat([chain[:-1], chain[-2:-1]]) if d.remaining else verified, "
-      "rnd.start))", EXACT_REF, REJECT,
+    m("verdict", VFY, "fwd = layouts.exact(\"target\", *exact_layout(verified, rnd.start))",
+      "fwd = layouts.exact(\"target\", *exact_layout(torch.cat([chain[:-1], chain[-2:-1]]) if d.remaining "
+      "else verified, rnd.start))", EXACT_REF, REJECT,
       note="the bonus step taken on the last draft copy's logits (that copy's tokens in the bonus slot)"),
     # 5. stop ids ---------------------------------------------------------------------------------------
     m("stop ids", SR, "dec.t.stop_ids if stop_ids is None else stop_ids, seed)",
@@ -258,10 +260,10 @@ MUTANTS = [
     m("mask padding", "simsd/engine/batching.py", '"exact": (0, 0, 1 << 30)', '"exact": (0, 0, 0)', MASKS,
       note="exact padding joins copy 0"),
     # cache commits and the layouts ---------------------------------------------------------------------
-    m("cache commit", BAT, "[KNOWN] * L + [(KIND_KNOWN, 0, 1)] * L, \"block_causal\"",
+    m("cache commit", LAY, "[KNOWN] * L + [(KIND_KNOWN, 0, 1)] * L, \"block_causal\"",
       "[KNOWN] * (L + 1) + [(KIND_KNOWN, 0, 1)] * (L - 1), \"block_causal\"", REF, EXACT_REF,
       note="folded commit: the next block's first token joins the committed block"),
-    m("cache commit", BAT, "[(KIND_KNOWN, 0, SHARED_GRP)] * P + labels", "[(KIND_KNOWN, 0, 0)] * P + labels",
+    m("cache commit", LAY, "[(KIND_KNOWN, 0, SHARED_GRP)] * P + labels", "[(KIND_KNOWN, 0, 0)] * P + labels",
       EXACT_REF,
       note="folded commit in exact mode seen by copy 0 only"),
     m("cache commit", SR, "if self.carried is None or self.carried.committed is None:",
@@ -288,8 +290,8 @@ MUTANTS = [
       "self.mask_id)", PAPER_REF, SPEC, note="paper: proposals judged at their D slot instead of their M slot"),
     m("schedule", VFY, "return cfg, block_step + c", "return cfg, c", PAPER_REF, EXACT_SAMPLING,
       note="the draft's step (schedule and noise key) restarts at every round"),
-    m("schedule", SR, "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) < self.dec.gamma:",
-      "if self.dec.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) <= self.dec.gamma:", PAPER_REF,
+    m("schedule", SR, "if self.plan.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) < self.plan.gamma:",
+      "if self.plan.spec.on_reject == \"fallback\" and blk.host.count(self.mask_id) <= self.plan.gamma:", PAPER_REF,
       note="the paper's fallback one position early"),
     m("strategy", CHOICES, 'DEFAULT_THRESHOLD = {"dynamic": 0.9, "entropy": 0.35}',
       'DEFAULT_THRESHOLD = {"dynamic": 0.8, "entropy": 0.35}', REF, note="another default threshold"),
@@ -303,8 +305,8 @@ MUTANTS = [
     m("layout", VER, "positions = list(range(start, start + L)) * n",
       "positions = list(range(start + 1, start + L + 1)) * n", EXACT_REF,
       note="exact: copies one position late"),
-    m("cache commit", VFY, "fwd = row.exact(\"target\", *exact_layout(verified, rnd.start))",
-      "fwd = row.exact(\"target\", *exact_layout(verified, row.cached[\"target\"]))", EXACT_REF,
+    m("cache commit", VFY, "fwd = layouts.exact(\"target\", *exact_layout(verified, rnd.start))",
+      "fwd = layouts.exact(\"target\", *exact_layout(verified, layouts.row.cached[\"target\"]))", EXACT_REF,
       note="exact with a folded commit: copies placed before the pending block"),
     # 8-9. what the user runs; hangs ------------------------------------------------------------------------
     m("user path", "simsd/assets/__init__.py", 'DEFAULT_DRAFT = ASSETS / "tiny-sdar-draft"',
@@ -470,7 +472,7 @@ MUTANTS = [
       "return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item() if a.numel() else 0.0",
       "return (a.to(torch.float64) - b.to(torch.float64)).max().item() if a.numel() else 0.0", SELFCHECK,
       note="issue 23: the error signed (a backend = reference - 0.5 passes)"),
-    m("tp check", "simsd/engine/tp.py", '("intermediate_size", c.intermediate_size)):', "):", TP,
+    m("tp check", "simsd/engine/tp.py", '("intermediate_size", c.intermediate_size)]', "]", TP,
       note="issue 23: --tp 2 on an odd intermediate_size not refused (a channel dropped)"),
     # the same kinds elsewhere (issue 23: boundary values, commit paths, multi-prompt figures, signs) ------
     m("api counters", "simsd/entrypoints/server.py", 'c = sum(len(o.token_ids) for o in outs)',
@@ -521,9 +523,9 @@ MUTANTS = [
     m("memory", "simsd/engine/memory.py", "if free is not None and est.needed(device) > free:",
       "if free is not None and est.needed(device) >= free:", MEMORY,
       note="a run that needs exactly the free memory refused"),
-    m("memory", "simsd/entrypoints/api.py",
-      "per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * (capacity + margin)",
-      "per_row = sum(kv_bytes_per_token(m.model) for m in self.models) * capacity", API,
+    m("memory", "simsd/entrypoints/resources.py",
+      "row_bytes = sum(kv_cache_bytes(cfg, dtype, 1, capacity + margin)",
+      "row_bytes = sum(kv_cache_bytes(cfg, dtype, 1, capacity)", API,
       note="kv_cache_memory: a row's bytes without the query margin (more rows than fit)"),
     m("backend self-check", "simsd_kernels/selfcheck.py",
       'poisoned[3] = to(k_cache.masked_fill(unread[..., None, None], float("nan")))', "poisoned[3] = clean[3]",
@@ -537,10 +539,10 @@ MUTANTS = [
       "bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]",
       "bad = [t for t in prompt_ids if not 0 <= int(t) <= config.vocab_size]", API, PROMPTS, CLI, VANILLA,
       note="a prompt id equal to the vocabulary size accepted by the decoders (an IndexError later)"),
-    m("prompt bounds", "simsd/decoding/config.py", "if len(prompt_ids) >= limit:", "if len(prompt_ids) > limit:",
+    m("prompt bounds", "simsd/decoding/config.py", "if P >= limit:", "if P > limit:",
       API, REF, note="a prompt of the model's full length refused as 'prompt + max_new_tokens' (wrong field)"),
-    m("prompt bounds", "simsd/decoding/config.py", "if len(prompt_ids) + max_new_tokens > limit:",
-      "if len(prompt_ids) + max_new_tokens >= limit:", API, REF,
+    m("prompt bounds", "simsd/decoding/config.py", "if P + max_new_tokens > limit:",
+      "if P + max_new_tokens >= limit:", API, REF,
       note="prompt + max_new_tokens == the model's length refused"),
     m("prompt bounds", "simsd/decoding/config.py", "if total > limit:", "if total >= limit:", API, REF,
       note="whole blocks that end exactly at the model's length refused"),
@@ -665,6 +667,25 @@ MUTANTS = [
       note="one GPU asked for a replica that names two"),
     m("ray", "simsd/entrypoints/cli.py", "if index >= n:", "if index > n:", RAY,
       note="a CUDA index just outside the actor's GPUs accepted"),
+    # issue 34 item 0, first use ---------------------------------------------------------------------
+    m("first use", "simsd/entrypoints/api.py",
+      "check_llm_memory(config, infos, size)  # before any weight loads", "size  # before any weight loads", MEMORY,
+      note="LLM and simsd serve load weights without checking they fit"),
+    m("first use", "simsd/entrypoints/resources.py", 'if getattr(infos[role], "model", None) is None:',
+      "if False:", MEMORY, note="the weights left out of the LLM's estimate"),
+    m("first use", "simsd/entrypoints/resources.py",
+      "fits(max_model_len=n), config.block_length + 1, config.max_model_len - 1)",
+      "fits(max_model_len=n), config.block_length + 1, config.max_model_len // 2)", MEMORY,
+      note="the max_model_len hint not the largest that fits"),
+    m("first use", "simsd/decoding/config.py",
+      'raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt(\'max_tokens\')} ({max_new_tokens}) exceeds the "',
+      'raise ParamError("max_tokens", f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "',
+      CLI, note="a prompt too long for max_tokens names max_new_tokens, not the option typed"),
+    m("first use", "simsd/models/loading.py", 'if not (path / "tokenizer.json").is_file():',
+      'if (path / "tokenizer.json").is_file():', LOADING, note="a missing tokenizer.json not named"),
+    # issue 35 item 5, decoding rules in decoding/ -------------------------------------------------------
+    m("one decoder", "simsd/speculative/decoder.py", "return SpecRow(self, plan or self.plan, row,",
+      "return SpecRow(self, self.plan, row,", DRIVER, note="a request's plan ignored: rows run the decoder's gamma"),
 ]
 
 

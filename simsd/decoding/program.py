@@ -21,6 +21,7 @@ from ..engine.batching import BatchEngine, Row
 from ..engine.host_sync import to_device
 from ..engine.scheduler import Request, decode_span, run_requests
 from .config import BatchResult, DecodeConfig, GenerationResult, finish
+from .layouts import RowLayouts
 
 
 @dataclass
@@ -56,6 +57,7 @@ class RowProgram:
 
     def __init__(self, row: Row, cfg: DecodeConfig, mask_id: int, stop_ids, seed: int):
         self.row, self.cfg, self.mask_id, self.seed = row, cfg, mask_id, seed
+        self.layouts = RowLayouts(row)
         self.stop_ids = list(stop_ids)
         self.generated: list = []
         self.blocks = 0
@@ -93,7 +95,7 @@ class RowProgram:
     def new_block(self, tail: list) -> BlockState:
         """A fresh block: the prompt ``tail`` then MASK (copied to the device asynchronously)."""
         host = list(tail) + [self.mask_id] * (self.cfg.block_length - len(tail))
-        return BlockState(to_device(host, self.row.devices["target"]), host, self.row.start("target"), len(tail))
+        return BlockState(to_device(host, self.row.devices["target"]), host, self.layouts.start("target"), len(tail))
 
     def ends(self, new: list) -> bool:
         """Whether the block whose generated ids are ``new`` ends the generation (a stop id, or
@@ -122,7 +124,7 @@ class RowProgram:
 
     def commit(self, blk: BlockState):
         """The finished block's commit forward (folded into the next request with ``fold_commit``)."""
-        fwd = self.row.commit("target", blk.block, fold=self.cfg.fold_commit)
+        fwd = self.layouts.commit("target", blk.block, fold=self.cfg.fold_commit)
         if fwd is not None:
             yield fwd
 

@@ -16,7 +16,7 @@ class VanillaRow(RowProgram):
 
     def advance(self, blk: BlockState):
         step = Step(blk.block, blk.step, self.cfg, self.mask_id, NoiseKey(self.seed, blk.start))
-        blk.block, _, _ = yield self.row.denoise("target", blk.block, step)
+        blk.block, _, _ = yield self.layouts.denoise("target", blk.block, step)
         blk.host = self.read([blk.block], blk)
         blk.step += 1
 

@@ -37,18 +37,19 @@ are rounded up to a multiple of the block length, so a few shapes serve a whole 
 engine calls the model itself (``model(ids, positions, labels, mode, cache, num_write, logits,
 unit=block_length)``, :meth:`simsd.models.model.SDARForCausalLM.forward`): no wrapper between.
 
-The engine knows forwards, caches and rows, not decoding rules: a request's denoising step is
-an object with a ``run_batch(steps, logits)`` static method (:class:`simsd.decoding.step.Step`)
-that the engine calls once per forward for the requests that carry one.
+The engine knows forwards, caches and rows, not decoding rules: the layouts of a row's
+forwards are built by the decoding (:class:`simsd.decoding.layouts.RowLayouts`), and a
+request's denoising step is a :class:`BatchStep` (:class:`simsd.decoding.step.Step`) that the
+engine runs once per forward for the requests that carry one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from simsd_kernels import KIND_KNOWN, KIND_MASK, SHARED_GRP
+from simsd_kernels import KIND_KNOWN, KIND_MASK
 
 from .host_sync import to_device
 from .memory import check_engine_memory
@@ -71,8 +72,6 @@ def round_capacity(capacity: int) -> int:
 #: the labels ``(kind, tau, grp)`` of a padding slot per mask mode (seen by no real token)
 PAD_LABEL = {"bidirectional": (0, 0, 0), "exact": (0, 0, 1 << 30), "paper": (KIND_MASK, 0, 0),
              "block_causal": (0, 0, 1 << 30)}
-#: the label of a known token that sees every token of its forward (denoise, commit)
-KNOWN = (KIND_KNOWN, 0, 0)
 
 
 class NonFiniteLogits(RuntimeError):
@@ -89,6 +88,18 @@ class NonFiniteLogits(RuntimeError):
                          f"{block}, step {step}{hint}")
 
 
+class BatchStep(Protocol):
+    """What the engine needs of a request's denoising step (:class:`simsd.decoding.step.Step`):
+    ``run_batch(steps, logits)`` applies every step of one forward, in order, to ``logits`` (their
+    requests' logits, ``(N, L, V)`` or a shape that views as it) and returns one result per step,
+    which the requests receive instead of their logits. ``states``: the block states the step
+    covers (its share of ``N``)."""
+    states: int
+
+    @staticmethod
+    def run_batch(steps: list, logits: torch.Tensor) -> list: ...
+
+
 @dataclass
 class Fwd:
     """One row's forward request.
@@ -100,8 +111,7 @@ class Fwd:
     ``num_write`` tokens are kept in the row's cache. ``logits``: which tokens' logits to return
     (a slice, or None for none). ``count``: counted as a forward of the row (diagnostic forwards
     are not). ``step``: a denoising step to apply to the logits, whose result the row receives
-    instead (an object with a static ``run_batch(steps, logits) -> results``, e.g.
-    :class:`simsd.decoding.step.Step`).
+    instead (a :class:`BatchStep`).
 
     Positions and labels travel to the device with those of the forward's other rows in one
     copy each (host values: no device op per request).
@@ -114,26 +124,23 @@ class Fwd:
     num_write: int = 0
     logits: slice | None = field(default_factory=lambda: slice(None))
     count: bool = True
-    step: object | None = None
+    step: BatchStep | None = None
     tau: torch.Tensor | None = None
 
 
 @dataclass
 class Row:
-    """Host-side view of one batch row: its cached length and forward count per model.
-
-    A finished block's commit may be *folded* (``commit(model, block, fold=True)`` returns None
-    and keeps the block in ``pending``): the model's next denoise or exact-verification request
-    then writes the block's K/V first (the same K/V as a separate commit forward's).
+    """Host-side view of one batch row: its index, the models' devices, its cached length and
+    forward count per model, and its column of the engine's non-finite-logits flags. What a
+    row's forwards carry (the layouts of denoising, commits and verification, and folded
+    commits) is the decoding's (:class:`simsd.decoding.layouts.RowLayouts`).
     """
     index: int
     devices: dict
-    block_length: int
     cached: dict = field(default_factory=dict)
     forwards: dict = field(default_factory=dict)
     prefill_forwards: int = 0
     caches: dict = field(default_factory=dict)
-    pending: dict = field(default_factory=dict)
     nonfinite: torch.Tensor | None = None
     dtypes: dict = field(default_factory=dict)
 
@@ -153,11 +160,6 @@ class Row:
             if flag:
                 raise NonFiniteLogits(name, self.dtypes[name], block, step)
 
-    def start(self, model: str) -> int:
-        """Absolute position of the current block of ``model`` (after a pending commit)."""
-        prev = self.pending.get(model)
-        return self.cached[model] + (0 if prev is None else prev.shape[0])
-
     def truncate(self, model: str, length: int) -> None:
         """Roll ``model``'s cache of this row back to ``length`` tokens (later slots are then
         unread and overwritten by the next write)."""
@@ -170,52 +172,6 @@ class Row:
         """The positions of the next ``n`` tokens of ``model`` after the cached ones (host)."""
         c = self.cached[model]
         return range(c, c + n)
-
-    def denoise(self, model: str, block: torch.Tensor, step=None) -> Fwd:
-        """Denoise forward of ``block (L,)``: bidirectional over the cache and the block, read-only
-        (with a pending commit: :meth:`commit_and_denoise`). ``step``: see :class:`Fwd`."""
-        prev = self.pending.pop(model, None)
-        if prev is not None:
-            return self.commit_and_denoise(model, prev, block, step)
-        L = block.shape[0]
-        return Fwd(model, block, self.positions(model, L), [KNOWN] * L, "bidirectional", step=step)
-
-    def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list) -> Fwd:
-        """Exact verification forward of the layout ``ids (L,)``, ``positions`` and ``labels``
-        (host; one copy per verified state, :func:`simsd.speculative.verification.exact_layout`
-        at :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``)
-        and is written. The logits are those of the copies."""
-        prev = self.pending.pop(model, None)
-        if prev is None:
-            return Fwd(model, ids, positions, labels, "exact")
-        P = prev.shape[0]
-        return Fwd(model, torch.cat([prev, ids]), list(self.positions(model, P)) + list(positions),
-                   [(KIND_KNOWN, 0, SHARED_GRP)] * P + labels, "exact", num_write=P, logits=slice(P, None))
-
-    def commit(self, model: str, block: torch.Tensor, fold: bool = False) -> Fwd | None:
-        """Commit forward: the clean block's K/V are stored (no logits). ``fold``: defer it to
-        the model's next request and return None. Raises if another commit is pending."""
-        if model in self.pending:
-            raise RuntimeError(f"row {self.index}: a commit of {model} is already pending")
-        if fold:
-            self.pending[model] = block
-            return None
-        L = block.shape[0]
-        return Fwd(model, block, self.positions(model, L), [KNOWN] * L, "bidirectional", num_write=L, logits=None)
-
-    def flush(self, model: str) -> Fwd | None:
-        """The pending commit of ``model`` as its own forward (for requests that cannot fold it)."""
-        prev = self.pending.pop(model, None)
-        return None if prev is None else self.commit(model, prev)
-
-    def commit_and_denoise(self, model: str, block: torch.Tensor, next_block: torch.Tensor,
-                           step=None) -> Fwd:
-        """The commit of ``block`` folded into the first denoise forward of ``next_block``
-        (block-causal over the pair); the logits are those of ``next_block``."""
-        L = block.shape[0]
-        return Fwd(model, torch.cat([block, next_block]), self.positions(model, 2 * L),
-                   [KNOWN] * L + [(KIND_KNOWN, 0, 1)] * L, "block_causal", num_write=L, logits=slice(L, 2 * L),
-                   step=step)
 
 
 class BatchEngine:
@@ -288,14 +244,13 @@ class BatchEngine:
 
     def _new_row(self, index: int) -> Row:
         devices = {n: m.device for n, m in self.models.items()}
-        return Row(index, devices, self.block_length, {n: 0 for n in self.models}, {n: 0 for n in self.models},
-                   caches=self.caches, nonfinite=self.nonfinite[:, index],
-                   dtypes=self._dtypes)
+        return Row(index, devices, {n: 0 for n in self.models}, {n: 0 for n in self.models}, caches=self.caches,
+                   nonfinite=self.nonfinite[:, index], dtypes=self._dtypes)
 
     def release(self, index: int) -> Row:
         """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
         its cache lengths go to 0 (the stale K/V past them is never read) and it gets a fresh
-        :class:`Row` (counters at 0, no pending commit), which is returned."""
+        :class:`Row` (counters at 0), which is returned."""
         for cache in self.caches.values():
             cache.seqlens[index] = 0
         self.nonfinite[:, index] = 0

@@ -232,15 +232,15 @@ class LLM:
             self.target.model.invariant = bool(config.invariant)
         if config.tp > 1 and self.target.model.tp != (world()[0], config.tp):
             shard_model(self.target.model, world()[0], config.tp)
-        self.draft = None
+        self.draft = self.decoder = None
         if mode != "vanilla":
             self.draft = self._load(infos["draft"], config.dtype, config.draft_device, config.attention_backend)
-            # the combinations the row programs refuse, with the devices of loaded checkpoints
-            SpeculativeDecoder(self.target, self.draft,
-                               DecodeConfig(block_length=block_length, fold_commit=config.fold_commit),
-                               SpecConfig(mode, on_reject=config.on_reject, rope_copy=config.rope_copy,
-                                          optimistic=config.optimistic, paper_variant=config.paper_variant),
-                               check=False)
+            # one decoder for every request (it refuses the combinations the rows cannot run, with
+            # the devices of the loaded checkpoints); each request brings its own plan
+            self.decoder = SpeculativeDecoder(
+                self.target, self.draft, DecodeConfig(block_length=block_length, fold_commit=config.fold_commit),
+                SpecConfig(mode, on_reject=config.on_reject, rope_copy=config.rope_copy, optimistic=config.optimistic,
+                           paper_variant=config.paper_variant), check=False)
         self.models = [m for m in (self.target, self.draft) if m is not None]
         self.vocab_size = infos["target"].config.vocab_size
         self._make_engine(size, config.cuda_graphs)
@@ -381,12 +381,10 @@ class LLM:
             def new_program(row):
                 return VanillaRow(row, cfg, self.target.mask_token_id, stop_ids, seed)
         else:
-            dec = SpeculativeDecoder(self.target, self.draft, cfg, spec, check=False)
-            if self.verifier_class is not None:
-                dec.verifier_class = self.verifier_class
+            plan = self.decoder.plan_for(cfg, spec)
 
             def new_program(row):
-                return dec.new_row(row, seed, stop_ids)
+                return self.decoder.new_row(row, seed, stop_ids, plan, self.verifier_class)
 
         def program(row, tail):
             handle._program = new_program(row)

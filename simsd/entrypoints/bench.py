@@ -56,10 +56,10 @@ class PaperVsExact(PaperVerifier):
         super().__init__(cfg, spec, mask_id, seed)
         self.tally = tally
 
-    def verify(self, row, rnd):
-        paper = yield from super().verify(row, rnd)
+    def verify(self, layouts, rnd):
+        paper = yield from super().verify(layouts, rnd)
         d = rnd.draft
-        exact = yield Fwd("target", *exact_layout(d.states, row.cached["target"]), "exact", count=False)
+        exact = yield Fwd("target", *exact_layout(d.states, layouts.row.cached["target"]), "exact", count=False)
         exact = exact.view(d.n, d.final.shape[0], -1)
         for p in torch.nonzero(d.tau <= d.n).flatten().tolist():
             e = torch.log_softmax(without_mask_token_(exact[int(d.tau[p]) - 1, p].clone(), self.mask_id).double(), -1)

@@ -100,26 +100,52 @@ def draft_config(cfg: DecodeConfig, spec: SpecConfig) -> DecodeConfig:
     return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
 
 
+@dataclass(frozen=True)
+class SpecPlan:
+    """One request's speculative settings, checked (:meth:`SpeculativeDecoder.plan_for`):
+    ``cfg`` (the target's decoding settings), ``spec``, ``draft_cfg`` (the draft's,
+    :func:`draft_config`) and ``gamma`` (draft steps verified per round: ``spec.gamma`` or the
+    block length)."""
+    cfg: DecodeConfig
+    spec: SpecConfig
+    draft_cfg: DecodeConfig
+    gamma: int
+
+
 class SpeculativeDecoder:
     """Decodes prompts with a draft and a target checkpoint (see module doc); each prompt's
     round state lives in its own :class:`SpecRow` (a row program the scheduler drives).
 
+    ``cfg`` and ``spec`` are the decoder's settings (:attr:`plan`); the engine-wide ones
+    (``cfg.fold_commit``, ``spec.mode``, ``spec.paper_variant``, ``spec.optimistic``) hold for every
+    row, and a row may decode with other request settings (:meth:`plan_for`, :meth:`new_row`):
+    :class:`simsd.LLM` keeps one decoder for all its requests.
+
     ``verifier_class``: the rows' verifier, ``verifier_class(cfg, spec, mask_id, seed)``
     (default: the mode's, :data:`simsd.speculative.verifiers.VERIFIERS`); a subclass replaces a
     rule (``simsd bench``'s comparison with exact mode, ``bench/bench_coupling.py``).
+
+    Raises:
+        ValueError: a pair that does not share the tokenizer (:func:`check_pair`, unless
+            ``check=False``: the caller checked it); :class:`ParamError` for refused settings
+            (``gamma`` past the block length, ``fold_commit`` with optimistic drafting).
     """
 
     def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig, check: bool = True):
-        if check:  # ``check=False``: the caller checked this pair already (one decoder per request)
+        if check:
             check_pair(target, draft)
-        self.t, self.d, self.cfg, self.spec = target, draft, cfg, spec
-        self.draft_cfg = draft_config(cfg, spec)
-        check_gamma(spec.gamma, cfg.block_length)
-        self.gamma = spec.gamma or cfg.block_length
+        self.t, self.d = target, draft
         t, d = target.model.device, draft.model.device
         check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
         self.mask_id = target.mask_token_id
         self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
+        self.plan = self.plan_for(cfg, spec)
+
+    def plan_for(self, cfg: DecodeConfig, spec: SpecConfig) -> SpecPlan:
+        """The checked :class:`SpecPlan` of a request's settings (:class:`ParamError`: a ``gamma``
+        past the block length, a draft threshold out of the draft strategy's range)."""
+        check_gamma(spec.gamma, cfg.block_length)
+        return SpecPlan(cfg, spec, draft_config(cfg, spec), spec.gamma or cfg.block_length)
 
     def generate(self, prompt_ids: list) -> GenerationResult:
         return self.generate_batch([prompt_ids]).results[0]
@@ -127,14 +153,17 @@ class SpeculativeDecoder:
     def optimistic(self) -> bool:
         """Whether rows draft optimistically (``spec.optimistic``, or: draft and target on
         different devices)."""
-        if self.spec.optimistic is None:
+        if self.plan.spec.optimistic is None:
             return self.t.model.device != self.d.model.device
-        return self.spec.optimistic
+        return self.plan.spec.optimistic
 
-    def new_row(self, row, seed: int, stop_ids=None) -> SpecRow:
+    def new_row(self, row, seed: int, stop_ids=None, plan: SpecPlan | None = None,
+                verifier_class=None) -> SpecRow:
         """The row program (:class:`SpecRow`) of engine row ``row``, sampling with the keyed
-        noise of row seed ``seed``; ``stop_ids``: default the target's."""
-        return SpecRow(self, row, seed, self.optimistic(), stop_ids)
+        noise of row seed ``seed``; ``stop_ids``: default the target's; ``plan``: the request's
+        settings (default: the decoder's); ``verifier_class``: default the decoder's."""
+        return SpecRow(self, plan or self.plan, row, seed, self.optimistic(), stop_ids,
+                       verifier_class or self.verifier_class)
 
     def generate_batch(self, prompts: list, first_index: int = 0, cuda_graphs: bool = False,
                        seeds: list | None = None) -> BatchResult:
@@ -143,14 +172,15 @@ class SpeculativeDecoder:
         ``cfg.seed + first_index + i`` (as :func:`vanilla_generate_batch`: exact mode gives the
         same tokens as vanilla decoding with the same seed). One engine per call (captured CUDA
         graphs are reused by :class:`simsd.LLM`, which keeps its engine)."""
-        cfg = self.cfg
+        cfg = self.plan.cfg
         block_length = cfg.block_length
         capacities = [check_prompt(p, self.t.config, cfg.max_new_tokens, block_length, self.mask_id)
                       for p in prompts]
         for p in prompts:
             check_prompt(p, self.d.config, cfg.max_new_tokens, block_length, self.mask_id)
         engine = BatchEngine({"target": self.t.model, "draft": self.d.model}, block_length, len(prompts),
-                             round_capacity(max(capacities)), (self.gamma + 2) * block_length, cuda_graphs=cuda_graphs)
+                             round_capacity(max(capacities)), (self.plan.gamma + 2) * block_length,
+                             cuda_graphs=cuda_graphs)
         seeds = row_seeds(cfg, len(prompts), first_index, seeds)
         return generate_batch(engine, prompts, capacities, lambda row, i: self.new_row(row, seeds[i]))
 

@@ -104,12 +104,12 @@ class SpecRow(RowProgram):
     (how many positions are still masked: their reveal counts depend on the data); a fallback
     target step reads its new block. Everything else stays on the devices.
     """
-    def __init__(self, dec, row: Row, seed: int, optimistic: bool = False, stop_ids=None):
-        super().__init__(row, dec.cfg, dec.mask_id, dec.t.stop_ids if stop_ids is None else stop_ids, seed)
-        self.dec = dec
-        self.mode = dec.spec.mode
+    def __init__(self, dec, plan, row: Row, seed: int, optimistic: bool = False, stop_ids=None, verifier_class=None):
+        super().__init__(row, plan.cfg, dec.mask_id, dec.t.stop_ids if stop_ids is None else stop_ids, seed)
+        self.dec, self.plan = dec, plan
+        self.mode = plan.spec.mode
         self.progress = (f"{self.mode} round", "committed no token")
-        self.verifier = dec.verifier_class(dec.cfg, dec.spec, dec.mask_id, seed)
+        self.verifier = (verifier_class or dec.verifier_class)(plan.cfg, plan.spec, dec.mask_id, seed)
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
@@ -133,7 +133,7 @@ class SpecRow(RowProgram):
     def advance(self, blk: BlockState):
         """One round of the block, or a target step once it falls back (the paper's
         ``on_reject="fallback"``: fewer than ``gamma`` MASK left)."""
-        if self.dec.spec.on_reject == "fallback" and blk.host.count(self.mask_id) < self.dec.gamma:
+        if self.plan.spec.on_reject == "fallback" and blk.host.count(self.mask_id) < self.plan.gamma:
             yield from self.fallback_step(blk)
         else:
             yield from self.round(blk)
@@ -149,7 +149,7 @@ class SpecRow(RowProgram):
             draft = draft.to(self.row.devices["target"])
         rnd = Round(blk.block, blk.host, blk.step, blk.start, draft, self.round_index)
         self.stats.rounds += 1
-        logits = yield from self.verifier.verify(self.row, rnd)
+        logits = yield from self.verifier.verify(self.layouts, rnd)
         if self.optimistic:  # before the decision is read
             self.carried = yield from self.speculate(rnd, blk)
         verdict = self.verifier.judge(rnd, logits)
@@ -161,7 +161,7 @@ class SpecRow(RowProgram):
         """One vanilla target step (one host read: its new block)."""
         self.carried = None
         before = blk.host
-        blk.block, _, _ = yield self.row.denoise(
+        blk.block, _, _ = yield self.layouts.denoise(
             "target", blk.block, Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start)))
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
@@ -176,11 +176,11 @@ class SpecRow(RowProgram):
         speculation committed it already. Folded commits are not combined with optimistic
         drafting (its rollback assumes explicit draft commits)."""
         fold = self.cfg.fold_commit and not self.optimistic
-        fwd = self.row.commit("target", blk.block, fold=fold)
+        fwd = self.layouts.commit("target", blk.block, fold=fold)
         if fwd is not None:
             yield fwd
         if self.carried is None or self.carried.committed is None:
-            fwd = self.row.commit("draft", blk.block.to(self.row.devices["draft"]), fold=fold)
+            fwd = self.layouts.commit("draft", blk.block.to(self.row.devices["draft"]), fold=fold)
             if fwd is not None:
                 yield fwd
 
@@ -191,7 +191,7 @@ class SpecRow(RowProgram):
         returns a :class:`Draft`. Draft step ``c`` is block step ``block_step + c`` (its schedule
         entry and noise key), unless the verifier schedules it otherwise (:meth:`Verifier.draft_step`)."""
         dev = self.row.devices["draft"]
-        dcfg = self.dec.draft_cfg
+        dcfg = self.plan.draft_cfg
         state = block.to(dev)
         L = state.shape[0]
         tau = torch.full((L,), TAU_INF, dtype=torch.int64, device=dev)
@@ -200,12 +200,12 @@ class SpecRow(RowProgram):
         probs = torch.zeros(L, self.dec.d.config.vocab_size, device=dev) if keep_probs else None
         states = []
         counts_known = dcfg.strategy in ("sequential", "static")
-        for c in range(self.dec.gamma):
+        for c in range(self.plan.gamma):
             if masks == 0:
                 break
             states.append(state)
             step_cfg, index = self.verifier.draft_step(dcfg, block_step, c, masks)
-            state, revealed, p = yield self.row.denoise(
+            state, revealed, p = yield self.layouts.denoise(
                 "draft", state, Step(state, index, step_cfg, self.mask_id, key))
             tau.masked_fill_(revealed, c + 1)
             if probs is not None:
@@ -256,7 +256,7 @@ class SpecRow(RowProgram):
         block, step, committed = out
         cached = self.row.cached["draft"]
         if committed is not None:
-            yield self.row.commit("draft", committed.to(self.row.devices["draft"]))
+            yield self.layouts.commit("draft", committed.to(self.row.devices["draft"]))
         masks = rnd.draft.remaining if committed is None else block.shape[0]
         next_start = rnd.start if committed is None else rnd.start + block.shape[0]
         proposal = yield from self.propose(block, step, masks, next_start, self.round_index + 1)
@@ -293,4 +293,4 @@ class SpecRow(RowProgram):
         fw = self.row.forwards["draft"]
         return {**super().stats_for(n, seconds), "from_draft": from_draft,
                 "draft_share": from_draft / n if n else 0.0, "draft_forwards": fw,
-                "draft_forwards_per_token": fw / max(n, 1), "gamma": self.dec.gamma, **self.stats.as_dict()}
+                "draft_forwards_per_token": fw / max(n, 1), "gamma": self.plan.gamma, **self.stats.as_dict()}

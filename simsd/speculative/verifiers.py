@@ -24,9 +24,10 @@ from typing import NamedTuple
 import torch
 
 from ..decoding.config import DecodeConfig
+from ..decoding.layouts import RowLayouts
 from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, step_noise, uniform
 from ..decoding.step import Step, without_mask_token_
-from ..engine.batching import Fwd, Row
+from ..engine.batching import Fwd
 from .verification import (
     accept_in_order,
     accept_in_position_order,
@@ -81,9 +82,9 @@ class Verifier:
     def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
         return NoiseKey(self.seed, start, stream, round_index)
 
-    def verify(self, row: Row, rnd: Round):
+    def verify(self, layouts: RowLayouts, rnd: Round):
         """The round's verify forward (a generator of forward requests); returns its logits."""
-        return (yield self.request(row, rnd))
+        return (yield self.request(layouts, rnd))
 
     def draft_step(self, cfg: DecodeConfig, block_step: int, c: int, masks: int) -> tuple:
         """``(cfg, index)`` of the draft's step ``c`` of a round that starts at block step
@@ -96,8 +97,8 @@ class Verifier:
         steps), in the order they are accepted: reveal step, then position (the paper)."""
         return [i for _, i in sorted((t, i) for i, t in enumerate(tau) if t <= n)]
 
-    def request(self, row: Row, rnd: Round) -> Fwd:
-        """The target's verify forward of ``rnd`` on engine row ``row``."""
+    def request(self, layouts: RowLayouts, rnd: Round) -> Fwd:
+        """The target's verify forward of ``rnd``, laid out on the row of ``layouts``."""
         raise NotImplementedError
 
     def judge(self, rnd: Round, out) -> Verdict:
@@ -114,12 +115,12 @@ class ExactVerifier(Verifier):
     (:func:`~simsd.speculative.verification.exact_step_verdict`). A pending commit folds into
     the forward as its shared prefix."""
 
-    def request(self, row: Row, rnd: Round) -> Fwd:
+    def request(self, layouts: RowLayouts, rnd: Round) -> Fwd:
         d = rnd.draft
         chain = torch.stack(d.states + [d.final])  # the block before each draft step, and after the last
         verified = chain if d.remaining else chain[:-1]
         rnd.layout = chain
-        fwd = row.exact("target", *exact_layout(verified, rnd.start))
+        fwd = layouts.exact("target", *exact_layout(verified, rnd.start))
         fwd.step = Step(verified, rnd.step, self.cfg, self.mask_id, self.key(rnd.start))
         return fwd
 
@@ -136,17 +137,17 @@ class PaperVerifier(Verifier):
     its own forward first (the layout has no place for it)."""
     rejection_sampling = True
 
-    def verify(self, row: Row, rnd: Round):
-        flush = row.flush("target")
+    def verify(self, layouts: RowLayouts, rnd: Round):
+        flush = layouts.flush("target")
         if flush is not None:
             yield flush
-        return (yield self.request(row, rnd))
+        return (yield self.request(layouts, rnd))
 
-    def request(self, row: Row, rnd: Round) -> Fwd:
+    def request(self, layouts: RowLayouts, rnd: Round) -> Fwd:
         d = rnd.draft
         known = [t != self.mask_id for t in rnd.host]
-        ids, positions, labels, taus, m_index = paper_layout(rnd.block, known, d.final, d.tau, row.cached["target"],
-                                                             self.spec.rope_copy)
+        ids, positions, labels, taus, m_index = paper_layout(rnd.block, known, d.final, d.tau,
+                                                             layouts.row.cached["target"], self.spec.rope_copy)
         rnd.layout = m_index
         return Fwd("target", ids, positions, labels, "paper", tau=taus)
 

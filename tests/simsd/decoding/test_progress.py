@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, load_checkpoint, vanilla_generate
+from simsd.decoding.layouts import RowLayouts
 from simsd.engine.batching import BatchEngine
 from simsd.engine.scheduler import Request, run_requests
 from simsd.speculative import SpecConfig, speculative_generate
@@ -89,9 +90,9 @@ def test_scheduler_stops_a_program_that_never_finishes(ck):
     engine = BatchEngine({"target": ck.model}, 4, 1, capacity=16, margin=8)
 
     def forever(row, tail):
-        block = torch.full((4,), ck.mask_token_id)
+        block, layouts = torch.full((4,), ck.mask_token_id), RowLayouts(row)
         while True:
-            yield row.denoise("target", block)
+            yield layouts.denoise("target", block)
 
     req = Request([1, 2, 3], forever, capacity=16)
     with pytest.raises(RuntimeError, match="without finishing"):

@@ -201,8 +201,9 @@ def test_llm_suggests_the_rows_and_positions_that_fit(long_ck, monkeypatch):
     assert 1 <= rows < 8 and 4 < length < 32768, msg
     for kw in (dict(batch_size=rows), dict(batch_size=8, max_model_len=length)):
         LLM(long_ck, mode="vanilla", scheduler_thread=False, **kw).shutdown()
-    with pytest.raises(ValueError, match="are free"):  # one more of either does not fit
-        LLM(long_ck, mode="vanilla", batch_size=rows + 1)
+    for kw in (dict(batch_size=rows + 1), dict(batch_size=8, max_model_len=length + 1)):
+        with pytest.raises(ValueError, match="are free"):  # one more of either does not fit
+            LLM(long_ck, mode="vanilla", **kw)
 
 
 def test_serve_refuses_a_checkpoint_that_cannot_fit_before_loading(capsys, monkeypatch):

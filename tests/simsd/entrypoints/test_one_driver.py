@@ -171,3 +171,32 @@ def test_the_path_from_a_request_to_the_attention_kernel(pair, monkeypatch):
     assert decode[0] == ["Scheduler._loop", "Scheduler.step", "BatchEngine.forward", "SDARForCausalLM.forward",
                          "DecoderLayer.forward", "TorchAttention.forward", "TorchAttention._runs",
                          "TorchAttention._sdpa"], decode[0]
+
+
+def test_one_speculative_decoder_per_llm(pair, monkeypatch):
+    """The LLM builds its speculative decoder once (it used to build a throwaway one to check the
+    settings and another per request); each request brings its own plan: a request's gamma
+    reaches its rows, not the decoder's."""
+    from simsd.speculative import decoder as decoder_module
+    made, gammas = [], []
+    init, new_row = decoder_module.SpeculativeDecoder.__init__, decoder_module.SpeculativeDecoder.new_row
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        init(self, *args, **kwargs)
+
+    def recording(self, row, seed, stop_ids=None, plan=None, verifier_class=None):
+        gammas.append(plan.gamma)
+        return new_row(self, row, seed, stop_ids, plan, verifier_class)
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "__init__", counting)
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "new_row", recording)
+    target, draft = pair
+    llm = LLM(target, draft, "exact", batch_size=2, block_length=4, max_model_len=64, scheduler_thread=False)
+    try:
+        outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+                            [SamplingParams(max_tokens=6, gamma=g) for g in (1, 2, 3)])
+    finally:
+        llm.shutdown()
+    assert len(outs) == 3 and len(made) == 1 and sorted(gammas) == [1, 2, 3], (made, gammas)
+    assert [o.stats["gamma"] for o in outs] == [1, 2, 3]  # what the rows ran
+    assert llm.decoder.plan.gamma == 4  # the decoder's own plan: the block length

@@ -155,8 +155,8 @@ def test_each_model_has_its_own_settings(ck, strategy, threshold, d_strategy, d_
     c = load_checkpoint(ck)
     dec = SpeculativeDecoder(c, c, DecodeConfig(strategy=strategy, threshold=threshold),
                              SpecConfig(draft_strategy=d_strategy, draft_threshold=d_threshold))
-    assert (dec.cfg.strategy, dec.cfg.threshold) == (strategy, threshold)
-    assert (dec.draft_cfg.strategy, dec.draft_cfg.threshold) == want
+    assert (dec.plan.cfg.strategy, dec.plan.cfg.threshold) == (strategy, threshold)
+    assert (dec.plan.draft_cfg.strategy, dec.plan.draft_cfg.threshold) == want
     if want[1] is None:
         assert want[0] in DEFAULT_THRESHOLD  # the strategy's own default applies
 

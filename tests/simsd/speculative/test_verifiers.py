@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from simsd.decoding.config import DecodeConfig
+from simsd.decoding.layouts import RowLayouts
 from simsd.decoding.step import Step
 from simsd.engine.batching import Row
 from simsd.speculative.decoder import SpecConfig
@@ -29,10 +30,12 @@ def t(x):
 
 
 def row(pending=None):
-    r = Row(0, {"target": torch.device("cpu")}, 4, {"target": START}, {"target": 0})
+    """The layouts of an engine row with ``START`` tokens cached (and a folded commit)."""
+    r = RowLayouts(Row(0, {"target": torch.device("cpu")}, {"target": START}, {"target": 0}))
     if pending is not None:  # a folded commit of the previous block (4 tokens): the block starts after it
-        r.cached["target"] = START - 4
+        r.row.cached["target"] = START - 4
         r.pending["target"] = t(pending)
+        assert r.start("target") == START
     return r
 
 
@@ -116,7 +119,7 @@ def test_paper_verify_flushes_a_pending_commit_first():
     prog = v.verify(r, paper_round())
     flush = next(prog)
     assert flush.ids.tolist() == [1, 2, 3, 4] and flush.num_write == 4 and flush.logits is None
-    r.cached["target"] += 4  # what the engine does when it runs the commit
+    r.row.cached["target"] += 4  # what the engine does when it runs the commit
     fwd = prog.send(None)
     assert fwd.mask_mode == "paper" and list(fwd.positions)[0] == START
     logits = torch.zeros(7, 12)
