@@ -188,17 +188,32 @@ def test_llm_refuses_weights_that_do_not_fit_before_loading(monkeypatch):
     assert memory.fmt_bytes(weights) in str(exc.value)
 
 
-def test_llm_suggests_the_rows_and_positions_that_fit(long_ck, monkeypatch):
-    """The KV caches of 8 rows x 32768 positions do not fit 600 MiB: the refusal names a batch
-    size and a max_model_len that do (each alone), and the LLM builds with either."""
+def _engine_need(path, **settings) -> int:
+    """Bytes (margin and reserve included) an LLM of ``settings`` needs, as its check computes them."""
+    from simsd.entrypoints.api import check_engine
+    from simsd.entrypoints.resources import engine_size, llm_estimate
+    from simsd.entrypoints.settings import EngineArgs
+    config, infos = check_engine(EngineArgs(target=path, **settings))
+    return llm_estimate(config, infos, engine_size(config, infos)).needed("cpu")
+
+
+@pytest.mark.parametrize("free", ["600 MiB", "8 rows x 24000"])
+def test_llm_suggests_the_rows_and_positions_that_fit(long_ck, monkeypatch, free):
+    """The engine of 8 rows x 32768 positions does not fit the free memory (600 MiB, or exactly
+    what 8 rows of 24000 positions need): the refusal names a batch size and a max_model_len that
+    fit (each alone), the largest ones: the LLM builds with either, and not with one more."""
     from simsd import LLM
-    monkeypatch.setattr(memory, "available_bytes", lambda device: 600 << 20)
+    free = 600 << 20 if free == "600 MiB" else _engine_need(long_ck, mode="vanilla", batch_size=8,
+                                                             max_model_len=24000)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: free)
     with pytest.raises(ValueError, match="it fits with batch_size ") as exc:
         LLM(long_ck, mode="vanilla", batch_size=8)
     msg = str(exc.value)
     rows = int(msg.split("batch_size ")[-1].split()[0])
     length = int(msg.split("max_model_len ")[-1].split()[0])
     assert 1 <= rows < 8 and 4 < length < 32768, msg
+    if free != 600 << 20:
+        assert length >= 24000, msg
     for kw in (dict(batch_size=rows), dict(batch_size=8, max_model_len=length)):
         LLM(long_ck, mode="vanilla", scheduler_thread=False, **kw).shutdown()
     for kw in (dict(batch_size=rows + 1), dict(batch_size=8, max_model_len=length + 1)):
