@@ -12,7 +12,7 @@ Counted: states whose Y logits are the same bits, states whose cached K of X (fi
 layer) are the same bits, and the largest logit difference; states differ in prompt length
 (13, 16, 40, 101 tokens) and random ids. The folded forward has ``2 L`` rows instead of ``L``, so
 its matrix products may round differently unless ``--invariant`` runs them per block-sized unit
-(docs/design.md §4.2): the measurement behind keeping the fold an option (README, Benchmarks).
+(docs/design.md §4.2): the measurement behind keeping the fold an option (docs/design.md §3).
 """
 from __future__ import annotations
 

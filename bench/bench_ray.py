@@ -1,4 +1,4 @@
-"""Ray benchmark (README "Scaling out"): 1 vs 2 Ray Serve replicas and 1 vs 2 Ray Data workers
+"""Ray benchmark (docs/scaling.md "Measured"): 1 vs 2 Ray Serve replicas and 1 vs 2 Ray Data workers
 on the bundled pair, in one local Ray instance.
 
     OMP_NUM_THREADS=1 python bench/bench_ray.py [--cpus 2] [--requests 16] [--prompts 16]

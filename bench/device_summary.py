@@ -11,7 +11,7 @@ tests. ``correct`` (ran, every check passed), ``wrong`` (a check failed: a FAIL 
 erroring test, an INVALID benchmark row, a self-check warning), ``failed`` (a benchmark case raised
 or ran out of time: its traceback is in the log), ``not run`` (no result: skipped, unavailable, out
 of time), ``info`` (a measurement that is not a promise: exact == vanilla tokens on a GPU, where
-the verify and denoise forwards run other tiles and GEMM kernels and near-ties may flip, README).
+the verify and denoise forwards run other tiles and GEMM kernels and near-ties may flip, docs/exactness.md).
 Ratios are medians over the benchmark cases with valid rows of both providers (time of the first
 / time of the second: < 1 means faster). Exit status 1 when a path is wrong or failed or a step
 did not pass.

@@ -350,7 +350,7 @@ MUTANTS = [
     m("hang", "simsd/engine/scheduler.py", "if req.forward_requests <= limit:",
       "if req.forward_requests <= limit * 10 ** 9:", PROGRESS,
       note="the scheduler's bound on a row's requests removed: a program that never finishes loops"),
-    # counters (issue 13 item 6; README "Statistics") ---------------------------------------------------
+    # counters (issue 13 item 6; docs/statistics.md) ---------------------------------------------------
     m("counters", SR, "proposals = self.verifier.acceptance_order(tau, draft.n)",
       "proposals = self.verifier.acceptance_order(tau, taken)", COUNTERS,
       note="proposed counts only the steps a round took (the draft steps after a rejection dropped)"),

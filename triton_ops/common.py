@@ -109,7 +109,7 @@ def dot(a, b, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     is the same bits on every CPU. ``tl.dot`` there would be ``np.matmul``, i.e. the BLAS, whose
     sgemm kernels may round a row differently by its place in the tile (OpenBLAS's Haswell kernel
     does, its SkylakeX kernel does not). A GPU's ``tl.dot`` sums in another order (these bits are
-    not promised there; README "What exact means"); ``tests/kernels/test_tile_dot.py`` checks
+    not promised there; docs/exactness.md "What is tested"); ``tests/kernels/test_tile_dot.py`` checks
     the order.
     """
     if UPCAST:

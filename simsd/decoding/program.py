@@ -133,7 +133,7 @@ class RowProgram:
         return finish(self.generated, self.stop_ids, self.cfg.max_new_tokens)
 
     def stats_for(self, n: int, seconds: float) -> dict:
-        """The row's statistics after ``n`` returned tokens in ``seconds`` of decoding (README,
+        """The row's statistics after ``n`` returned tokens in ``seconds`` of decoding (docs/statistics.md,
         "Statistics"): ``mode, new_tokens, cut_tokens`` (decoded after a stop or past the budget,
         not returned), ``decode_seconds, tokens_per_second, target_forwards,
         target_forwards_per_token, prefill_forwards, blocks``."""

@@ -15,7 +15,7 @@ The rows are bounded by the engine (``max_batch_size`` rows of ``capacity`` toke
 KV memory); the waiting requests by ``max_waiting`` (beyond it :meth:`Scheduler.submit`
 raises :class:`QueueFull`, or blocks when asked to). A request's program only ever sees its
 own row, its own prefill and its own seed (stateless keyed noise), so its tokens do not depend on what
-else is in flight (in float32/float64; see "Batch invariance" in the README).
+else is in flight (in float32/float64; docs/exactness.md "Batch invariance").
 
 Faults stay with their request: an exception raised by a row program fails that request
 only, as does a program that issues more forward requests than one that progresses can
@@ -28,7 +28,7 @@ Time: :meth:`Scheduler.decode_clock` is a clock that stands still while prompts 
 inside it and the rounds' device time outside). A request's ``decode_seconds`` is the time
 of that clock from its admission to its end: the rounds it took part in (shared with the
 requests in flight), no prefill, its own or another's. Over a run, the clock's span from the
-first admission to the last end is the run's decode time (README, "Statistics").
+first admission to the last end is the run's decode time (docs/statistics.md "Decode time").
 
 The scheduler is the one driver of row programs: the batch decoders run their prompts through
 it on the calling thread (:func:`run_requests`), :class:`simsd.LLM` on its own thread or the
@@ -430,7 +430,7 @@ class Scheduler:
 def decode_span(requests) -> float:
     """The decode time of a run of requests of one scheduler (anything with a
     ``decode_interval``): the span of the decode clock from the first admission to the last
-    end; prefills excluded (README, "Statistics")."""
+    end; prefills excluded (docs/statistics.md "Decode time")."""
     spans = [r.decode_interval for r in requests if r.decode_interval is not None]
     return max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
 

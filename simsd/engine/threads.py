@@ -6,7 +6,7 @@ it is not faster on an idle machine, and any other load on the cores makes it ma
 (threads wait for each other at every operator). simsd therefore runs models below
 ``SMALL_MODEL_PARAMS`` parameters with one thread and larger ones with every core, unless told
 otherwise: ``--threads N`` (or ``threads=N``) wins, then ``OMP_NUM_THREADS`` (read by torch at
-start-up), then this rule. Measured on the bundled pair: README, "CPU threads".
+start-up), then this rule. Measured on the bundled pair: docs/cli.md "CPU threads".
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ before the first round, so the rounds, and which rows share each forward, are th
 every run (``simsd generate`` and ``simsd bench`` run this way, as do tensor-parallel ranks,
 which must run the same forwards). Every request runs its row program (vanilla decoding, or
 SimSD's rounds) with the keyed noise of its own seed, so its output does not depend on what
-else is in flight (float32/float64; see "Batch invariance" in the README).
+else is in flight (float32/float64; docs/exactness.md "Batch invariance").
 """
 from __future__ import annotations
 

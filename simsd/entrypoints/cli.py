@@ -104,7 +104,7 @@ _PROMPTS = _SOURCES + ("raw", "limit")
 _REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
             "draft_strategy", "draft_threshold")
 _SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "paper_variant")
-#: the options of running on Ray (README "Scaling out"), per command
+#: the options of running on Ray (docs/scaling.md), per command
 _RAY = {"generate": ("ray", "num_workers"), "eval": ("ray", "num_workers"),
         "serve": ("ray", "replicas", "max_replicas")}
 #: each command's options, by help group, and the defaults that differ from the settings'
@@ -344,7 +344,7 @@ def check_ray_options(args) -> None:
         raise ParamError(given[0], f"{opt(given[0])} applies to Ray runs: add {opt('ray')}")
     if ray and args.engine.tp > 1:
         raise ParamError("tp", f"{opt('tp')} {args.engine.tp} with {opt('ray')}: a Ray worker or replica is one "
-                               f"process (tensor parallelism over torchrun: README \"Scaling out\")")
+                               f"process (tensor parallelism over torchrun: docs/scaling.md)")
     high = getattr(args, "max_replicas", None)
     if high is not None and high < args.replicas:
         raise ParamError("max_replicas", f"{opt('max_replicas')} {high} is below {opt('replicas')} {args.replicas}")

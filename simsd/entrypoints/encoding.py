@@ -4,7 +4,7 @@ the Python API (:class:`~simsd.entrypoints.api.LLM`), the server and the command
 Prompt forms: a string (encoded as it is, no chat template), a list of chat messages
 (``[{"role": ..., "content": ...}, ...]``, rendered by the checkpoint's chat template with the
 generation prompt, then encoded) or a list of token ids (used as they are). A prompt never
-changes (README, "Prompts never change"): a text that spells the mask token is refused here,
+changes (docs/cli.md "Prompts never change"): a text that spells the mask token is refused here,
 naming the character; ids that hold the mask id are refused by
 :func:`simsd.decoding.config.check_prompt`, naming the token.
 

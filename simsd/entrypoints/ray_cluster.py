@@ -1,4 +1,4 @@
-"""What the Ray entry points share (README "Scaling out"): the check that Ray is installed, the
+"""What the Ray entry points share (docs/scaling.md): the check that Ray is installed, the
 connection to a Ray cluster, and the resources one LLM (a Ray Data worker, a Ray Serve replica)
 asks Ray for. Ray is an optional extra (``pip install 'simsd[ray]'``), imported only here and in
 :mod:`~simsd.entrypoints.ray_data` / :mod:`~simsd.entrypoints.ray_serve`, only with ``--ray``."""

@@ -1,4 +1,4 @@
-"""Ray Data: ``simsd generate --ray`` and ``simsd eval --ray`` (README "Scaling out").
+"""Ray Data: ``simsd generate --ray`` and ``simsd eval --ray`` (docs/scaling.md).
 
 A prepared run (:class:`~simsd.entrypoints.commands.Run`: options, checkpoints and prompts
 checked, no weights loaded) is fanned over ``--num-workers`` Ray actors with

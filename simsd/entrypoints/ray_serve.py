@@ -1,4 +1,4 @@
-"""Ray Serve: ``simsd serve --ray --replicas N`` (README "Scaling out").
+"""Ray Serve: ``simsd serve --ray --replicas N`` (docs/scaling.md).
 
 One replica is one :class:`~simsd.entrypoints.api.LLM` (its own rows, devices and resources:
 :func:`~simsd.entrypoints.ray_cluster.llm_resources`) serving the app of

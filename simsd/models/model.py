@@ -26,8 +26,8 @@ of the same call on the same data wherever the unit sits. Attention is invariant
 backend (:mod:`simsd_kernels.torch_backend` computes each group of tokens over exactly its visible
 keys); with ``invariant`` the Triton and CUDA kernels get
 ``shape_invariant=True``: a split plan (query tile, split count and boundaries) that depends on
-the cache capacity and the device only, not on the query length or the batch (see the README
-for what is tested and what is not promised).
+the cache capacity and the device only, not on the query length or the batch (docs/exactness.md
+"What is tested" says what is tested and what is not promised).
 """
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ def speculative_generate(target, draft, prompt_ids: list, cfg: DecodeConfig, spe
     described or as released, ``spec.paper_variant``).
 
     ``target``/``draft`` are :class:`simsd.models.loading.Checkpoint` objects sharing a tokenizer.
-    ``stats`` adds to vanilla's (see :class:`simsd.speculative.spec_row.Stats` and the README's
+    ``stats`` adds to vanilla's (see :class:`simsd.speculative.spec_row.Stats` and docs/statistics.md,
     "Statistics"): ``proposed`` (every token the draft revealed in every verified step),
     ``accepted``, ``acceptance_rate`` (accepted / proposed), ``target_tokens`` (chosen by the
     target; ``accepted + target_tokens = new_tokens + cut_tokens``), ``from_draft`` (returned

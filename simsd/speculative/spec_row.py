@@ -24,7 +24,7 @@ from .verifiers import Round, Verdict
 
 
 class Stats:
-    """A row's verification counters (README, "Statistics"):
+    """A row's verification counters (docs/statistics.md):
 
     * ``proposed``: draft tokens put to the target, i.e. every token the draft revealed in every
       verified draft step, rejected steps included;
@@ -285,7 +285,7 @@ class SpecRow(RowProgram):
 
     # -- statistics ----------------------------------------------------------------------
     def stats_for(self, n: int, seconds: float) -> dict:
-        """Vanilla's statistics (:meth:`RowProgram.stats_for`) and the SimSD counters (README,
+        """Vanilla's statistics (:meth:`RowProgram.stats_for`) and the SimSD counters (docs/statistics.md,
         "Statistics"): ``from_draft`` (returned tokens that came from the draft),
         ``draft_share``, ``draft_forwards``, ``draft_forwards_per_token``, ``gamma`` and
         :class:`Stats`."""

@@ -109,7 +109,7 @@ def test_summary_of_an_empty_run(tmp_path):
 
 
 def test_exact_differing_from_vanilla_is_information_not_a_failure(tmp_path):
-    """README: on a GPU the verify and denoise forwards run other tiles and GEMM kernels, so near-ties
+    """docs/exactness.md: on a GPU the verify and denoise forwards run other tiles and GEMM kernels, so near-ties
     may flip; the count is reported, the correctness verdicts come from the checks and tests."""
     ds = load("device_summary")
     _write(tmp_path / "e2e.jsonl", [dict(kind="tokens_per_second", pair="p", mode=m, prompts=8, case=m,

@@ -231,7 +231,7 @@ def test_cli_tp2_refusal_is_one_line_exit_2():
 
 
 def test_torchrun_two_nodes_equal_one_process(tmp_path):
-    """Multi-node TP as README "Scaling out" launches it, on one machine: two ``torchrun --nnodes 2
+    """Multi-node TP as docs/scaling.md launches it, on one machine: two ``torchrun --nnodes 2
     --nproc-per-node 1 --node-rank {0,1}`` launches over loopback (gloo), rendezvous at
     127.0.0.1, each joining the group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR`` ...). Sampled exact mode with the bundled pair, 3 prompts in rows of 2:

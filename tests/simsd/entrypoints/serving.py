@@ -34,11 +34,21 @@ def single_text(llm, ids, params, seed=0) -> tuple:
     return llm.tokenizer.decode(ids_out[:-1] if stop else ids_out), ids_out
 
 
+def doc_blocks(doc: str, heading: str, lang: str) -> list:
+    """The ``lang`` code blocks of the section ``heading`` (a ``#`` heading of any level, up to the
+    next heading of the same or a higher level) of ``doc`` (a path from the repository root, e.g.
+    ``README.md`` or ``docs/api.md``): its examples, as written."""
+    text = (Path(__file__).resolve().parents[3] / doc).read_text()
+    m = re.search(rf"^(#+) {re.escape(heading)}\n", text, re.M)
+    assert m, f"{doc} has no section {heading!r}"
+    rest = text[m.end():]
+    end = re.search(rf"^#{{1,{len(m.group(1))}}} ", rest, re.M)
+    return re.findall(rf"```{lang}\n(.*?)```", rest[:end.start()] if end else rest, re.S)
+
+
 def readme_blocks(heading: str, lang: str) -> list:
-    """The ``lang`` code blocks of the README's section ``## heading``: its examples, as written."""
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)
+    """The ``lang`` code blocks of the README's section ``heading``: its examples, as written."""
+    return doc_blocks("README.md", heading, lang)
 
 
 def wait_for(cond, seconds: float = 60.0) -> bool:

@@ -8,7 +8,7 @@ import simsd
 from simsd import LLM, ParamError, SamplingParams
 from simsd.decoding.config import DecodeConfig, check_prompt
 from simsd.decoding.sampling import SamplingParams as StepSampling
-from tests.simsd.entrypoints.serving import readme_blocks, single, wait_for
+from tests.simsd.entrypoints.serving import doc_blocks, readme_blocks, single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
            [{"role": "user", "content": "How many subsets does a set of 5 elements have?"}],
@@ -242,8 +242,10 @@ def test_requests_after_shutdown_say_the_llm_was_shut_down(llms):
 def test_the_readme_api_example_shows_text(llms, capsys):
     """The README's Python API example, run as written with the bundled pair (greedy outputs and
     a seeded stream): every output and the stream have text (issue 21: its chat prompt "Reverse a
-    list." answered "", its stop token first; the README says so, checked here too)."""
+    list." answered "", its stop token first; the README says so, checked here too). docs/api.md
+    shows the same example."""
     (code,) = readme_blocks("Python API", "python")
+    assert doc_blocks("docs/api.md", "Python API", "python") == [code]
     space = {}
     exec(code, space)
     outs = space["outs"]

@@ -1,4 +1,4 @@
-"""Ray (README "Scaling out"): ``--ray`` without Ray is a one-line error naming the package;
+"""Ray (docs/scaling.md): ``--ray`` without Ray is a one-line error naming the package;
 Ray Data workers (``simsd generate/eval --ray --num-workers 2``) write what one process writes,
 in the input order, with the same tokens for the same seeds; Ray Serve replicas (``simsd serve
 --ray``) answer as one server does.

@@ -16,7 +16,13 @@ pytest.importorskip("fastapi")
 from simsd import LLM, SamplingParams  # noqa: E402
 from simsd.entrypoints.server import build_app  # noqa: E402
 from simsd.speculative.spec_row import SpecRow  # noqa: E402
-from tests.simsd.entrypoints.serving import readme_blocks, running_server, single_text, wait_for  # noqa: E402
+from tests.simsd.entrypoints.serving import (  # noqa: E402
+    doc_blocks,
+    readme_blocks,
+    running_server,
+    single_text,
+    wait_for,
+)
 
 NAME = "tiny-sdar-target"
 TIMEOUT = 120
@@ -44,8 +50,10 @@ def client(url):
 def test_the_readme_server_examples_show_text(url, capsys):
     """The README's first requests to ``simsd serve`` (the curl body, the openai client's stream),
     run as written against the bundled pair: both answer text (issue 21: a first curl that
-    returned "" read as a broken server)."""
-    (curl,), (client_code,) = readme_blocks("Serve", "bash"), readme_blocks("Serve", "python")
+    returned "" read as a broken server). docs/serving.md shows the same examples."""
+    (curl,), (client_code,) = readme_blocks("Server", "bash"), readme_blocks("Server", "python")
+    assert doc_blocks("docs/serving.md", "Serving", "bash") == [curl]
+    assert doc_blocks("docs/serving.md", "Serving", "python") == [client_code]
     path = re.search(r"localhost:8000(/v1/\S+) ", curl).group(1)
     r = httpx.post(url + path, json=json.loads(re.search(r"-d '(.*)'", curl).group(1)), timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].strip(), r.text

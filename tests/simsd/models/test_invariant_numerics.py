@@ -126,7 +126,7 @@ def test_folded_commit_and_shared_prefix(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_triton_interpreter(dtype):
     """The same equality through the Triton kernels (interpreted on the CPU; a GPU run may round
-    differently, see the README)."""
+    differently, see docs/exactness.md "What is tested")."""
     pytest.importorskip("triton")
     from simsd_kernels.backends import resolve_backend
     try:

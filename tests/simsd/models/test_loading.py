@@ -249,7 +249,7 @@ def test_stop_ids_are_the_union_of_generation_config_and_config(ck):
 
 
 def test_generation_config_sampling_fields_are_named_as_ignored(ck):
-    """generation_config.json's temperature / top_p / top_k / do_sample are not applied (README,
+    """generation_config.json's temperature / top_p / top_k / do_sample are not applied (docs/checkpoints.md,
     "Checkpoints"): the checkpoint reports them and a run names them once."""
     import warnings
 

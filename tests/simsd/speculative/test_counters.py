@@ -1,6 +1,6 @@
 """What the statistics of a run mean, checked on hand-computed cases and by the invariants
 between counters, in every mode (vanilla, paper, exact), greedy and sampling, with stops inside
-an accepted prefix (README, "Statistics").
+an accepted prefix (docs/statistics.md "Invariants").
 
 Hand-checked cases use *context-free* models: attention and MLP write nothing back (o_proj and
 down_proj are zero), so the logits at a position depend only on the token there. Every MASK
