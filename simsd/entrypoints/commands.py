@@ -3,7 +3,7 @@ Python API (:class:`~simsd.entrypoints.api.LLM`), which turns the options into t
 
 A run is prepared in an order that fails early and cheaply (:func:`prepare`): option values
 and combinations (:func:`simsd.entrypoints.cli.check_options`), the prompt sources (read, not
-encoded), then as the API checks an engine (:func:`simsd.entrypoints.api.check_engine`)
+encoded), then as the API checks an engine (:func:`simsd.entrypoints.builder.check_engine`)
 devices, attention backends, the checkpoints' small files and tensor headers (no weights), the
 block length, then the request settings against them (:func:`simsd.entrypoints.settings.resolve`,
 as for every request of the API), every prompt (encoded as the API encodes it,
@@ -27,7 +27,8 @@ import torch
 from ..decoding.choices import ParamError, opt
 from ..decoding.config import DecodeConfig
 from ..models.loading import CheckpointInfo
-from .api import LLM, check_engine
+from .api import LLM
+from .builder import check_engine
 from .errors import SimsdWarning
 from .settings import SEED_MAX, EngineArgs, SamplingParams, resolve
 
@@ -130,7 +131,7 @@ def vanilla_params(params: SamplingParams) -> SamplingParams:
 @dataclass
 class Run:
     """A prepared run: everything checked, nothing but small files read. ``config``: the
-    engine's settings as :func:`~simsd.entrypoints.api.check_engine` resolved them."""
+    engine's settings as :func:`~simsd.entrypoints.builder.check_engine` resolved them."""
     args: object
     modes: list
     config: EngineArgs

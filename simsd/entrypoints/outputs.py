@@ -102,8 +102,10 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self._queue: queue.Queue | None = None if listener is not None else queue.Queue()
         self._done = threading.Event()
-        self._request: Request | None = None
-        self._program = None  # the row program (a simsd.decoding.program.RowProgram), once admitted
+        #: the scheduler's :class:`~simsd.engine.scheduler.Request` (set by the request builder)
+        self.request: Request | None = None
+        #: the row program (a :class:`~simsd.decoding.program.RowProgram`), once admitted
+        self.program = None
 
     @property
     def done(self) -> bool:
@@ -111,9 +113,9 @@ class RequestHandle:
 
     def cancel(self) -> bool:
         """Cancel the request (its row is freed before the next round). False if it had ended."""
-        if self.done or self._request is None:
+        if self.done or self.request is None:
             return False
-        return self.llm.scheduler.cancel(self._request)
+        return self.llm.driver.cancel(self.request)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Wait for the output.
@@ -124,7 +126,7 @@ class RequestHandle:
             RequestError: the request failed (``__cause__``: why).
             RequestCancelled: it was cancelled.
         """
-        self.llm._drive(lambda: self.done)
+        self.llm.driver.drive(lambda: self.done)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
         if self.error is not None or self.cancelled:
@@ -137,7 +139,7 @@ class RequestHandle:
         if self._queue is None:
             raise RuntimeError("this request reports its events to its listener")
         while True:
-            self.llm._drive(lambda: not self._queue.empty())
+            self.llm.driver.drive(lambda: not self._queue.empty())
             try:
                 kind, payload = self._queue.get(timeout=timeout)
             except queue.Empty:
@@ -156,7 +158,8 @@ class RequestHandle:
         except Exception:
             log.exception("simsd: the listener of request %s raised", self.request_id)
 
-    def _on_block(self, new_ids: list) -> bool:
+    def on_block(self, new_ids: list) -> bool:
+        """A finished block's ids (the row program's ``on_block``): True ends the generation."""
         before = len(self.stream.token_ids)
         text = self.stream.push(new_ids)
         kept = self.stream.token_ids[before:]
@@ -166,24 +169,25 @@ class RequestHandle:
             self._emit("delta", (text, kept))
         return self.stream.finished
 
-    def _on_finish(self, req: Request) -> None:
+    def on_finish(self, req: Request) -> None:
+        """The request ended (the scheduler's ``on_finish``): its final event."""
         if req.cancelled:
             self.cancelled = True
-            self.llm._count(self, "cancelled")
+            self.llm.totals.count(self, "cancelled")
             self._emit("cancelled", None)
         elif req.error is not None:
             self.error = req.error
-            self.llm._count(self, "error")
+            self.llm.totals.count(self, "error")
             self._emit("error", req.error)
         else:
             try:
                 self.output = self._output(req)
             except Exception as exc:  # a fault in the bookkeeping stays with this request too
                 self.error = exc
-                self.llm._count(self, "error")
+                self.llm.totals.count(self, "error")
                 self._emit("error", exc)
             else:
-                self.llm._count(self, self.output.finish_reason)
+                self.llm.totals.count(self, self.output.finish_reason)
                 self._emit("done", self.output)
         self._done.set()
 
@@ -191,7 +195,7 @@ class RequestHandle:
         rest = self.stream.finish()
         if rest:
             self._emit("delta", (rest, []))
-        stats = self._program.stats_for(len(self.stream.token_ids), req.decode_seconds)
+        stats = self.program.stats_for(len(self.stream.token_ids), req.decode_seconds)
         stats["batch_size"] = self.llm.batch_size
         stats["queue_seconds"] = req.admitted - req.arrived
         stats["time_to_first_token"] = (None if self.first_token_at is None

@@ -97,7 +97,7 @@ class EngineSize:
 
 def engine_models(config, infos: dict) -> dict:
     """``{role: (config, dtype, device, dense_attention)}`` of the models an LLM of ``config``
-    (resolved by :func:`~simsd.entrypoints.api.check_engine`) runs, as they will be once loaded:
+    (resolved by :func:`~simsd.entrypoints.builder.check_engine`) runs, as they will be once loaded:
     a loaded checkpoint keeps its dtype, device and backend; a tensor-parallel target caches its
     share of the KV heads."""
     import dataclasses

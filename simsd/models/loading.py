@@ -256,7 +256,7 @@ def _ids(value, where: Path, field: str) -> list:
 
 
 #: the sampling fields of ``generation_config.json`` simsd does not apply (named once per run:
-#: :func:`simsd.entrypoints.api.run_warnings`); a request's own settings decide
+#: :func:`simsd.entrypoints.builder.run_warnings`); a request's own settings decide
 GENERATION_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k")
 
 

@@ -105,7 +105,7 @@ def long_ck():
 def test_cli_refuses_a_run_that_cannot_fit_before_loading(long_ck, capsys, monkeypatch):
     """15.10: exact mode with a block length of 4000 needs a (gamma + 2) x B cache margin and a
     verify forward of gamma x B query tokens; refused with the estimate and what would fit."""
-    import simsd.entrypoints.api as api
+    import simsd.entrypoints.builder as api
     monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
     monkeypatch.setattr(api, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     code = main(["generate", "--target", long_ck, "--draft", long_ck, "--mode", "exact", "--block-length", "4000",
@@ -168,7 +168,7 @@ def test_threads_option_sets_torch(capsys, monkeypatch):
 
 # -- the LLM and simsd serve: refused before any weight loads ----------------------------------
 def _no_loading(monkeypatch):
-    import simsd.entrypoints.api as api
+    import simsd.entrypoints.builder as api
     monkeypatch.setattr(api, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
 
 
@@ -190,7 +190,7 @@ def test_llm_refuses_weights_that_do_not_fit_before_loading(monkeypatch):
 
 def _engine_need(path, **settings) -> int:
     """Bytes (margin and reserve included) an LLM of ``settings`` needs, as its check computes them."""
-    from simsd.entrypoints.api import check_engine
+    from simsd.entrypoints.builder import check_engine
     from simsd.entrypoints.resources import engine_size, llm_estimate
     from simsd.entrypoints.settings import EngineArgs
     config, infos = check_engine(EngineArgs(target=path, **settings))

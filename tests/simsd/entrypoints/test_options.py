@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import simsd.entrypoints.api as api
+import simsd.entrypoints.builder as builder
 import simsd.entrypoints.commands as commands
 from simsd.decoding.choices import draft_settings
 from simsd.entrypoints.cli import build_parser, main
@@ -20,11 +20,11 @@ def ck():
 @pytest.fixture()
 def no_loading(monkeypatch):
     """Fail the test if any checkpoint file is read (for errors that must come first): the
-    command line reads checkpoints through the API's checks (api.check_engine)."""
+    command line reads checkpoints through the API's checks (builder.check_engine)."""
     def boom(*a, **k):
         raise AssertionError("a checkpoint was read before the options were checked")
-    monkeypatch.setattr(api, "read_checkpoint", boom)
-    monkeypatch.setattr(api, "load_checkpoint", boom)
+    monkeypatch.setattr(builder, "read_checkpoint", boom)
+    monkeypatch.setattr(builder, "load_checkpoint", boom)
 
 
 def run(capsys, *argv):
@@ -116,7 +116,7 @@ def test_options_that_would_do_nothing_are_refused(capsys, no_loading, flags, ne
 
 
 def test_block_dependent_ranges_before_any_weight(ck, capsys, monkeypatch):
-    monkeypatch.setattr(api, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(builder, "load_checkpoint", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     assert "--steps must be in [1, 4] (the block length), got 9" in error_of(
         capsys, "generate", "--target", ck, "--prompt-ids", "5,6", "--steps", "9")
     assert "--gamma 5 exceeds the block length 4" in error_of(

@@ -182,7 +182,7 @@ def test_a_taken_port_fails_before_the_models_load(capsys, monkeypatch):
     pytest.importorskip("fastapi")
     import socket
 
-    import simsd.entrypoints.api as api
+    import simsd.entrypoints.builder as api
 
     def boom(*a, **k):
         raise AssertionError("a checkpoint was read before the port was checked")

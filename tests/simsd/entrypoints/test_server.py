@@ -552,14 +552,14 @@ def test_a_body_over_the_limit_is_413(llm):
 def test_tokenization_runs_off_the_event_loop(llm, url, monkeypatch):
     """A request's prompt is encoded and checked in a worker thread: while one is held inside
     its encoding (a scripted stall, no timing), /health and another request are answered."""
-    real, held, release = llm._encode, threading.Event(), threading.Event()
+    real, held, release = llm.requests.encode, threading.Event(), threading.Event()
 
     def encode(prompt):
         if prompt == "stall here":
             held.set()
             assert release.wait(TIMEOUT)
         return real(prompt)
-    monkeypatch.setattr(llm, "_encode", encode)
+    monkeypatch.setattr(llm.requests, "encode", encode)
     with httpx.Client(base_url=url, timeout=TIMEOUT) as h, ThreadPoolExecutor(1) as pool:
         stalled = pool.submit(h.post, "/v1/completions", json={"model": NAME, "prompt": "stall here", "max_tokens": 2})
         assert held.wait(TIMEOUT)
