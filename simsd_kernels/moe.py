@@ -45,7 +45,7 @@ CHECK_CASES = ((37, 96, 80, 8, 3), (70, 128, 64, 16, 2))
 MAX_ERR_FACTOR, MEAN_ERR_FACTOR = 1.5, 1.25
 _VERDICTS: dict = {}  # (device, dtype) -> CheckResult
 _WARNED: set = set()
-_RESOLVED: dict = {}  # (requested, device, dtype, trusted) -> "triton" | "torch" (a lookup per call)
+_RESOLVED: dict = {}  # (requested, device, dtype, trusted) -> ("triton" | "torch", why) (a lookup per call)
 
 
 def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
@@ -183,6 +183,14 @@ def resolve_moe_backend(requested: str, device, dtype) -> str:
         ValueError: an unknown name; ``triton`` unavailable on the device or for the dtype.
         BackendCheckError: ``triton`` failed its self-check.
     """
+    return moe_backend_choice(requested, device, dtype)[0]
+
+
+def moe_backend_choice(requested: str, device, dtype) -> tuple:
+    """``(name, why)``: what :func:`resolve_moe_backend` chooses, and why it is ``torch`` (empty for
+    ``triton``): ``"the 'torch' backend was requested"``, or why ``auto`` did not use ``triton`` (the
+    device type, Triton's availability, the dtype, the self-check's failure). Raises as
+    :func:`resolve_moe_backend`; cached per ``(requested, device, dtype, trusted)``."""
     key = (requested, device, dtype, trusted())
     hit = _RESOLVED.get(key)
     if hit is None:
@@ -190,11 +198,13 @@ def resolve_moe_backend(requested: str, device, dtype) -> str:
     return hit
 
 
-def _resolve(requested: str, device: torch.device, dtype) -> str:
+def _resolve(requested: str, device: torch.device, dtype) -> tuple:
     if requested not in MOE_BACKENDS:
         raise ValueError(f"fused_moe: backend must be one of {MOE_BACKENDS}, got {requested!r}")
-    if requested == "torch" or (requested == "auto" and device.type != "cuda"):
-        return "torch"
+    if requested == "torch":
+        return "torch", "the 'torch' backend was requested"
+    if requested == "auto" and device.type != "cuda":
+        return "torch", f"auto uses triton on CUDA devices only, not on {device}"
     ok, why = triton_availability(device)
     if ok and dtype not in MOE_DTYPES:
         ok, why = False, f"dtype {dtype} is not one of {MOE_DTYPES}"
@@ -204,15 +214,16 @@ def _resolve(requested: str, device: torch.device, dtype) -> str:
         if not ok and requested == "triton":
             raise BackendCheckError(f"fused MoE backend 'triton' failed its self-check on {device} for {dtype}: {why} "
                                     f"(SIMSD_TRUST_BACKENDS=1 skips the check)")
+        why = "" if ok else f"triton failed its self-check: {why}"
     if ok:
-        return "triton"
+        return "triton", ""
     if requested == "triton":
         raise ValueError(f"fused MoE backend 'triton' cannot run on {device}: {why}")
     if (device, dtype) not in _WARNED:
         _WARNED.add((device, dtype))
         warnings.warn(f"simsd: fused MoE backend 'triton' is not used on {device} for {dtype}: {why}; using torch",
-                      BackendCheckWarning, stacklevel=3)
-    return "torch"
+                      BackendCheckWarning, stacklevel=4)
+    return "torch", why
 
 
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, backend: str = "auto") -> torch.Tensor:
