@@ -27,7 +27,7 @@ when a row fails.
 
 The fused MoE experts (:mod:`simsd_kernels.moe`) follow as ``# fused MoE`` lines: for ``triton``
 (when chosen and available) and ``auto``, per chosen dtype, the op's self-check on the device
-(two small cases against float64) and the backend ``auto`` resolves to; a failure makes the exit
+(four small cases against float64, every tile height) and the backend ``auto`` resolves to; a failure makes the exit
 status 1. They are not ``--json`` rows.
 
 A user with a GPU runs this first; ``bench/device_run.sh`` runs the full matrix.

@@ -18,8 +18,8 @@ the CPU path: one grouped product per expert that holds any pair), ``triton`` (t
 of :mod:`triton_ops.fused_moe`: sort by expert, grouped GEMMs, combine; CUDA, or the CPU under
 ``TRITON_INTERPRET=1``), ``auto`` (``triton`` on a CUDA device once it passed its self-check
 there, else ``torch``; the interpreter is never chosen automatically). Self-check
-(:func:`check_fused_moe`): the first time a backend would run a dtype on a device, it runs two
-small cases against float64 on that device; its max error may be at most 1.5x the torch path's
+(:func:`check_fused_moe`): the first time a backend would run a dtype on a device, it runs four
+small cases against float64 on that device (:data:`CHECK_CASES`: every tile height the kernels use); its max error may be at most 1.5x the torch path's
 at the same dtype, its mean error 1.25x, plus the attention check's floors (the kernels round
 less than the torch path, SiLU-and-mul in fp32: measured under the interpreter their errors are
 0.5-0.8x the torch path's; a 1% scale error in bfloat16 reaches about 2x in the mean). A failure makes ``auto`` warn
@@ -38,9 +38,12 @@ from .selfcheck import ERR_FLOOR, MEAN_ERR_FLOOR, CheckResult
 
 MOE_BACKENDS = ("auto", "triton", "torch")
 MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: the self-check's cases: (tokens, hidden, expert width, experts, top-k); the second has one
-#: expert with more pairs than a tile (two tiles) and experts without any
-CHECK_CASES = ((37, 96, 80, 8, 3), (70, 128, 64, 16, 2))
+#: the self-check's cases: (tokens, hidden, expert width, experts, top-k), one or more per tile
+#: height the kernels choose (``triton_ops.ops.moe_block_m``: 16, 16, 32, 64 rows; 32 and 64 are the
+#: prefill and batched-decode tiles, 64 the only wgmma one). In every case expert 0 takes more pairs
+#: than a tile (two tiles), the last expert none, and the 32- and 64-row tiles hold pairs past row 16
+#: and 32; hidden sizes and widths are not multiples of the kernels' 64 / 32 blocks
+CHECK_CASES = ((37, 96, 80, 8, 3), (70, 128, 64, 16, 2), (64, 80, 48, 6, 2), (100, 96, 40, 4, 2))
 #: the bounds: max and mean error at most these multiples of the torch path's, plus the floors
 MAX_ERR_FACTOR, MEAN_ERR_FACTOR = 1.5, 1.25
 _VERDICTS: dict = {}  # (device, dtype) -> CheckResult
