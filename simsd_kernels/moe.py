@@ -19,12 +19,12 @@ of :mod:`triton_ops.fused_moe`: sort by expert, grouped GEMMs, combine; CUDA, or
 ``TRITON_INTERPRET=1``), ``auto`` (``triton`` on a CUDA device once it passed its self-check
 there, else ``torch``; the interpreter is never chosen automatically). Self-check
 (:func:`check_fused_moe`): the first time a backend would run a dtype on a device, it runs four
-small cases against float64 on that device (:data:`CHECK_CASES`: every tile height the kernels use); its max error may be at most 1.5x the torch path's
-at the same dtype, its mean error 1.25x, plus the attention check's floors (the kernels round
-less than the torch path, SiLU-and-mul in fp32: measured under the interpreter their errors are
-0.5-0.8x the torch path's; a 1% scale error in bfloat16 reaches about 2x in the mean). A failure makes ``auto`` warn
-once and use ``torch``, and an explicit ``triton`` raise; ``SIMSD_TRUST_BACKENDS=1`` skips the
-check.
+small cases against float64 on that device (:data:`CHECK_CASES`: every tile height the kernels
+use); its max error may be at most 1.5x the torch path's at the same dtype, its mean error 1.25x,
+plus the attention check's floors (the kernels round less than the torch path, SiLU-and-mul in
+fp32: measured under the interpreter their errors are 0.5-0.8x the torch path's; a 1% scale error
+in bfloat16 reaches about 2x in the mean). A failure makes ``auto`` warn once and use ``torch``,
+and an explicit ``triton`` raise; ``SIMSD_TRUST_BACKENDS=1`` skips the check.
 """
 from __future__ import annotations
 
