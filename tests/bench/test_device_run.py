@@ -51,6 +51,26 @@ def test_the_test_a_crash_killed_and_the_shards_of_each_group():
     assert sorted(x for g, ids in shards if g == "big" for x in ids) == sorted(f"b{i}" for i in range(9))
 
 
+def test_shards_are_dealt_by_cost_not_count():
+    """Issue 34 item 4: the device run's groups (460 CUDA tests of a launch each, 144 Triton tests of
+    a cold compile each, 14 engine tests of a model each) over 12 processes: by count the Triton group
+    got 2 shards of 72 compiles; by cost every shard's estimate stays near the smallest possible."""
+    dt = load("device_tests")
+    ids = {"cuda": [f"c{i}" for i in range(460)], "triton": [f"t{i}" for i in range(144)],
+           "engine": [f"e{i}" for i in range(14)]}
+    cost = {"cuda": 0.05, "triton": 1.0, "engine": 8.0}
+    shards = dt.deal(ids, 12, cost)
+    share = {g: sum(1 for name, _ in shards if name == g) for g in ids}
+    assert share == {"cuda": 1, "triton": 6, "engine": 5}, share
+    longest = max(len(nids) * cost[g] for g, nids in shards)
+    assert longest <= 24.0, longest  # seconds (estimated): the Triton shards' 24 tests, not 72
+    for g in ids:  # every test dealt once
+        assert sorted(x for name, nids in shards if name == g for x in nids) == sorted(ids[g])
+    assert len(dt.deal({"few": ["a", "b"]}, 12, {"few": 5.0})) == 2, "never more shards than tests"
+    with pytest.raises(SystemExit):
+        dt.parse_args(["--log-dir", "x", "--group", "g=tests", "--cost", "h=2"])  # no such group
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
