@@ -51,7 +51,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -212,11 +211,9 @@ def build_providers(names_filter, failed=None):
 def environment(device):
     import torch
     import triton
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        sha = ""
+
+    from simsd.entrypoints.bench import git_sha
+    sha = git_sha()  # $SIMSD_GIT_SHA on a copy without .git
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu-smoke"
     return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 git_sha=sha, time=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -25,6 +25,8 @@ import sys
 
 TEST_GROUPS = {"cuda-kernels": "tests: CUDA kernels",
                "triton-kernels": "tests: Triton kernels (GPU-compiled), ops",
+               "door": "tests: door (attention + append, opcheck)",
+               "fused-moe": "tests: fused MoE (16/32/64-row tiles)",
                "engine": "tests: engine (graphs == eager, host reads)"}
 #: warnings printed when a backend or a CUDA graph fails its self-check during a run
 CHECK_WARNINGS = ("BackendCheckWarning", "GraphCheckWarning", "BackendCheckError")
