@@ -7,11 +7,13 @@
 # pack: logs.tar.gz, everything under $LOGS, replaced atomically (a run cut mid-way keeps the last
 # one). Steps run in the background pack too, so two packs may overlap: each writes its own
 # temporary archive, and one at a time moves it into $OUT (a lock directory, given up after 10 s in
-# case a killed pack left it). Returns tar's or mv's failure.
+# case a killed pack left it). A log that grows while it is read is packed as far as it was
+# (GNU tar's exit status 1, "file changed as we read it"). Returns tar's fatal or mv's failure.
 pack() {
     local tmp rc i
     tmp=$(mktemp "$LOGS.tar.XXXXXX") || return 1
-    if ! tar -czf "$tmp" -C "$LOGS" . 2>/dev/null; then
+    tar -czf "$tmp" -C "$LOGS" . 2>/dev/null
+    if [ $? -gt 1 ]; then
         rm -f "$tmp"
         return 1
     fi
