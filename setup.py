@@ -17,9 +17,11 @@ Environment:
 * ``CUDA_HOME``                 the CUDA toolkit (found from nvcc otherwise).
 
 A successful build writes ``simsd_kernels/_build_info.json`` next to the extension (archs,
-versions, flags), which :mod:`simsd_kernels.cuda_backend` reads. The build first checks that
-setuptools is at least 77 (pyproject.toml's string ``license``, PEP 639, fails older ones deep in
-the build; ``--no-build-isolation`` uses the installed one) and says so in one line.
+versions, flags), which :mod:`simsd_kernels.cuda_backend` reads. Any setuptools from 64 on builds
+(``--no-build-isolation`` uses the installed one): the licence is given in the form it reads,
+PEP 639's ``license_expression`` from setuptools 77 on, the ``License`` field before (a PEP 639
+``license`` string in pyproject.toml made setuptools < 77 stop the build: issue 34 item 5); one
+line names the setuptools in use.
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
 DEFAULT_ARCHS = "80;90"
-#: the least setuptools that reads pyproject.toml's ``license = "Apache-2.0"`` (PEP 639)
-SETUPTOOLS_MIN = (77, 0)
+LICENSE = "Apache-2.0"
+#: the first setuptools that reads PEP 639's ``license_expression`` (older ones: the ``License`` field)
+SETUPTOOLS_PEP639 = (77, 0)
 
 
 def _log(msg: str) -> None:
@@ -65,16 +68,20 @@ def _parse_archs(spec: str) -> list[int]:
     return sorted(set(archs))
 
 
-def _check_setuptools() -> None:
-    """One line: the setuptools in use and whether it is new enough (SystemExit when it is not)."""
-    import setuptools
-    m = re.match(r"(\d+)\.(\d+)", setuptools.__version__)
+def _license_metadata(setuptools_version: str) -> dict:
+    """``setup()``'s licence keyword for this setuptools: ``license_expression`` (PEP 639, setuptools
+    >= 77, which deprecates the free-text ``license``), else ``license``."""
+    m = re.match(r"(\d+)\.(\d+)", setuptools_version)
     version = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-    if version < SETUPTOOLS_MIN:
-        raise SystemExit(f"simsd setup: error: setuptools {setuptools.__version__} is older than "
-                         f"{'.'.join(map(str, SETUPTOOLS_MIN))}, which pyproject.toml's license string needs: "
-                         f"pip install 'setuptools>=77' (or build with isolation)")
-    _log(f"setuptools {setuptools.__version__} (>= {'.'.join(map(str, SETUPTOOLS_MIN))}, as pyproject.toml needs)")
+    return {"license_expression": LICENSE} if version >= SETUPTOOLS_PEP639 else {"license": LICENSE}
+
+
+def _setuptools_line() -> dict:
+    """One line naming the setuptools in use; returns :func:`_license_metadata` for it."""
+    import setuptools
+    meta = _license_metadata(setuptools.__version__)
+    _log(f"setuptools {setuptools.__version__}: licence {LICENSE} as {next(iter(meta))}")
+    return meta
 
 
 def _find_cuda_home() -> str | None:
@@ -97,6 +104,9 @@ def _nvcc_version(cuda_home: str) -> str:
 
 
 def _git_sha() -> str | None:
+    """``$SIMSD_GIT_SHA`` (a copy of the checkout without ``.git``: bench/device_run.sh), else git's."""
+    if os.environ.get("SIMSD_GIT_SHA", "").strip():
+        return os.environ["SIMSD_GIT_SHA"].strip()
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or None
@@ -190,6 +200,6 @@ def _cuda_extension():
     return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=True)}
 
 
-_check_setuptools()
+license_metadata = _setuptools_line()
 ext_modules, cmdclass = _cuda_extension()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass=cmdclass, **license_metadata)

@@ -12,7 +12,9 @@
    Models: ``--target/--draft`` checkpoints, or random weights with the SDAR-8B / SDAR-1.7B
    shapes built directly on the GPU (nothing written to disk); ``--target-shape 30b-a3b``: a
    random target of SDAR-30B-A3B's shape (128 experts, 8 routed, width 768, hidden 2048) with its
-   48 layers cut to 12 to fit the device script's time (the per-layer costs are the model's).
+   48 layers cut to 12 to fit the device script's time (the per-layer costs are the model's); a
+   comma list (``8b,30b-a3b``, as the device script passes) runs each target with the 1.7B draft
+   in turn, one pair after the other (each freed before the next).
 2. **Modelled tokens/s** from those latencies at a stated acceptance ``a`` (tokens committed
    per verify round; the paper: 3.61 of 4), block length B, gamma = B, static strategy:
    vanilla ``B / (B * t_vanilla_step + t_commit)``;
@@ -42,7 +44,6 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -60,6 +61,8 @@ MOE = {"30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_
 SMOKE = {"8b": (64, 128, 2, 4, 2), "1.7b": (64, 128, 1, 4, 2), "30b-a3b": (64, 128, 2, 4, 2)}
 SMOKE_MOE = {"30b-a3b": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)}
 DEV, DTYPE = "cuda", "bfloat16"
+#: the random targets' shapes (``--target-shape``)
+TARGET_SHAPES = ("8b", "30b-a3b")
 
 
 def parse_args(argv=None):
@@ -67,8 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (device script)")
     p.add_argument("--target", default=None, help="target checkpoint directory (default: random SDAR-8B shapes)")
     p.add_argument("--draft", default=None, help="draft checkpoint directory (default: random SDAR-1.7B shapes)")
-    p.add_argument("--target-shape", choices=("8b", "30b-a3b"), default="8b",
-                   help="the random target's shape without --target (30b-a3b: 12 of its layers)")
+    p.add_argument("--target-shape", default="8b",
+                   help="the random target's shape without --target: 8b, 30b-a3b (12 of its layers), or a comma "
+                        "list of them, run one pair after the other")
     p.add_argument("--block-length", type=int, default=4)
     p.add_argument("--cache-len", type=int, default=1024, help="cached tokens for the latency rows")
     p.add_argument("--acceptance", type=float, default=3.61, help="tokens per verify round for the modelled rows")
@@ -80,6 +84,10 @@ def parse_args(argv=None):
     # testing the isolation of cases (tests/bench/test_device_run.py): this case raises
     p.add_argument("--inject-failure", default=None, metavar="CASE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.target_shapes = [x.strip() for x in args.target_shape.split(",") if x.strip()]
+    bad = [x for x in args.target_shapes if x not in TARGET_SHAPES]
+    if bad or not args.target_shapes:
+        p.error(f"--target-shape {args.target_shape!r}: expected a comma list of {', '.join(TARGET_SHAPES)}")
     if args.quick:
         args.prompts, args.max_new_tokens = 2, 48
     return args
@@ -92,11 +100,8 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=HERE).stdout.strip()
-    except OSError:
-        sha = ""
+    from simsd.entrypoints.bench import git_sha
+    sha = git_sha()  # $SIMSD_GIT_SHA on a copy without .git
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu-smoke"
     return dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda,
                 triton=triton_version, python=platform.python_version(), git_sha=sha,
@@ -428,26 +433,11 @@ def _release_device() -> None:
         pass
 
 
-def main(argv=None) -> int:
-    global DEV, DTYPE
-    args = parse_args(argv)
-    import torch
-    if args.cpu_smoke:
-        DEV, DTYPE = "cpu", "float32"
-        args.cache_len, args.prompts, args.max_new_tokens = 16, 2, 8
-        import simsd.engine.graphs
-        simsd.engine.graphs.cuda_capture = simsd.engine.graphs.eager_capture
-        simsd.engine.graphs.check_graphable = lambda model: None
-    elif not torch.cuda.is_available():
-        print("bench_e2e: no CUDA device; nothing to measure (this benchmark needs a GPU).")
-        return 0
-    env = environment()
-    print(f"# {env['gpu']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  sha {env['git_sha']}",
-          flush=True)
+def run_pair(args, shape, env: dict, run_case) -> None:
+    """The latency, modelled and measured cases of one pair: ``--target/--draft`` (``shape`` None) or
+    the random target of ``shape`` with the random 1.7B draft; its models are freed at the end."""
     B = args.block_length
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    run_case = Cases(args.out, env, args.case_timeout, args.inject_failure)
-    pair = os.path.basename(os.path.normpath(args.target)) if args.target else f"random-{args.target_shape}/1.7b"
+    pair = os.path.basename(os.path.normpath(args.target)) if args.target else f"random-{shape}/1.7b"
     models = {}
 
     def load():
@@ -460,8 +450,7 @@ def main(argv=None) -> int:
 
             from simsd.models.loading import Checkpoint
             stops = [151645, 151643]  # <|im_end|>, <|endoftext|>
-            models["t"] = Checkpoint(Path(f"random-{args.target_shape}"), random_model(args.target_shape, B), None,
-                                     151669, stops)
+            models["t"] = Checkpoint(Path(f"random-{shape}"), random_model(shape, B), None, 151669, stops)
             models["d"] = Checkpoint(Path("random-1.7b"), random_model("1.7b", B), None, 151669, stops)
         return []
     run_case("load", pair, load)
@@ -479,6 +468,28 @@ def main(argv=None) -> int:
         del t, d, roles
         models.clear()
         _release_device()
+
+
+def main(argv=None) -> int:
+    global DEV, DTYPE
+    args = parse_args(argv)
+    import torch
+    if args.cpu_smoke:
+        DEV, DTYPE = "cpu", "float32"
+        args.cache_len, args.prompts, args.max_new_tokens = 16, 2, 8
+        import simsd.engine.graphs
+        simsd.engine.graphs.cuda_capture = simsd.engine.graphs.eager_capture
+        simsd.engine.graphs.check_graphable = lambda model: None
+    elif not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device; nothing to measure (this benchmark needs a GPU).")
+        return 0
+    env = environment()
+    print(f"# {env['gpu']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  sha {env['git_sha']}",
+          flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    run_case = Cases(args.out, env, args.case_timeout, args.inject_failure)
+    for shape in [None] if args.target else args.target_shapes:
+        run_pair(args, shape, env, run_case)
     bundled = {}
     run_case("load:bundled-tiny", "bundled-tiny", lambda: bundled.update(pair=bundled_pair(args)) or [])
     if bundled.get("pair"):

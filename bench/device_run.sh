@@ -16,10 +16,15 @@
 #                    after each step
 # Copy the jsonl rows and summary.txt into bench/results/ to commit them.
 #
+# A copy of the checkout without .git (the lender copies the working tree) cannot tell its commit:
+# pass it in, `SIMSD_GIT_SHA=<sha> bash bench/device_run.sh` (the rows, env.txt and the build record
+# carry it; otherwise git's answer, or "none").
+#
 # Device-time budget (H200, 16 cores; estimates until the first run measures them: the "limit" is
-# the step's `timeout`, every step also stops at the run's budget SIMSD_DEVICE_BUDGET, default 450 s):
+# the step's `timeout`, every step also stops at the run's budget SIMSD_DEVICE_BUDGET, default 480 s,
+# and every step before bench-e2e leaves it a floor of 60 s of the budget):
 #   step             est. s  limit  what it proves
-#   env                   5      -  GPU, driver, torch/CUDA/Triton versions, git sha
+#   env                   5      -  GPU, driver, torch/CUDA/Triton/NumPy/setuptools versions, git sha
 #   install             110    150  the CUDA extension builds for sm_90 (16 nvcc jobs), nothing downloaded
 #   check-triton      (100)    150  background during install: `simsd check` of the Triton backend (every
 #                                   specialisation of the grid compiled in parallel) against float64
@@ -27,13 +32,19 @@
 #                                   compiled and self-checked (the timed step finds them warm)
 #   import-check         10     60  simsd_kernels._C loads, its ops registered, the build record
 #   check                40     60  `simsd check` of cuda, torch and auto (auto's choice is self-checked)
-#   tests               120    150  kernel tests on the GPU: CUDA and Triton tiles and split plans, the
-#                                   invariant plan, custom ops, adapters; engine graphs == eager
+#   tests               130    150  kernel tests on the GPU: CUDA and Triton tiles and split plans, the
+#                                   invariant plan, custom ops, adapters; the door (attention + append,
+#                                   every backend, mode and dtype; opcheck); the fused MoE at 16-, 32- and
+#                                   64-row tiles; engine graphs == eager (dense and MoE targets). Shards
+#                                   dealt by estimated cost (--cost: seconds per test, Triton's cold
+#                                   compiles the dearest; tests.json measures them per shard)
 #   bench-attention      60     70  kernel times (CUDA events over many launches and graph replays), only
 #                                   for backends that passed; FlexAttention compiled untimed first
-#   bench-e2e            80     90  per-forward latencies eager/graphs, modelled and measured tokens/s
+#   bench-e2e           110    120  per-forward latencies eager/graphs, modelled and measured tokens/s: the
+#                                   8B / 1.7B pair, the 30B-A3B-shaped MoE target (12 layers) / 1.7B, the
+#                                   bundled tiny pair
 #   summary               5      -  the table
-#   total               430 s (7.2 min) of command time; background steps overlap the install
+#   total               470 s (7.8 min) of command time; background steps overlap the install
 # Every step runs isolated: under its own `timeout`; a failed or timed-out step is recorded and the
 # script goes on; inside a step every benchmark case and test runs isolated too (bench_*.py record a
 # failed case with its traceback in the log and go on; device_tests.py restarts a shard after a
@@ -41,14 +52,15 @@
 #
 # Testing this script (tests/bench/test_device_run.py): SIMSD_DEVICE_STEPS="tests bench-e2e" runs
 # only the named steps; SIMSD_DEVICE_INJECT="e2e:CASE tests:GROUP" makes one e2e case raise and
-# crashes the first test of one test group.
+# crashes the first test of one test group. Its functions (bench/device_lib.sh: the log packs, the
+# step limits) are tested alone in tests/bench/test_device_lib.py.
 set -u
 cd "$(dirname "$0")/.."
+. bench/device_lib.sh
 DRY=${SIMSD_DEVICE_DRY_RUN:-0}
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-LOGS=$(mktemp -d "${TMPDIR:-/tmp}/simsd-device-logs.XXXXXX")
 PY=${PY:-python3}
 T0=$(date +%s)
 MAX_FILES=8
@@ -58,19 +70,17 @@ if [ "$DRY" = 1 ]; then
     BUDGET=${SIMSD_DEVICE_BUDGET:-2400}  # the logic, not the timing: a loaded CPU is slow (at a load
     SCALE=8                              # of 12 on 2 cores bench-e2e's smoke ran past 360 s); limits x8
 else
-    BUDGET=${SIMSD_DEVICE_BUDGET:-450}
+    BUDGET=${SIMSD_DEVICE_BUDGET:-480}
     SCALE=1
 fi
 DEADLINE=$((T0 + BUDGET))
 RESERVE=8      # seconds kept for the summary
 MIN_STEP=10    # a step with less time than this is not started
+E2E_FLOOR=$((60 * SCALE))  # seconds of the budget no earlier step may take from bench-e2e (step_limit)
+SHA=${SIMSD_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo none)}
+[ "$SHA" = none ] || export SIMSD_GIT_SHA=$SHA  # the rows and the build record: bench.git_sha, setup.py
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unset SIMSD_ATTENTION_BACKEND SIMSD_TRUST_BACKENDS TRITON_INTERPRET
-for f in summary.txt check.jsonl tests.json attention.jsonl e2e.jsonl logs.tar.gz; do
-    rm -f "$OUT/$f"
-done
-: > "$LOGS/steps.txt"
-
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     DEV=(--device cpu)
@@ -82,8 +92,10 @@ if [ "$DRY" = 1 ]; then
     GROUP_CUDA="tests/kernels/test_cuda_attention.py -k splits2 tests/kernels/test_cuda_tiles.py"
     GROUP_TRITON="tests/kernels/test_triton_attention.py::test_softmax_scale_is_used tests/kernels/test_mask_mirror.py"
     GROUP_ENGINE="tests/simsd/engine/test_graph_check.py -k stale tests/simsd/engine/test_graphs.py"
+    GROUP_DOOR="tests/kernels/test_door.py -k opcheck"
+    GROUP_MOE="tests/kernels/test_fused_moe.py -k bm64"
     BENCH_ATT=(--cpu-smoke --layouts paper --flex-budget 2)
-    BENCH_E2E=(--cpu-smoke)
+    BENCH_E2E=(--cpu-smoke --target-shape 8b,30b-a3b)
 else
     DEV=()
     CHECK_TRITON=(--backends triton --full --jobs 8)
@@ -94,9 +106,28 @@ else
         tests/kernels/test_append_kv.py tests/kernels/test_mask_mirror.py tests/kernels/test_custom_ops.py
         tests/kernels/test_hf_adapter.py tests/kernels/test_flex_mask.py tests/kernels/test_backend_selfcheck.py"
     GROUP_ENGINE="-m gpu tests/simsd"
+    GROUP_DOOR="tests/kernels/test_door.py"
+    GROUP_MOE="tests/kernels/test_fused_moe.py"
     BENCH_ATT=(--quick --flex-budget 25)
-    BENCH_E2E=(--quick)
+    BENCH_E2E=(--quick --target-shape 8b,30b-a3b)
 fi
+# estimated seconds per test on the H200 (device_tests.py deals its processes by them; tests.json
+# records what each shard took): a CUDA test is a launch of a built kernel, a Triton test mostly
+# its cold compiles, an engine test a model's compiles and a decode
+COSTS=(--cost cuda-kernels=0.05 --cost triton-kernels=1 --cost door=0.5 --cost fused-moe=1.5 --cost engine=8)
+if [ "${SIMSD_DEVICE_PLAN:-0}" = 1 ]; then  # what would run (tests/bench/test_device_lib.py), nothing run
+    printf 'group %s=%s\n' cuda-kernels "$GROUP_CUDA" triton-kernels "$GROUP_TRITON" door "$GROUP_DOOR" \
+        fused-moe "$GROUP_MOE" engine "$GROUP_ENGINE"
+    echo "costs ${COSTS[*]}"
+    echo "bench-e2e ${BENCH_E2E[*]}"
+    echo "budget $BUDGET floor $E2E_FLOOR sha $SHA"
+    exit 0
+fi
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/simsd-device-logs.XXXXXX")
+for f in summary.txt check.jsonl tests.json attention.jsonl e2e.jsonl logs.tar.gz; do
+    rm -f "$OUT/$f"
+done
+: > "$LOGS/steps.txt"
 for token in $INJECT; do  # testing the script's isolation only
     case $token in
         e2e:*) BENCH_E2E+=(--inject-failure "${token#e2e:}") ;;
@@ -106,20 +137,14 @@ done
 
 wanted() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
 
-# logs.tar.gz: everything under $LOGS, replaced atomically (a run cut mid-way keeps the last one)
-pack() {
-    tar -czf "$LOGS.tar.gz" -C "$LOGS" . 2>/dev/null && mv -f "$LOGS.tar.gz" "$OUT/logs.tar.gz"
-}
-
 # step NAME LIMIT STDOUT STDERR CMD...: run CMD under `timeout` (LIMIT times SCALE, cut to what the
-# budget leaves), stdout and stderr appended to the files STDOUT and STDERR; records
+# budget leaves: step_limit), stdout and stderr appended to the files STDOUT and STDERR; records
 # "name exit seconds limit" in steps.txt (exit 124/137: ran out of time; "skip": not run).
 step() {
-    local name=$1 want=$(($2 * SCALE)) out=$3 err=$4 left limit t0 rc
+    local name=$1 want=$(($2 * SCALE)) out=$3 err=$4 limit t0 rc
     shift 4
     wanted "$name" || return 0
-    left=$((DEADLINE - RESERVE - $(date +%s)))
-    limit=$((want < left ? want : left))
+    limit=$(step_limit "$name" "$want")
     if [ "$limit" -lt "$MIN_STEP" ]; then
         echo "$name skip 0 $want" >> "$LOGS/steps.txt"
         echo "== $name: not run (time budget spent)" >&2
@@ -134,11 +159,16 @@ step() {
     return 0
 }
 
-# ---- env
+# ---- env (setuptools: the install's, setup.py needs none newer; NumPy: Triton < 3.7's interpreter, the
+# dry run's, fails under NumPy >= 2.4, triton_backend.interpreter_problem)
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
   $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" 2>&1
-  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo none)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
+  $PY -c "import importlib.metadata as m
+print(' '.join(f'{n} {m.version(n)}' for n in ('setuptools', 'numpy', 'pip')))" 2>&1
+  [ "$DRY" = 1 ] && $PY -c "from simsd_kernels.triton_backend import interpreter_problem as p
+print('triton interpreter:', p() or 'ok')" 2>&1
+  echo "git $SHA$(git diff --quiet 2>/dev/null || { git rev-parse 2>/dev/null && echo ' (dirty)'; })"
   echo "nproc $(nproc) dry_run $DRY budget ${BUDGET}s steps $STEPS${INJECT:+ inject $INJECT}"; } > "$LOGS/env.txt"
 echo "env 0 $(( $(date +%s) - T0 )) 10" >> "$LOGS/steps.txt"
 pack
@@ -185,13 +215,14 @@ step check 60 "$OUT/check.jsonl" "$LOGS/check.log" \
 # ---- tests (CUDA extension required: a missing one fails the CUDA tests instead of skipping them)
 SIMSD_REQUIRE_CUDA_EXT=$([ "$DRY" = 1 ] && echo 0 || echo 1) \
     step tests 150 "$LOGS/tests.log" "$LOGS/tests.log" $PY bench/device_tests.py --log-dir "$LOGS" \
-    --json "$OUT/tests.json" --jobs "$TEST_JOBS" ${INJECT_TESTS:+--inject-crash "$INJECT_TESTS"} \
-    --group "cuda-kernels=$GROUP_CUDA" --group "triton-kernels=$GROUP_TRITON" --group "engine=$GROUP_ENGINE"
+    --json "$OUT/tests.json" --jobs "$TEST_JOBS" ${INJECT_TESTS:+--inject-crash "$INJECT_TESTS"} "${COSTS[@]}" \
+    --group "cuda-kernels=$GROUP_CUDA" --group "triton-kernels=$GROUP_TRITON" --group "door=$GROUP_DOOR" \
+    --group "fused-moe=$GROUP_MOE" --group "engine=$GROUP_ENGINE"
 
 # ---- benchmarks: only backends that passed
 step bench-attention 70 "$LOGS/attention.log" "$LOGS/attention.log" \
     $PY bench/bench_attention.py "${BENCH_ATT[@]}" --check "$OUT/check.jsonl" --out "$OUT/attention.jsonl"
-step bench-e2e 90 "$LOGS/e2e.log" "$LOGS/e2e.log" $PY bench/bench_e2e.py "${BENCH_E2E[@]}" --out "$OUT/e2e.jsonl"
+step bench-e2e 120 "$LOGS/e2e.log" "$LOGS/e2e.log" $PY bench/bench_e2e.py "${BENCH_E2E[@]}" --out "$OUT/e2e.jsonl"
 
 # ---- the table, last
 echo
@@ -200,7 +231,7 @@ rc=$?
 files=$(find "$OUT" -mindepth 1 | wc -l)
 echo "(wall $(( $(date +%s) - T0 )) s; $files files in $OUT: $(cd "$OUT" && ls | tr '\n' ' '))" >&2  # stdout ends with the table
 pack
-rm -rf "$LOGS"
+rm -rf "$LOGS" "$LOGS.lock"
 if [ "$files" -gt "$MAX_FILES" ]; then
     echo "device_run.sh: $files files under $OUT, more than the $MAX_FILES that come back" >&2
     exit 1

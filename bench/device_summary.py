@@ -25,6 +25,8 @@ import sys
 
 TEST_GROUPS = {"cuda-kernels": "tests: CUDA kernels",
                "triton-kernels": "tests: Triton kernels (GPU-compiled), ops",
+               "door": "tests: door (attention + append, opcheck)",
+               "fused-moe": "tests: fused MoE (16/32/64-row tiles)",
                "engine": "tests: engine (graphs == eager, host reads)"}
 #: warnings printed when a backend or a CUDA graph fails its self-check during a run
 CHECK_WARNINGS = ("BackendCheckWarning", "GraphCheckWarning", "BackendCheckError")
@@ -89,7 +91,25 @@ def build_verdict(dirs, step_rc) -> tuple:
     return "correct", f"archs {info.get('archs')}, nvcc {info.get('nvcc', '?')[-40:]}, {info.get('build_seconds')} s"
 
 
+def moe_check_verdicts(rows) -> list:
+    """``check: fused MoE BACKEND`` per backend of the fused-MoE rows (``op: fused_moe``)."""
+    out = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        mine = [r for r in rows if r["backend"] == backend]
+        fails = [r for r in mine if r["status"] == "FAIL"]
+        verdict = "wrong" if fails else ("correct" if mine else "not run")
+        detail = f"{len(mine) - len(fails)} pass, {len(fails)} FAIL; resolved to " + ", ".join(
+            sorted({str(r.get("resolved")) for r in mine}))
+        for r in fails[:3]:
+            detail += f" | FAIL {r['dtype']}: {str(r.get('detail', ''))[:100]}"
+        out.append((f"check: fused MoE {backend}", verdict, detail))
+    return out
+
+
 def check_verdicts(rows) -> list:
+    """``check: BACKEND`` per attention backend, then the fused-MoE paths (:func:`moe_check_verdicts`)."""
+    moe_rows = [r for r in rows if r.get("op") == "fused_moe"]
+    rows = [r for r in rows if r.get("op", "attention") == "attention"]
     out = []
     for backend in dict.fromkeys(r["backend"] for r in rows):
         mine = [r for r in rows if r["backend"] == backend]
@@ -106,7 +126,7 @@ def check_verdicts(rows) -> list:
         for r in fails:
             detail += f" | FAIL {r['dtype']} D={r['head_dim']} {r['mask_mode']} {r['cache']} G={r['group']}"
         out.append((f"check: {backend}", verdict, detail))
-    return out
+    return out + moe_check_verdicts(moe_rows)
 
 
 def test_verdicts(dirs) -> list:

@@ -2,13 +2,18 @@
 
     python bench/device_tests.py --log-dir LOGS --json OUT/tests.json --jobs 12 \
         --group cuda-kernels="tests/kernels/test_cuda_attention.py" \
-        --group engine="-m gpu tests/simsd"
+        --group engine="-m gpu tests/simsd" --cost cuda-kernels=0.05 --cost engine=8
 
 Each ``--group NAME=ARGS`` is collected with ``pytest --collect-only -q ARGS`` (markers, ``-k``
-and paths apply there); each group's node ids are dealt round-robin to its own shards (``--jobs``
-pytest processes in all, shared by the groups in proportion to their sizes, at least one each),
-which run in parallel (on a GPU machine: Triton kernels compile on many cores at once; the GPU is
-shared). Groups never share a process, so a failure in one cannot touch another's results.
+and paths apply there); each group's node ids are dealt round-robin to its own shards, which run
+in parallel (on a GPU machine: Triton kernels compile on many cores at once; the GPU is shared).
+Groups never share a process, so a failure in one cannot touch another's results.
+
+Shards are dealt by cost, not count (:func:`deal`): ``--cost NAME=SECONDS`` is a group's estimated
+seconds per test (default 1; on the GPU a Triton test costs its cold compiles, a CUDA test a
+launch), and the ``--jobs`` processes go one at a time to the group with the most estimated
+seconds per shard (each group at least one, at most one per test), which minimises the longest
+shard. ``tests.json`` records each group's shards and their seconds, to correct the estimates.
 
 Isolation within a group: a shard stops at its first failure (``-x``: a CUDA error is sticky and
 would fail every later test of the process) and at a crash (the process dies: the test that was
@@ -18,7 +23,8 @@ run, until they are done or the deadline comes. Every test also has ``--test-tim
 head and tail past 120 kB), so a shard killed by the deadline still reports the tests it finished.
 
 ``--json`` (default ``LOGS/tests.json``): per group the counts ``passed, failed, error, skipped,
-not_run`` and the ids of failures and of tests not run, plus ``timed_out``. Deadline:
+not_run`` and the ids of failures and of tests not run, plus ``timed_out``, ``shards`` (``[tests,
+seconds]`` per shard) and ``cost_estimate_s``. Deadline:
 ``--timeout`` seconds, default the device script's ``SIMSD_STEP_LIMIT`` minus 10. Exit status 0
 when no test failed, errored or was left unrun.
 """
@@ -53,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=None, help="deadline of the whole run, seconds")
     p.add_argument("--test-timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("--group", action="append", default=[], help="NAME=pytest arguments (repeatable)")
+    p.add_argument("--cost", action="append", default=[], metavar="NAME=SECONDS",
+                   help="estimated seconds per test of group NAME (repeatable; default 1)")
     p.add_argument("--inject-crash", default=None, metavar="GROUP", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.timeout is None:
@@ -67,6 +75,16 @@ def parse_args(argv=None):
         groups[name] = rest.split()
     if not groups:
         p.error("give at least one --group")
+    args.costs = {}
+    for c in args.cost:
+        name, sep, value = c.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or name not in groups or not seconds > 0:
+            p.error(f"--cost {c!r}: expected NAME=SECONDS with a group's NAME and SECONDS > 0")
+        args.costs[name] = seconds
     if args.inject_crash is not None and args.inject_crash not in groups:
         p.error(f"--inject-crash {args.inject_crash!r}: no such group (groups: {', '.join(groups)})")
     args.groups = groups
@@ -116,16 +134,23 @@ def crashed_test(text: str, pending: list) -> str | None:
     return pending[0] if pending else None
 
 
-def deal(ids: dict, jobs: int) -> list:
-    """``[(group, ids)]`` shards: each group's ids round-robin over its share of ``jobs``."""
-    total = sum(len(v) for v in ids.values())
-    shards = []
-    for name, nids in ids.items():
-        if not nids:
-            continue
-        share = max(1, min(len(nids), jobs * len(nids) // max(total, 1)))
-        shards += [(name, nids[i::share]) for i in range(share)]
-    return shards
+def deal(ids: dict, jobs: int, cost: dict | None = None) -> list:
+    """``[(group, ids)]`` shards: each group's ids round-robin over its share of ``jobs``.
+
+    ``cost``: group -> estimated seconds per test (default 1). Every group with tests gets one
+    shard, then each further shard goes to the group with the largest estimated seconds per shard
+    (``tests * cost / shards``; a group never gets more shards than tests), so the longest shard is
+    as short as the estimates allow. ``max(jobs, groups)`` shards at most."""
+    cost = cost or {}
+    work = {name: len(nids) * cost.get(name, 1.0) for name, nids in ids.items() if nids}
+    shares = dict.fromkeys(work, 1)
+    for _ in range(jobs - len(work)):
+        open_groups = [name for name in work if shares[name] < len(ids[name])]
+        if not open_groups:
+            break
+        busiest = max(open_groups, key=lambda name: work[name] / shares[name])
+        shares[busiest] += 1
+    return [(name, ids[name][i::share]) for name, share in shares.items() for i in range(share)]
 
 
 class Shard:
@@ -135,9 +160,11 @@ class Shard:
         self.index, self.group, self.pending = index, group, list(ids)
         self.log_dir, self.test_timeout, self.crash_id = log_dir, test_timeout, crash_id
         self.seen, self.crashed, self.text, self.runs, self.proc = {}, [], "", 0, None
+        self.size, self.seconds, self.t0 = len(self.pending), 0.0, None
 
     def start(self):
         self.runs += 1
+        self.t0 = time.time()
         self.log = os.path.join(self.log_dir, f"tests-shard{self.index}-run{self.runs}.log")
         env = dict(os.environ)
         plugin = []
@@ -155,6 +182,7 @@ class Shard:
         with open(self.log) as f:
             body = f.read()
         os.remove(self.log)
+        self.seconds += time.time() - self.t0
         self.text += f"\n===== shard {self.index} ({self.group}) run {self.runs} (exit {self.proc.returncode}) " \
                      f"=====\n" + (body if len(body) <= MAX_SHARD_LOG else
                                   body[:MAX_SHARD_LOG // 4] + "\n[... cut ...]\n" + body[-3 * MAX_SHARD_LOG // 4:])
@@ -209,7 +237,7 @@ def main(argv=None) -> int:
               flush=True)
     crash_id = ids[args.inject_crash][0] if args.inject_crash and ids[args.inject_crash] else None
     shards = [Shard(i, g, s, args.log_dir, args.test_timeout, crash_id if crash_id in s else None)
-              for i, (g, s) in enumerate(deal(ids, args.jobs))]
+              for i, (g, s) in enumerate(deal(ids, args.jobs, args.costs))]
     for s in shards:
         s.start()
     timed_out = False
@@ -237,7 +265,11 @@ def main(argv=None) -> int:
             out.write(f"\n===== collection of {name} failed =====\n{err}\n")
     summary = summarize(args.groups, ids, seen, errors, crashed)
     for name, g in summary.items():
-        g["timed_out"] = any(s.pending for s in shards if s.group == name)
+        mine = [s for s in shards if s.group == name]
+        g["timed_out"] = any(s.pending for s in mine)
+        # per shard: [tests dealt, seconds its processes ran] (the measured cost of the group's tests)
+        g["shards"] = [[s.size, round(s.seconds, 1)] for s in mine]
+        g["cost_estimate_s"] = args.costs.get(name, 1.0)
     with open(args.json, "w") as f:
         json.dump(dict(groups=summary, wall_s=round(time.time() - t0, 1), timed_out=timed_out, jobs=len(shards),
                        restarts=sum(s.runs - 1 for s in shards),

@@ -27,8 +27,10 @@ when a row fails.
 
 The fused MoE experts (:mod:`simsd_kernels.moe`) follow as ``# fused MoE`` lines: for ``triton``
 (when chosen and available) and ``auto``, per chosen dtype, the op's self-check on the device
-(two small cases against float64) and the backend ``auto`` resolves to; a failure makes the exit
-status 1. They are not ``--json`` rows.
+(four small cases against float64, every tile height) and the backend ``auto`` resolves to; a
+failure makes the exit status 1. With ``--json`` each is also a row, ``{"op": "fused_moe",
+"backend", "device", "resolved", "dtype", "status", "max_err", "tol", "detail"}`` (attention rows
+have no ``op``), so a failure names its path (bench/device_summary.py: ``check: fused MoE triton``).
 
 A user with a GPU runs this first; ``bench/device_run.sh`` runs the full matrix.
 """
@@ -331,12 +333,20 @@ def run(args) -> int:
     summary(rows, out=info)
     print(f"# {len(rows)} rows in {time.time() - t0:.1f} s", file=info)
     dtypes = _csv(args.dtypes, DTYPES, "dtypes") if args.dtypes else list(DTYPES)
-    moe_ok = run_moe(device, chosen, dtypes, info)
+    moe_ok = run_moe(device, chosen, dtypes, info, json_rows=args.json)
     return 1 if any(r["status"] == "FAIL" for r in rows) or not moe_ok else 0
 
 
-def run_moe(device, chosen: list, dtypes: list, out) -> bool:
-    """The ``# fused MoE`` lines (module doc); False when a check failed."""
+def moe_row(name: str, resolved: str, device, dtype_name: str, res) -> dict:
+    """The ``--json`` row of one fused-MoE self-check (module doc); NaN errors become None."""
+    num = lambda x: x if isinstance(x, (int, float)) and x == x else None  # noqa: E731
+    return dict(op="fused_moe", backend=name, device=str(device), resolved=resolved, dtype=dtype_name,
+                status="pass" if res.ok else "FAIL", max_err=num(res.max_err), tol=num(res.tol), detail=res.detail)
+
+
+def run_moe(device, chosen: list, dtypes: list, out, json_rows: bool = False) -> bool:
+    """The ``# fused MoE`` lines (module doc), and with ``json_rows`` their rows on stdout; False when
+    a check failed."""
     import torch
 
     from . import moe
@@ -356,6 +366,8 @@ def run_moe(device, chosen: list, dtypes: list, out) -> bool:
             ok = ok and res.ok
             print(f"# fused MoE {name:6} -> {resolved:6} {dtype_name:9} {'pass' if res.ok else 'FAIL':4} {res.detail}",
                   file=out, flush=True)
+            if json_rows:
+                print(json.dumps(moe_row(name, resolved, device, dtype_name, res)), flush=True)
     return ok
 
 

@@ -18,13 +18,13 @@ the CPU path: one grouped product per expert that holds any pair), ``triton`` (t
 of :mod:`triton_ops.fused_moe`: sort by expert, grouped GEMMs, combine; CUDA, or the CPU under
 ``TRITON_INTERPRET=1``), ``auto`` (``triton`` on a CUDA device once it passed its self-check
 there, else ``torch``; the interpreter is never chosen automatically). Self-check
-(:func:`check_fused_moe`): the first time a backend would run a dtype on a device, it runs two
-small cases against float64 on that device; its max error may be at most 1.5x the torch path's
-at the same dtype, its mean error 1.25x, plus the attention check's floors (the kernels round
-less than the torch path, SiLU-and-mul in fp32: measured under the interpreter their errors are
-0.5-0.8x the torch path's; a 1% scale error in bfloat16 reaches about 2x in the mean). A failure makes ``auto`` warn
-once and use ``torch``, and an explicit ``triton`` raise; ``SIMSD_TRUST_BACKENDS=1`` skips the
-check.
+(:func:`check_fused_moe`): the first time a backend would run a dtype on a device, it runs four
+small cases against float64 on that device (:data:`CHECK_CASES`: every tile height the kernels
+use); its max error may be at most 1.5x the torch path's at the same dtype, its mean error 1.25x,
+plus the attention check's floors (the kernels round less than the torch path, SiLU-and-mul in
+fp32: measured under the interpreter their errors are 0.5-0.8x the torch path's; a 1% scale error
+in bfloat16 reaches about 2x in the mean). A failure makes ``auto`` warn once and use ``torch``,
+and an explicit ``triton`` raise; ``SIMSD_TRUST_BACKENDS=1`` skips the check.
 """
 from __future__ import annotations
 
@@ -38,14 +38,17 @@ from .selfcheck import ERR_FLOOR, MEAN_ERR_FLOOR, CheckResult
 
 MOE_BACKENDS = ("auto", "triton", "torch")
 MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: the self-check's cases: (tokens, hidden, expert width, experts, top-k); the second has one
-#: expert with more pairs than a tile (two tiles) and experts without any
-CHECK_CASES = ((37, 96, 80, 8, 3), (70, 128, 64, 16, 2))
+#: the self-check's cases: (tokens, hidden, expert width, experts, top-k), one or more per tile
+#: height the kernels choose (``triton_ops.ops.moe_block_m``: 16, 16, 32, 64 rows; 32 and 64 are the
+#: prefill and batched-decode tiles, 64 the only wgmma one). In every case expert 0 takes more pairs
+#: than a tile (two tiles), the last expert none, and the 32- and 64-row tiles hold pairs past row 16
+#: and 32; hidden sizes and widths are not multiples of the kernels' 64 / 32 blocks
+CHECK_CASES = ((37, 96, 80, 8, 3), (70, 128, 64, 16, 2), (64, 80, 48, 6, 2), (100, 96, 40, 4, 2))
 #: the bounds: max and mean error at most these multiples of the torch path's, plus the floors
 MAX_ERR_FACTOR, MEAN_ERR_FACTOR = 1.5, 1.25
 _VERDICTS: dict = {}  # (device, dtype) -> CheckResult
 _WARNED: set = set()
-_RESOLVED: dict = {}  # (requested, device, dtype, trusted) -> "triton" | "torch" (a lookup per call)
+_RESOLVED: dict = {}  # (requested, device, dtype, trusted) -> ("triton" | "torch", why) (a lookup per call)
 
 
 def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
@@ -183,6 +186,14 @@ def resolve_moe_backend(requested: str, device, dtype) -> str:
         ValueError: an unknown name; ``triton`` unavailable on the device or for the dtype.
         BackendCheckError: ``triton`` failed its self-check.
     """
+    return moe_backend_choice(requested, device, dtype)[0]
+
+
+def moe_backend_choice(requested: str, device, dtype) -> tuple:
+    """``(name, why)``: what :func:`resolve_moe_backend` chooses, and why it is ``torch`` (empty for
+    ``triton``): ``"the 'torch' backend was requested"``, or why ``auto`` did not use ``triton`` (the
+    device type, Triton's availability, the dtype, the self-check's failure). Raises as
+    :func:`resolve_moe_backend`; cached per ``(requested, device, dtype, trusted)``."""
     key = (requested, device, dtype, trusted())
     hit = _RESOLVED.get(key)
     if hit is None:
@@ -190,11 +201,13 @@ def resolve_moe_backend(requested: str, device, dtype) -> str:
     return hit
 
 
-def _resolve(requested: str, device: torch.device, dtype) -> str:
+def _resolve(requested: str, device: torch.device, dtype) -> tuple:
     if requested not in MOE_BACKENDS:
         raise ValueError(f"fused_moe: backend must be one of {MOE_BACKENDS}, got {requested!r}")
-    if requested == "torch" or (requested == "auto" and device.type != "cuda"):
-        return "torch"
+    if requested == "torch":
+        return "torch", "the 'torch' backend was requested"
+    if requested == "auto" and device.type != "cuda":
+        return "torch", f"auto uses triton on CUDA devices only, not on {device}"
     ok, why = triton_availability(device)
     if ok and dtype not in MOE_DTYPES:
         ok, why = False, f"dtype {dtype} is not one of {MOE_DTYPES}"
@@ -204,15 +217,16 @@ def _resolve(requested: str, device: torch.device, dtype) -> str:
         if not ok and requested == "triton":
             raise BackendCheckError(f"fused MoE backend 'triton' failed its self-check on {device} for {dtype}: {why} "
                                     f"(SIMSD_TRUST_BACKENDS=1 skips the check)")
+        why = "" if ok else f"triton failed its self-check: {why}"
     if ok:
-        return "triton"
+        return "triton", ""
     if requested == "triton":
         raise ValueError(f"fused MoE backend 'triton' cannot run on {device}: {why}")
     if (device, dtype) not in _WARNED:
         _WARNED.add((device, dtype))
         warnings.warn(f"simsd: fused MoE backend 'triton' is not used on {device} for {dtype}: {why}; using torch",
-                      BackendCheckWarning, stacklevel=3)
-    return "torch"
+                      BackendCheckWarning, stacklevel=4)
+    return "torch", why
 
 
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, backend: str = "auto") -> torch.Tensor:

@@ -2,11 +2,14 @@
 
 Imported lazily by :mod:`simsd_kernels.backends`; importing it imports Triton. Runs on CUDA
 devices, and on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-Triton is imported), which is how the tests exercise the kernels without a GPU.
+Triton is imported), which is how the tests exercise the kernels without a GPU. The interpreter
+of Triton 3.6 and older fails under NumPy 2.4 and newer (:func:`interpreter_problem`); the CPU is
+then refused with that reason.
 """
 from __future__ import annotations
 
 import os
+import re
 from contextlib import nullcontext
 
 import torch
@@ -18,8 +21,33 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
+def _major_minor(version: str) -> tuple:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str:
+    """Why Triton's interpreter cannot run the kernels with these versions (default: the installed
+    ones), or ``""``. Triton <= 3.6's interpreter converts one-element arrays to Python ints with
+    ``int(array)``, which NumPy >= 2.4 refuses (``TypeError: only 0-dimensional arrays can be
+    converted to Python scalars``; triton-lang/triton#9171, fixed in 3.7). Measured here: Triton
+    3.6.0 fails with NumPy 2.4.6 and runs with 2.3.5; Triton 3.7.0 and 3.9.0 run with 2.4.6. The
+    compiled (GPU) path does not use the interpreter and is not affected."""
+    if triton_version is None:
+        import triton
+        triton_version = triton.__version__
+    if numpy_version is None:
+        import numpy
+        numpy_version = numpy.__version__
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter fails under NumPy {numpy_version} (NumPy >= 2.4 refuses its "
+                f"int() of an array; fixed in Triton 3.7): install numpy<2.4 or triton>=3.7")
+    return ""
+
+
 def is_available(device) -> tuple:
-    """``(ok, reason)``: CUDA device with Triton, or CPU under ``TRITON_INTERPRET=1``."""
+    """``(ok, reason)``: CUDA device with Triton, or CPU under ``TRITON_INTERPRET=1`` (with a Triton
+    and NumPy whose interpreter works: :func:`interpreter_problem`)."""
     device = torch.device(device)
     try:
         import triton  # noqa: F401
@@ -33,7 +61,8 @@ def is_available(device) -> tuple:
         return True, ""
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") == "1" and ops.INTERPRETED:
-            return True, ""
+            problem = interpreter_problem()
+            return not problem, problem
         return False, "on CPU the Triton kernels need TRITON_INTERPRET=1 before triton is imported"
     return False, f"device type {device.type!r} is not supported by Triton here"
 

@@ -24,3 +24,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_gpu2)
         if "gpu" in item.keywords and devices < 1:
             item.add_marker(skip_gpu)
+
+
+def pytest_report_header(config):
+    """One line when the installed Triton's interpreter cannot run the kernels (Triton <= 3.6 under
+    NumPy >= 2.4: simsd_kernels.triton_backend.interpreter_problem), so the failures say why."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from simsd_kernels.triton_backend import interpreter_problem
+        problem = interpreter_problem()
+    except ImportError:
+        return None
+    return f"simsd: {problem}; the Triton interpreter's tests will fail" if problem else None

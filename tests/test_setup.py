@@ -31,14 +31,6 @@ def test_require_cuda_ext_with_skip_is_a_contradiction():
     assert res.returncode != 0 and "SIMSD_SKIP_CUDA_BUILD is set" in res.stderr
 
 
-def test_setuptools_is_checked_first_in_one_line():
+def test_the_setuptools_in_use_is_named_in_one_line():
     ok = _setup(SIMSD_SKIP_CUDA_BUILD="1")
-    assert ok.returncode == 0 and "simsd setup: setuptools " in ok.stderr and ">= 77.0" in ok.stderr
-    old = subprocess.run([sys.executable, "-c", "import runpy, sys, setuptools; setuptools.__version__ = '75.3.2'; "
-                          "sys.argv = ['setup.py', '--name']; runpy.run_path('setup.py', run_name='__main__')"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, SIMSD_SKIP_CUDA_BUILD="1"))
-    assert old.returncode == 1
-    assert old.stderr.strip().splitlines() == [
-        "simsd setup: error: setuptools 75.3.2 is older than 77.0, which pyproject.toml's license string needs: "
-        "pip install 'setuptools>=77' (or build with isolation)"]
+    assert ok.returncode == 0 and "simsd setup: setuptools " in ok.stderr and "licence Apache-2.0 as" in ok.stderr

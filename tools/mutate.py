@@ -102,6 +102,10 @@ LENGTH = "tests/simsd/entrypoints/test_length_bound.py"
 LOADING = "tests/simsd/models/test_loading.py"
 DRIVER = "tests/simsd/entrypoints/test_one_driver.py"
 RAY = "tests/simsd/entrypoints/test_ray.py"
+FUSED_MOE = "tests/kernels/test_fused_moe.py"
+DEVICE_RUN = "tests/bench/test_device_run.py"
+DEVICE_LIB = "tests/bench/test_device_lib.py"
+CHECK = "tests/kernels/test_check.py"
 
 
 @dataclass(frozen=True)
@@ -667,9 +671,45 @@ MUTANTS = [
       note="one GPU asked for a replica that names two"),
     m("ray", "simsd/entrypoints/cli.py", "if index >= n:", "if index > n:", RAY,
       note="a CUDA index just outside the actor's GPUs accepted"),
+    # issue 34, the device run ---------------------------------------------------------------------
+    m("moe self-check", "triton_ops/fused_moe.py", "return pairs.to(tl.int64), pairs < num_pairs, offs_n, offs_n < N",
+      "return pairs.to(tl.int64), (pairs < num_pairs) & (tl.arange(0, BLOCK_M) < 16), offs_n, offs_n < N", FUSED_MOE,
+      note="the fused MoE drops tile rows past 16 (right at 16-row tiles, NaN at 32 and 64)"),
+    m("moe self-check", "simsd_kernels/moe.py", "(64, 80, 48, 6, 2), (100, 96, 40, 4, 2))",
+      "(64, 80, 48, 6, 2), (70, 128, 64, 16, 2))", FUSED_MOE, note="the fused MoE's self-check without a 64-row tile"),
+    m("graph self-check", GR, 'if name == "torch":', 'if name == "torch" and requested == "torch":', GRAPH_CHECK,
+      note="a MoE model whose auto experts fell back to torch accepted for graphs"),
+    m("graph self-check", GR, "check_moe_graphable(model.modules(), device, model.dtype)",
+      "check_moe_graphable([], device, model.dtype)", GRAPH_CHECK, note="check_graphable skips the MoE layers"),
+    m("graph self-check", "simsd_kernels/moe.py", 'why = "" if ok else f"triton failed its self-check: {why}"',
+      'why = "" if ok else "triton failed its self-check"', GRAPH_CHECK,
+      note="the MoE refusal without the failed self-check's case"),
+    m("device run", "bench/device_tests.py", "busiest = max(open_groups, key=lambda name: work[name] / shares[name])",
+      "busiest = max(open_groups, key=lambda name: len(ids[name]) / shares[name])", DEVICE_RUN,
+      note="device test shards dealt by count again"),
+    m("device run", "bench/device_tests.py", "open_groups = [name for name in work if shares[name] < len(ids[name])]",
+      "open_groups = list(work)", DEVICE_RUN, note="a group dealt more shards than tests"),
+    m("device run", "bench/device_lib.sh", 'tmp=$(mktemp "$LOGS.tar.XXXXXX") || return 1', 'tmp="$LOGS.tar.gz"',
+      DEVICE_LIB, note="concurrent log packs share one temporary archive"),
+    m("device run", "bench/device_lib.sh", "left=$((left - E2E_FLOOR))", "left=$((left - 0))", DEVICE_LIB,
+      note="bench-e2e's floor not kept by the earlier steps"),
+    m("device run", "bench/device_run.sh", "BENCH_E2E=(--quick --target-shape 8b,30b-a3b)", "BENCH_E2E=(--quick)",
+      DEVICE_LIB, note="the GPU run's bench_e2e without the 30B-A3B-shaped target"),
+    m("check rows", "simsd_kernels/check.py", 'status="pass" if res.ok else "FAIL", max_err=num(res.max_err)',
+      'status="pass", max_err=num(res.max_err)', CHECK, note="a failed fused-MoE check written as a pass row"),
+    m("check rows", "bench/device_summary.py", 'verdict = "wrong" if fails else ("correct" if mine else "not run")',
+      'verdict = "correct" if mine else "not run"', CHECK, note="the device table's fused-MoE path never wrong"),
+    m("interpreter", "simsd_kernels/triton_backend.py", "if _major_minor(triton_version) < (3, 7)",
+      "if _major_minor(triton_version) < (3, 6)", "tests/kernels/test_triton_backend.py",
+      note="Triton 3.6's interpreter accepted under NumPy 2.4"),
+    m("packaging", "setup.py", 'return {"license_expression": LICENSE} if version >= SETUPTOOLS_PEP639 else',
+      'return {"license_expression": LICENSE} if version >= (0, 0) else', "tests/test_packaging.py",
+      note="PEP 639's license_expression given to setuptools < 77"),
+    m("device run", "simsd/entrypoints/bench.py", "if os.environ.get(GIT_SHA_ENV, \"\").strip():", "if False:",
+      DEVICE_LIB, note="the sha passed in to a copy without .git ignored"),
     # issue 34 item 0, first use ---------------------------------------------------------------------
-    m("first use", "simsd/entrypoints/api.py",
-      "check_llm_memory(config, infos, size)  # before any weight loads", "size  # before any weight loads", MEMORY,
+    m("first use", "simsd/entrypoints/builder.py",
+      "    check_llm_memory(config, infos, size)\n", "    size\n", MEMORY,
       note="LLM and simsd serve load weights without checking they fit"),
     m("first use", "simsd/entrypoints/resources.py", 'if getattr(infos[role], "model", None) is None:',
       "if False:", MEMORY, note="the weights left out of the LLM's estimate"),

@@ -10,7 +10,9 @@ block length), so a handful of graphs serve a whole run: the draft denoise step,
 verify forwards (paper / exact, padded), vanilla denoise and commit.
 
 Needs a capture-safe attention backend (``triton`` or ``cuda``: no host reads of the cache
-lengths); the ``torch`` reference reads ``cache_seqlens.max()`` on the host and is refused.
+lengths); the ``torch`` reference reads ``cache_seqlens.max()`` on the host and is refused. A
+mixture-of-experts model also needs the ``triton`` fused-MoE kernels (the ``torch`` MoE path reads
+the expert counts on the host): :func:`check_graphable` refuses it up front, with the reason.
 
 Graphs prove themselves (docs/design.md §5): the first replay of each captured shape is compared
 with the same forward run eagerly over the same buffers (logits and the K/V it wrote); a
@@ -39,10 +41,14 @@ class GraphCheckWarning(RuntimeWarning):
 
 
 def check_graphable(model) -> None:
-    """Raise ``ValueError`` when ``model`` cannot run under CUDA graphs here.
+    """Raise ``ValueError`` when ``model`` cannot run under CUDA graphs here, before any capture.
 
     Resolves the model's attention backend for each mask mode at the model's dtype, head_dim
-    and GQA group, which also runs the backends' self-checks before any capture."""
+    and GQA group, and the fused-MoE backend of its mixture-of-experts layers (if any) at the
+    model's dtype, which also runs the backends' self-checks before any capture. Refused: the
+    ``torch`` attention reference (it reads the cache lengths on the host) and the ``torch`` MoE
+    path (it reads the expert counts on the host: a capture would fail in its first MoE layer);
+    the message names the configuration and why the kernel backend is not used."""
     device = model.device
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
@@ -53,6 +59,23 @@ def check_graphable(model) -> None:
         if resolve_backend(model.attention_backend, device, config).name == "torch":
             raise ValueError(f"CUDA graphs need the triton or cuda attention backend for {config.describe()} on "
                              f"{device} (the torch reference reads the cache lengths on the host)")
+    check_moe_graphable(model.modules(), device, model.dtype)
+
+
+def check_moe_graphable(modules, device, dtype) -> None:
+    """Raise ``ValueError`` when a mixture-of-experts layer among ``modules`` (an iterable of
+    modules) would run the host-reading ``torch`` MoE path under a capture (:func:`check_graphable`)."""
+    from simsd.models.moe import SparseMoeBlock
+    from simsd_kernels.moe import moe_backend_choice
+    blocks = [m for m in modules if isinstance(m, SparseMoeBlock)]
+    for requested in dict.fromkeys(b.backend for b in blocks):
+        name, why = moe_backend_choice(requested, device, dtype)
+        if name == "torch":
+            n = sum(b.backend == requested for b in blocks)
+            raise ValueError(f"CUDA graphs need the triton fused-MoE backend for the model's {n} mixture-of-experts "
+                             f"layers ({dtype} on {device}; MoE backend {requested!r}): {why}. The torch MoE path "
+                             "reads the expert counts on the host, which a CUDA graph capture cannot; run without "
+                             "CUDA graphs")
 
 
 def device_of(device):

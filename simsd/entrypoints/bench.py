@@ -231,9 +231,16 @@ def bench_modes(args, modes: list) -> int:
     return 0
 
 
+#: the git sha of a copy of the checkout without ``.git`` (a device run's copy): passed in by whoever copied it
+GIT_SHA_ENV = "SIMSD_GIT_SHA"
+
+
 def git_sha() -> str:
-    """The short git sha of the checkout simsd runs from ('' outside a git checkout)."""
+    """The short git sha of the checkout simsd runs from: ``$SIMSD_GIT_SHA`` when set (a copy without
+    ``.git``, bench/device_run.sh), else git's answer ('' outside a git checkout)."""
     import subprocess
+    if os.environ.get(GIT_SHA_ENV, "").strip():
+        return os.environ[GIT_SHA_ENV].strip()
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)

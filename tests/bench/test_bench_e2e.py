@@ -47,3 +47,12 @@ def test_cpu_smoke_with_a_30b_a3b_shaped_moe_target(tmp_path):
     model = mod.random_model("30b-a3b", 4)
     assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
     assert model.model.layers[0].mlp.experts.gate_up_proj.std() > 0.01
+
+
+def test_target_shapes_are_a_comma_list():
+    """The device script runs both random targets, one pair after the other (issue 34 item 2)."""
+    mod = load()
+    assert mod.parse_args(["--quick", "--target-shape", "8b,30b-a3b"]).target_shapes == ["8b", "30b-a3b"]
+    assert mod.parse_args([]).target_shapes == ["8b"]
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--target-shape", "8b,70b"])

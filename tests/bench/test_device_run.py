@@ -51,6 +51,26 @@ def test_the_test_a_crash_killed_and_the_shards_of_each_group():
     assert sorted(x for g, ids in shards if g == "big" for x in ids) == sorted(f"b{i}" for i in range(9))
 
 
+def test_shards_are_dealt_by_cost_not_count():
+    """Issue 34 item 4: the device run's groups (460 CUDA tests of a launch each, 144 Triton tests of
+    a cold compile each, 14 engine tests of a model each) over 12 processes: by count the Triton group
+    got 2 shards of 72 compiles; by cost every shard's estimate stays near the smallest possible."""
+    dt = load("device_tests")
+    ids = {"cuda": [f"c{i}" for i in range(460)], "triton": [f"t{i}" for i in range(144)],
+           "engine": [f"e{i}" for i in range(14)]}
+    cost = {"cuda": 0.05, "triton": 1.0, "engine": 8.0}
+    shards = dt.deal(ids, 12, cost)
+    share = {g: sum(1 for name, _ in shards if name == g) for g in ids}
+    assert share == {"cuda": 1, "triton": 6, "engine": 5}, share
+    longest = max(len(nids) * cost[g] for g, nids in shards)
+    assert longest <= 24.0, longest  # seconds (estimated): the Triton shards' 24 tests, not 72
+    for g in ids:  # every test dealt once
+        assert sorted(x for name, nids in shards if name == g for x in nids) == sorted(ids[g])
+    assert len(dt.deal({"few": ["a", "b"]}, 12, {"few": 5.0})) == 2, "never more shards than tests"
+    with pytest.raises(SystemExit):
+        dt.parse_args(["--log-dir", "x", "--group", "g=tests", "--cost", "h=2"])  # no such group
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -130,6 +150,10 @@ def test_bench_skips_backends_that_failed_the_check(tmp_path):
     providers = ba.build_providers("simsd-triton", bad)
     with pytest.raises(RuntimeError, match="failed simsd check"):
         providers["simsd-triton"]({})
+    # a failed fused-MoE check (its own op) keeps the attention kernels benchmarked
+    _write(path, [dict(row, backend="triton", status="pass"),
+                  dict(op="fused_moe", backend="triton", dtype="bfloat16", status="FAIL", detail="case 3")])
+    assert ba.failed_backends(str(path)) == {}
 
 
 @pytest.mark.timeout(1500)  # two steps of the dry run: ~2 min alone on 2 cores, much more under load
@@ -137,11 +161,15 @@ def test_the_script_keeps_every_other_row_after_an_injected_failure(tmp_path):
     """The script itself (dry run, two steps): one e2e case raises and the first test of one group
     crashes its process; the other e2e rows, the other groups' results, the group's other tests and
     the summary survive, and at most 8 files come back, the logs with the tracebacks in the tarball.
-    Also bench_e2e.py's CPU smoke rows (its code paths; test_bench_e2e.py has the no-CUDA path)."""
+    Also bench_e2e.py's CPU smoke rows of both random targets, the 8B-shaped and the 30B-A3B-shaped
+    MoE one (its code paths; test_bench_e2e.py has the no-CUDA path), the door's and the fused MoE's
+    test groups, and the environment file: versions (setuptools, NumPy) and the sha passed in to a
+    copy without .git."""
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), SIMSD_DEVICE_DRY_RUN="1", PY=sys.executable, TMPDIR=str(tmp_path),
                SIMSD_DEVICE_STEPS="tests bench-e2e", SIMSD_ATTENTION_BACKEND="torch",
-               SIMSD_DEVICE_INJECT="e2e:latency:verify_paper:graphs tests:triton-kernels")
+               SIMSD_DEVICE_INJECT="e2e:latency:verify_paper:graphs tests:triton-kernels",
+               SIMSD_GIT_SHA="abc1234", GIT_DIR=str(tmp_path / "no-git"))
     proc = subprocess.run(["bash", str(BENCH / "device_run.sh")], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -152,15 +180,16 @@ def test_the_script_keeps_every_other_row_after_an_injected_failure(tmp_path):
     # e2e: the injected case failed, every other case has its rows
     rows = [json.loads(x) for x in (out / "e2e.jsonl").read_text().splitlines()]
     failed = [r for r in rows if r["kind"] == "error"]
-    assert [r["case"] for r in failed] == ["latency:verify_paper:graphs"]
+    assert [(r["case"], r["pair"]) for r in failed] == [("latency:verify_paper:graphs", "random-8b/1.7b"),
+                                                        ("latency:verify_paper:graphs", "random-30b-a3b/1.7b")]
     latency = {(r["forward"], r["mode"]) for r in rows if r["kind"] == "latency"}
     assert len(latency) == 11 and ("verify_paper", "eager") in latency
     assert {r["mode"] for r in rows if r["kind"] == "tokens_per_second" and r["pair"] != "bundled-tiny"} == \
         {"vanilla", "vanilla+graphs", "paper", "paper+graphs", "exact", "exact+graphs"}
     assert {r["mode"] for r in rows if r["kind"] == "modelled"} >= {"vanilla/graphs", "exact/graphs", "paper/eager"}
-    assert all(r["git_sha"] is not None and "torch" in r for r in rows)
+    assert all(r["git_sha"] == "abc1234" and "torch" in r for r in rows)
     assert all(r["modelled"] for r in rows if r["kind"] == "modelled")
-    for pair in ("random-8b/1.7b", "bundled-tiny"):
+    for pair in ("random-8b/1.7b", "random-30b-a3b/1.7b", "bundled-tiny"):
         measured = {r["mode"]: r for r in rows if r["kind"] == "tokens_per_second" and r["pair"] == pair}
         assert len(measured) == 6 and measured["exact"]["identical_to_vanilla"] == measured["exact"]["prompts"]
         assert all(measured[m + "+graphs"]["graphs_equal_eager"] for m in ("vanilla", "paper", "exact"))
@@ -169,15 +198,22 @@ def test_the_script_keeps_every_other_row_after_an_injected_failure(tmp_path):
     triton = groups["triton-kernels"]
     assert triton["error"] == 1 and triton["failures"][0].endswith("(crashed)") and triton["not_run"] == 0
     assert triton["passed"] == triton["collected"] - 1 >= 2, triton
-    assert groups["engine"]["passed"] >= 1 and not groups["engine"]["failures"]
+    for name in ("engine", "door", "fused-moe"):
+        assert groups[name]["passed"] >= 1 and not groups[name]["failures"], (name, groups[name])
+    assert groups["fused-moe"]["collected"] == 3 and groups["door"]["collected"] >= 2  # bm64 x 3 dtypes; opcheck
     # the summary says what ran, what failed and why
     assert "tests: Triton kernels (GPU-compiled), ops    wrong" in summary
     assert "tests: engine (graphs == eager, host reads)  correct" in summary
+    assert "tests: door (attention + append, opcheck)    correct" in summary
+    assert "tests: fused MoE (16/32/64-row tiles)        correct" in summary
     assert "e2e: benchmark cases" in summary and "failed" in summary and "NOT OK" in summary
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
         assert {"env.txt", "steps.txt", "tests.log", "e2e.log"} <= names
         e2e_log = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("e2e.log"))).read().decode()
         tests_log = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("tests.log"))).read().decode()
+        env_txt = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("env.txt"))).read().decode()
+    assert "setuptools " in env_txt and "numpy " in env_txt and "triton interpreter: ok" in env_txt, env_txt
+    assert "git abc1234\n" in env_txt, env_txt
     assert "Traceback" in e2e_log and "injected failure" in e2e_log and "goal" in e2e_log
     assert "CRASHED" in tests_log

@@ -13,8 +13,10 @@ SMALL = ["--dtypes", "float32,bfloat16", "--head-dims", "64,96", "--mask-modes",
          "--caches", "empty,short"]
 
 
-def _rows(out: str) -> list:
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def _rows(out: str, op: str = "attention") -> list:
+    """The ``--json`` rows of ``op`` (attention rows carry no ``op``; the fused MoE's ``op: fused_moe``)."""
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [r for r in rows if r.get("op", "attention") == op]
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +60,39 @@ def test_quick_default_set_torch_triton_auto(capsys):
         assert f"# fused MoE auto   -> torch  {dtype:9} pass" in err
         if "triton" in names:
             assert f"# fused MoE triton -> triton {dtype:9} pass" in err
+    moe_rows = {(r["backend"], r["dtype"]): r for r in _rows(out, "fused_moe")}
+    assert set(moe_rows) == {(n, d) for n in ("triton", "auto") if n in names for d in check.DTYPES}
+    assert all(r["status"] == "pass" and r["max_err"] <= r["tol"] for r in moe_rows.values())
+
+
+def test_a_failed_fused_moe_check_is_a_json_row_naming_its_path(capsys, monkeypatch, tmp_path):
+    """Issue 34 item 6: a fused-MoE check failure was a ``# fused MoE`` line on stderr only, so the
+    device run's table said NOT OK without a path; now it is a row, and the table names it."""
+    import importlib.util
+    from pathlib import Path
+
+    from simsd_kernels import moe
+    from simsd_kernels.selfcheck import CheckResult
+    monkeypatch.setattr(moe, "check_fused_moe", lambda run, device, dtype: CheckResult(
+        False, float("nan"), float("nan"), "case 3: shape (100, 96), dtype torch.bfloat16 or non-finite values"))
+    code = check.main(["--device", "cpu", "--backends", "torch,auto", "--dtypes", "bfloat16", "--head-dims", "64",
+                       "--mask-modes", "exact", "--groups", "1", "--caches", "empty", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 1 and all(r["status"] == "pass" for r in _rows(out))
+    (row,) = _rows(out, "fused_moe")
+    assert row == dict(op="fused_moe", backend="auto", device="cpu", resolved="torch", dtype="bfloat16", status="FAIL",
+                       max_err=None, tol=None, detail="case 3: shape (100, 96), dtype torch.bfloat16 or non-finite "
+                                                      "values")
+    (tmp_path / "check.jsonl").write_text(out)
+    spec = importlib.util.spec_from_file_location(
+        "device_summary", Path(__file__).resolve().parents[2] / "bench" / "device_summary.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    text, ok = ds.summary(str(tmp_path))
+    line = next(x for x in text.splitlines() if x.startswith("check: fused MoE auto"))
+    assert line[45:53].strip() == "wrong" and "FAIL bfloat16: case 3" in line and not ok
+    assert "paths: check: fused MoE auto wrong" in text
+    assert next(x for x in text.splitlines() if x.startswith("check: torch"))[45:53].strip() == "correct"
 
 
 def test_axis_options_run_their_product(capsys):

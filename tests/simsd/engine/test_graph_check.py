@@ -4,11 +4,14 @@ The first replay of each captured shape is compared with the same forward run ea
 capture whose replay is wrong (stale logits, corrupted K/V writes) must be caught at once,
 turn the engine's graphs off with one warning, and leave the tokens those of eager decoding.
 Eager and graph engines round the cache capacity alike, so the kernels pick the same split
-count (the same summation order) in both.
+count (the same summation order) in both. A mixture-of-experts model whose MoE layers would run
+the host-reading torch path is refused before any capture, with the reason (issue 34 item 1;
+checked on the CPU by faking a CUDA device and the backends' answers).
 """
 import dataclasses
 import functools
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +21,9 @@ from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.engine import batching, graphs
 from simsd.engine.graphs import GraphCheckWarning, eager_capture
 from simsd.speculative import SpecConfig, speculative_generate_batch
+from simsd_kernels import moe
+from simsd_kernels.backends import BackendCheckWarning
+from simsd_kernels.selfcheck import CheckResult
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -25,14 +31,24 @@ PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed
 CFG = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
 
 
-def ckpt(name, layers, seed):
-    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2)
+MOE = (("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32))
+
+
+def ckpt(name, layers, seed, moe_fields=()):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2,
+                             moe=moe_fields)
     return dataclasses.replace(load_checkpoint(path, dtype="float32", with_tokenizer=False), stop_ids=[])
 
 
 @pytest.fixture(scope="module")
 def pair():
     return ckpt("gc-target", 2, 0), ckpt("gc-draft", 1, 5)
+
+
+@pytest.fixture(scope="module")
+def moe_pair():
+    """A mixture-of-experts target (2 MoE layers) and a dense draft."""
+    return ckpt("gc-moe-target", 2, 0, MOE), ckpt("gc-draft", 1, 5)
 
 
 @pytest.fixture
@@ -114,9 +130,10 @@ def _recorded(fn):
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "exact", "paper"])
-def test_first_replay_of_every_shape_is_checked(pair, graph_engines, mode):
+@pytest.mark.parametrize("target_kind", ["dense", "moe"])
+def test_first_replay_of_every_shape_is_checked(request, graph_engines, mode, target_kind):
     made = graph_engines(eager_capture)
-    target, draft = pair
+    target, draft = request.getfixturevalue("pair" if target_kind == "dense" else "moe_pair")
     want = [r.token_ids for r in decode(mode, target, draft, False).results]
     got, caught = _recorded(lambda: decode(mode, target, draft, True))
     assert [r.token_ids for r in got.results] == want and not caught
@@ -175,3 +192,90 @@ def test_eager_and_graph_engines_pick_the_same_split_count(pair, graph_engines):
             assert plans["eager"] == plans["graph"], (Lq, plans)
             differs += plan(capacity + margin).num_splits != plans["graph"].num_splits
     assert differs, "the test has teeth: the unrounded capacity would split differently somewhere"
+
+
+# ---- issue 34 item 1: a MoE model is refused up front when its MoE layers would run the torch path
+
+
+def on_fake_cuda(model):
+    """``model`` as :func:`graphs.check_graphable` sees it on ``cuda:0`` in bfloat16 (its modules are
+    the real ones: the MoE layers and their ``backend`` attribute)."""
+    return SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, config=model.config,
+                           attention_backend="auto", modules=model.modules)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA device whose attention backend resolves to ``triton``; the fused-MoE choices, verdicts
+    and warnings start empty. Returns a setter of the MoE kernels' availability and self-check
+    verdict (which records the ``(device, dtype)`` it was asked for)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(graphs, "resolve_backend", lambda name, device, config: SimpleNamespace(name="triton"))
+    for name, value in (("_RESOLVED", {}), ("_VERDICTS", {}), ("_WARNED", set())):
+        monkeypatch.setattr(moe, name, value)
+    checked = []
+
+    def kernels(available=(True, ""), verdict=CheckResult(True, 0.0, 1.0, "case 0: max error 0")):
+        monkeypatch.setattr(moe, "triton_availability", lambda device: available)
+
+        def check(run, device, dtype):
+            checked.append((device, dtype))
+            return verdict
+        monkeypatch.setattr(moe, "check_fused_moe", check)
+        return checked
+    return kernels
+
+
+def _refusal(model) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendCheckWarning)  # auto's fallback warning: the refusal says it
+        with pytest.raises(ValueError) as info:
+            graphs.check_graphable(on_fake_cuda(model))
+    return str(info.value)
+
+
+def test_a_moe_model_without_the_fused_moe_kernels_is_refused_before_any_capture(moe_pair, fake_cuda):
+    """Triton unavailable: auto's MoE path would be torch, whose ``.tolist()`` of the expert counts
+    fails mid-capture; refused at the runner's construction, before a capture, naming why."""
+    fake_cuda(available=(False, "triton does not import: No module named 'triton'"))
+    target = moe_pair[0].model
+    msg = _refusal(target)
+    assert "CUDA graphs need the triton fused-MoE backend for the model's 2 mixture-of-experts layers" in msg
+    assert "triton does not import: No module named 'triton'" in msg and "torch.bfloat16 on cuda:0" in msg
+    assert "reads the expert counts on the host" in msg
+    with pytest.raises(ValueError, match="fused-MoE backend"):  # the runner refuses it when it is made
+        graphs.GraphRunner(on_fake_cuda(target), None, 4, capture=None)
+
+
+def test_a_moe_model_whose_kernels_failed_their_self_check_is_refused_with_the_check(moe_pair, fake_cuda):
+    fake_cuda(verdict=CheckResult(False, float("nan"), 0.1, "case 2 (T=72 H=96 I=40 E=4 k=2): shape (72, 96), "
+                                                              "dtype torch.bfloat16 or non-finite values"))
+    msg = _refusal(moe_pair[0].model)
+    assert "triton failed its self-check: case 2 (T=72" in msg and "non-finite" in msg
+
+
+def test_a_moe_model_asking_for_the_torch_path_is_refused(moe_pair, fake_cuda):
+    checked = fake_cuda()
+    target = moe_pair[0].model
+    blocks = [layer.mlp for layer in target.model.layers]
+    for b in blocks:
+        b.backend = "torch"
+    try:
+        msg = _refusal(target)
+    finally:
+        for b in blocks:
+            b.backend = "auto"
+    assert "the 'torch' backend was requested" in msg and "MoE backend 'torch'" in msg
+    assert not checked, "an explicit torch path runs no Triton self-check"
+
+
+def test_a_moe_model_with_checked_kernels_and_a_dense_model_may_be_captured(pair, moe_pair, fake_cuda):
+    """The MoE kernels' self-check runs in check_graphable, once, before any capture; a dense model
+    resolves no MoE backend at all."""
+    checked = fake_cuda()
+    assert graphs.check_graphable(on_fake_cuda(moe_pair[0].model)) is None
+    assert checked == [(torch.device("cuda", 0), torch.bfloat16)]
+    fake_cuda(available=(False, "must not be asked"))
+    assert graphs.check_graphable(on_fake_cuda(pair[0].model)) is None
+    assert checked == [(torch.device("cuda", 0), torch.bfloat16)]

@@ -3,7 +3,9 @@
 Eager and graph engines round the cache capacity alike (``round_capacity``), so the kernels pick
 the same split-KV count in both and the comparison is between equal summation orders; the
 graph runners' own first-replay checks must all have found graph == eager bit for bit.
-Draft-device tests need two GPUs (marker ``gpu2``).
+Draft-device tests need two GPUs (marker ``gpu2``). A mixture-of-experts target runs its experts
+through the Triton fused-MoE kernels under the graphs (check_graphable resolves and self-checks
+them before the first capture).
 """
 import dataclasses
 import warnings
@@ -22,8 +24,13 @@ V = 512
 PROMPTS = [torch.randint(0, V - 2, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 8, 13)]
 
 
-def ckpt(name, layers, seed):
-    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2)
+#: the mixture-of-experts fields of the MoE target (a MoE layer per decoder layer)
+MOE = (("num_experts", 16), ("num_experts_per_tok", 4), ("moe_intermediate_size", 64))
+
+
+def ckpt(name, layers, seed, moe=()):
+    path = random_checkpoint(name, tokenizer=False, vocab_size=V, num_hidden_layers=layers, seed=seed, std=0.2,
+                             moe=moe)
     c = load_checkpoint(path, dtype="bfloat16", device="cuda", with_tokenizer=False)
     c.model.attention_backend = "auto"
     return dataclasses.replace(c, stop_ids=[])  # run every row to max_new_tokens: many rounds
@@ -92,6 +99,29 @@ def test_graph_replay_is_bitwise_eager(mode):
     (engine,) = ENGINES
     checks = [c for r in engine.graphs.values() for c in r.checks]
     assert checks and all(diff == 0.0 for _, diff, _ in checks), checks
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_moe_graph_replay_equals_eager(mode):
+    """A MoE target (16 experts, top 4) with a dense draft: graphs == eager token for token, every
+    shape's first replay compared, the MoE layers on the fused Triton kernels (never the host-reading
+    torch path, which a capture cannot run)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from simsd.engine.graphs import GraphCheckWarning
+    from simsd_kernels.moe import resolve_moe_backend
+    target, draft = ckpt("g-moe-target", 2, 3, MOE), ckpt("g-draft", 1, 7)
+    assert resolve_moe_backend("auto", target.model.device, target.model.dtype) == "triton"
+    cfg = DecodeConfig(block_length=4, max_new_tokens=32)
+    eager = run(mode, target, draft, cfg, graphs=False, static=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphCheckWarning)
+        ENGINES.clear()
+        graphed = run(mode, target, draft, cfg, graphs=True, static=True)
+    (engine,) = ENGINES
+    assert all(r.disabled is None and r.checks for r in engine.graphs.values())
+    assert [r.token_ids for r in graphed.results] == [r.token_ids for r in eager.results]
+    assert all(len(r.token_ids) == 32 for r in eager.results)
 
 
 def test_cli_cuda_graphs_runs(tmp_path, capsys):
