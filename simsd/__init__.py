@@ -7,12 +7,13 @@ The package is laid out in rooms, each importing only the rooms below it::
     decoding/      decode configuration, sampling, remasking strategies, vanilla decoding
     engine/        batch engine, CUDA graphs, tensor parallelism, host-sync accounting
     models/        checkpoint config and loading, the SDAR model, the KV cache
+    config/        every setting declared once and its rules (torch-free)
     simsd_kernels  (a separate package) the attention op family
 
 The Python API (:class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`) lives in
-``entrypoints`` and is re-exported here. ``simsd.SamplingParams`` (a request's parameters) is a
-:class:`simsd.decoding.SamplingParams` (a step's sampling) with the request fields added, so it
-also fits ``DecodeConfig(sampling=...)``.
+``entrypoints`` and is re-exported here. ``simsd.SamplingParams`` (a request's parameters,
+:mod:`simsd.config.request`) is a :class:`simsd.config.fields.StepSampling` (a denoising step's
+sampling) with the request fields added, so it also fits ``DecodeConfig(sampling=...)``.
 
 ``testing`` holds helpers for tests and examples (random SDAR checkpoints); ``assets`` the
 bundled tiny pair and held-out prompts.
@@ -23,7 +24,7 @@ from importlib import import_module
 #: mistyped option answer before torch loads
 EXPORTS = {
     **dict.fromkeys(["LLM", "RequestOutput", "RequestHandle", "RequestError", "RequestCancelled"], "entrypoints.api"),
-    "SamplingParams": "entrypoints.settings", "ParamError": "entrypoints.errors", "SimsdWarning": "entrypoints.errors",
+    "SamplingParams": "config", "EngineArgs": "config", "ParamError": "config", "SimsdWarning": "entrypoints.errors",
     **dict.fromkeys(["CheckpointError", "ModelConfig", "Checkpoint", "load_checkpoint", "load_model",
                      "SDARForCausalLM"], "models"),
     **dict.fromkeys(["DecodeConfig", "GenerationResult", "vanilla_generate", "vanilla_generate_batch"], "decoding"),

@@ -22,6 +22,6 @@ def test_the_site_builds_strict_without_torch(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     page = (tmp_path / "site" / "reference" / "index.html").read_text()
-    # each setting's help, read from its declaration (simsd/entrypoints/settings.py)
+    # each setting's help, read from its declaration (simsd/config/engine.py, request.py)
     assert "the most requests decoded together (engine rows)" in page
     assert "most tokens generated per request" in page

@@ -3,7 +3,7 @@
 Read from the source (every ``import`` statement, module-level or inside a function), so a lazy
 import that goes upwards is caught too. The order, lowest first::
 
-    triton_ops < simsd_kernels < simsd.assets < simsd.models < simsd.engine < simsd.decoding
+    triton_ops < simsd_kernels < simsd.config < simsd.assets < simsd.models < simsd.engine < simsd.decoding
                < simsd.speculative < simsd.entrypoints < simsd.testing
 
 ``simsd/__init__.py`` (the public re-exports) and ``simsd/__main__.py`` (``python -m simsd``)
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["triton_ops", "simsd_kernels", "simsd.assets", "simsd.models", "simsd.engine", "simsd.decoding",
-         "simsd.speculative", "simsd.entrypoints", "simsd.testing"]
+ORDER = ["triton_ops", "simsd_kernels", "simsd.config", "simsd.assets", "simsd.models", "simsd.engine",
+         "simsd.decoding", "simsd.speculative", "simsd.entrypoints", "simsd.testing"]
 PACKAGES = ("simsd", "simsd_kernels", "triton_ops")
 ROOT_MODULES = ("simsd", "simsd.__main__")  # above every room
 

@@ -2,7 +2,7 @@
 statically, imports nothing (no torch).
 
 * **Settings.** A dataclass field declared as ``Setting(kind, "help", ...).field(default)`` or
-  ``SETTINGS["name"].field(default)`` (``simsd.decoding.choices``; :class:`EngineArgs`,
+  ``SETTINGS["name"].field(default)`` (``simsd.config.fields``; :class:`EngineArgs`,
   :class:`SamplingParams`) gets its ``help`` as its docstring, its choices appended, and its
   default as its value, so the reference lists every field with the command line's ``--help``
   text from the one declaration instead of restating it.

@@ -6,18 +6,17 @@ sampling noise shared by vanilla decoding, the draft and exact verification (``n
 remasking strategies (``strategies``: sequential, static, dynamic, entropy; the transfer
 schedule), one denoising step and its batched request form (``step``), a request's block
 decoding as an engine program with its statistics and the batch decoders' driver
-(``program``) and vanilla decoding (``vanilla``); the strategies' names and ranges and the
-smallest temperature, torch-free (``choices``).
+(``program``), its forward layouts and folded commits (``layouts``) and vanilla decoding
+(``vanilla``). The settings these take are declared in :mod:`simsd.config`.
 
-May import: :mod:`simsd.engine`, :mod:`simsd.models`, :mod:`simsd_kernels`, torch. Never
+May import: :mod:`simsd.engine`, :mod:`simsd.models`, :mod:`simsd.config`, :mod:`simsd_kernels`, torch. Never
 :mod:`simsd.speculative` or :mod:`simsd.entrypoints`.
 """
 from importlib import import_module
 
-#: the re-exports and their modules, imported on first use (PEP 562), so that the torch-free
-#: ``choices`` loads without torch (the command line checks its options before torch loads)
+#: the re-exports and their modules, imported on first use (PEP 562)
 EXPORTS = {"BatchResult": "config", "DecodeConfig": "config", "GenerationResult": "config", "check_prompt": "config",
-           "RowProgram": "program", "SamplingParams": "sampling", "Step": "step", "denoise_step": "step",
+           "RowProgram": "program", "StepSampling": "sampling", "Step": "step", "denoise_step": "step",
            "VanillaRow": "vanilla", "vanilla_generate": "vanilla", "vanilla_generate_batch": "vanilla"}
 __all__ = list(EXPORTS)
 

@@ -7,26 +7,29 @@ the first decode block, a read-only cache while denoising, a commit forward per 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass, field
 
-from .choices import SETTINGS, ParamError, check_fields, check_threshold, opt
-from .sampling import SamplingParams
+from ..config.fields import SETTINGS, StepSampling, check_threshold
+from ..config.request import check_request
+from ..config.speculative import SpecConfig
+from ..config.vocabulary import ParamError, check_fields, opt
 from .strategies import transfer_schedule
 
 
 @dataclass
 class DecodeConfig:
-    """Decoding settings shared by every mode (declared in :data:`simsd.decoding.choices.SETTINGS`).
+    """Decoding settings shared by every mode (declared in :data:`simsd.config.fields.SETTINGS`).
 
     ``steps`` defaults to ``block_length`` (one token per step for the schedule strategies).
     ``threshold`` is the confidence threshold of ``dynamic`` or the entropy bound of
-    ``entropy`` (nats). Raises :class:`~simsd.decoding.choices.ParamError` naming the field.
+    ``entropy`` (nats). Raises :class:`~simsd.config.vocabulary.ParamError` naming the field.
     """
     block_length: int = SETTINGS["block_length"].field(4)
     steps: int | None = SETTINGS["steps"].field(None)
     strategy: str = SETTINGS["strategy"].field("static")
     threshold: float | None = SETTINGS["threshold"].field(None)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: StepSampling = field(default_factory=StepSampling)
     max_new_tokens: int = SETTINGS["max_tokens"].field(128)
     seed: int = SETTINGS["seed"].field(0)
     fold_commit: bool = SETTINGS["fold_commit"].field(False)
@@ -124,3 +127,30 @@ def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mas
                                        f"to whole blocks of {block_length} is {total} positions, past the model's "
                                        f"maximum length {limit}")
     return total + block_length
+
+
+def resolve(params, config, vocab_size: int) -> tuple:
+    """``(DecodeConfig, SpecConfig or None, seed)`` of a request to an engine of ``config`` (its
+    ``block_length`` set) and a vocabulary of ``vocab_size``: the request's rules
+    (:func:`simsd.config.request.check_request`), then the configurations the row programs take
+    (``params``: a :class:`simsd.SamplingParams`, ``config``: an :class:`simsd.config.EngineArgs`).
+    A request without ``gamma`` verifies ``max_gamma`` (else the block length) draft steps per
+    round.
+
+    Raises:
+        ParamError: as :func:`~simsd.config.request.check_request`; ``steps`` above the block
+            length.
+    """
+    check_request(params, config, vocab_size)
+    seed = secrets.randbelow(2 ** 62) if params.seed is None else params.seed  # a fresh one is reported back
+    cfg = DecodeConfig(block_length=config.block_length, steps=params.steps, strategy=params.strategy,
+                       threshold=params.threshold,
+                       sampling=StepSampling(params.temperature, params.top_k, params.top_p),
+                       max_new_tokens=params.max_tokens, seed=seed, fold_commit=config.fold_commit)
+    spec = None
+    if config.mode != "vanilla":
+        spec = SpecConfig(mode=config.mode, gamma=params.gamma or config.max_gamma, on_reject=config.on_reject,
+                          rope_copy=config.rope_copy, draft_strategy=params.draft_strategy,
+                          optimistic=config.optimistic, draft_threshold=params.draft_threshold,
+                          paper_variant=config.paper_variant)
+    return cfg, spec, seed

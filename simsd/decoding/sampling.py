@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .choices import MIN_TEMPERATURE, SamplingParams  # noqa: F401  (declared torch-free there; re-exported)
+from ..config.fields import MIN_TEMPERATURE, StepSampling  # noqa: F401  (declared torch-free there; re-exported)
 
 _MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
@@ -29,13 +29,13 @@ def scaled_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return x / min(temperature, _MAX_TEMPERATURE)
 
 
-def scaled_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def scaled_probs(logits: torch.Tensor, params: StepSampling) -> torch.Tensor:
     """Softmax of ``logits (..., V)`` at the sampling temperature (1 when greedy), float32."""
     t = 1.0 if params.greedy else params.temperature
     return torch.softmax(scaled_scores(logits, t), dim=-1)
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: StepSampling) -> torch.Tensor:
     """The distribution tokens are drawn from: temperature, then top-k, then top-p, renormalised.
 
     Greedy gives a one-hot at the argmax. Shape ``(..., V)`` float32.
@@ -67,7 +67,7 @@ def draw(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (weights.float() / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None,
+def sample(logits: torch.Tensor, params: StepSampling, noise: torch.Tensor | None = None,
            with_probs: bool = True, with_entropy: bool = True, with_confidence: bool = True):
     """Draw one token per row of ``logits (..., V)`` on their device (no host reads; ``noise``:
     the ``Exp(1)`` draws of :func:`draw` on that device, needed when sampling, unused when greedy).

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .choices import DEFAULT_THRESHOLD, at_most, parse_strategy
+from ..config.fields import DEFAULT_THRESHOLD, parse_strategy
+from ..config.vocabulary import at_most
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:

@@ -29,6 +29,8 @@ import sys
 
 from tqdm import tqdm
 
+from ..config.engine import EngineArgs
+from ..config.request import SamplingParams
 from ..engine.scheduler import QueueFull, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
 from .builder import build_engine
 from .driver import Driver, Totals
@@ -36,7 +38,6 @@ from .encoding import is_ids, is_messages
 from .errors import ParamError
 from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401  (re-exported)
 from .request_builder import RequestBuilder
-from .settings import EngineArgs, SamplingParams
 
 
 def pair_params(prompts, params) -> tuple:
@@ -56,7 +57,7 @@ class LLM:
 
     Args:
         target, draft, mode, settings: the engine's settings, the fields of
-            :class:`~simsd.entrypoints.settings.EngineArgs` (each documented there; ``simsd serve
+            :class:`~simsd.config.engine.EngineArgs` (each documented there; ``simsd serve
             --help`` shows them as options). ``target`` / ``draft``: checkpoint directories, read
             :class:`~simsd.models.loading.CheckpointInfo` or loaded
             :class:`~simsd.models.loading.Checkpoint` (None: the bundled tiny pair). With ``tp``,

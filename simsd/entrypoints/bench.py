@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.choices import ParamError, opt
+from ..config.vocabulary import ParamError, opt
 from ..decoding.step import without_mask_token_
 from ..engine.batching import Fwd
 from ..engine.scheduler import decode_span

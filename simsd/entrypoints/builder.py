@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.choices import at_most, opt
+from ..config.engine import EngineArgs
+from ..config.request import SamplingParams, check_request
+from ..config.vocabulary import at_most, opt
 from ..decoding.config import DecodeConfig
 from ..engine.batching import BatchEngine
 from ..engine.memory import fmt_bytes, parameter_count
@@ -23,7 +25,6 @@ from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, 
 from ..speculative.decoder import SpecConfig, SpeculativeDecoder, check_pair
 from .errors import ParamError, SimsdWarning
 from .resources import check_llm_memory, engine_size
-from .settings import EngineArgs, SamplingParams, resolve
 
 
 def check_device(name: str, value) -> torch.device:
@@ -114,7 +115,7 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     config = dataclasses.replace(config, device=device, draft_device=draft_device if spec else None, dtype=dtype,
                                  block_length=block_length, max_model_len=max_model_len)
     if default_params is not None:
-        resolve(default_params, config, infos["target"].config.vocab_size)
+        check_request(default_params, config, infos["target"].config.vocab_size)
         if default_params.max_tokens >= max_model_len:
             raise ParamError("max_tokens", f"{opt('max_tokens')} {default_params.max_tokens} leaves no position for "
                                            f"a prompt in the {max_model_len} positions of a request "

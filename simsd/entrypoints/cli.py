@@ -1,6 +1,6 @@
 """The ``simsd`` command line: ``simsd generate``, ``simsd bench``, ``simsd eval``, ``simsd check`` and ``simsd serve``.
 
-The options are generated from the settings (:mod:`simsd.entrypoints.settings`: the engine's,
+The options are generated from the settings (:mod:`simsd.config`: the engine's,
 a request's; :data:`OPTIONS`: the command line's own), each under its field's name
 (``--max-tokens`` for ``max_tokens``; :data:`ALIASES` keep older spellings) for every command
 that takes it (:data:`COMMANDS`). They are checked before torch loads: each value by its
@@ -10,27 +10,18 @@ one-line ``simsd: error: ...`` that names the option as typed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import warnings
 from dataclasses import fields
 from pathlib import Path
 
-from ..decoding.choices import (
-    MIN_TEMPERATURE,
-    MODES,
-    ParamError,
-    Setting,
-    check_modes,
-    check_release,
-    check_threshold,
-    draft_settings,
-    field_name,
-    opt,
-    settings_of,
-)
+from ..config.engine import EngineArgs
+from ..config.request import SamplingParams, check_request
+from ..config.serving import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT
+from ..config.vocabulary import MODES, ParamError, Setting, check_modes, field_name, opt, settings_of
 from .errors import SimsdWarning
-from .settings import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT, EngineArgs, SamplingParams
 
 #: the command line's own settings (what to decode, where to write, where to listen)
 OPTIONS = {
@@ -246,7 +237,7 @@ def typed_options(command: str, argv: list) -> dict:
 
 
 def namer(args):
-    """How the command line names a setting in a message (:func:`~simsd.decoding.choices.opt`):
+    """How the command line names a setting in a message (:func:`~simsd.config.vocabulary.opt`):
     the option as typed, else its canonical flag; a bool at a value as the flag that sets it."""
     specs = options_of(args.command) if args.command in COMMANDS else {}
 
@@ -289,40 +280,22 @@ def check_options(args, modes: list) -> None:
     for name in specs:
         if getattr(args, name) is not None:
             setattr(args, name, SETTINGS[name].check(name, getattr(args, name), UNITS.get(name, (None,))[0]))
-    check_threshold(args.strategy, args.threshold)  # (the target's own first, then what the mode does not use)
     release = "paper-release" in modes  # eval's name of paper mode with paper_variant="release"
     modes = list(dict.fromkeys("paper" if m == "paper-release" else m for m in modes))
-    check_modes({n: SETTINGS[n] for n in args.typed}, modes)
     args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
+    check_modes({n: SETTINGS[n] for n in args.typed}, modes)
     mode = next((m for m in ("paper", "exact") if m in modes), "vanilla")
     engine = {n: getattr(args, n) for n in settings_of(EngineArgs) if n in specs and n != "mode"}
     for name, (_, factor) in UNITS.items():
         if engine.get(name) is not None:
             engine[name] *= factor
     args.engine = EngineArgs(mode=mode, **engine)
-    if release:
-        check_release("release", args.params.gamma, args.engine.on_reject)
-    temperature, typed = params.temperature, args.typed
-    if temperature < MIN_TEMPERATURE:  # greedy: a sampling option would be ignored
-        need = "> 0" if temperature == 0 else f">= {MIN_TEMPERATURE:.3g}"
-        for name, off in (("top_k", params.top_k in (0, 1)), ("top_p", params.top_p == 1.0)):
-            if not off:
-                raise ParamError(name, f"{opt(name)} {getattr(params, name)} needs {opt('temperature')} {need} "
-                                       f"(with {opt('temperature')} {temperature:g} decoding is greedy and "
-                                       f"{opt(name)} would be ignored)")
-    if params.greedy and "seed" in typed:
-        tiny = 0 < temperature < MIN_TEMPERATURE
-        why = f"{opt('temperature')} {temperature:g} < {MIN_TEMPERATURE:.3g}" if tiny else f"{opt('temperature')} 0"
-        raise ParamError("seed", f"{opt('seed')}: greedy decoding ({why} or {opt('top_k')} 1) draws nothing at "
-                                 f"random, the seed would be ignored")
-    speculative = mode != "vanilla"
-    d_strategy = draft_settings(params.strategy, None, params.draft_strategy, None)[0] if speculative else None
-    if "steps" in typed and params.strategy == "entropy" and d_strategy in (None, "entropy"):
-        raise ParamError("steps", f"{opt('steps')}: the entropy strategy picks how many tokens a step reveals by "
-                                  f"its bound, it would ignore the step schedule")
-    if speculative and args.engine.on_reject == "fallback" and params.gamma == 1:
-        raise ParamError("on_reject", f"{opt('on_reject', 'fallback')} with {opt('gamma', 1)} never falls back (it "
-                                      f"finishes a block when fewer than gamma positions remain)")
+    # the request's rules, as the API and the server run them (eval's paper-release column is
+    # paper mode's release variant); what has no effect is said, as a warning
+    engine = dataclasses.replace(args.engine, paper_variant="release") if release else args.engine
+    for name, note in check_request(params, engine):
+        if name in args.typed:
+            warnings.warn(ParamError(name, note).render(namer(args)), SimsdWarning)
     single = getattr(args, "prompt", None) is not None or getattr(args, "prompt_ids", None) is not None
     if single and getattr(args, "limit", None) is not None:
         raise ParamError("limit", f"{opt('limit')} applies to {opt('prompts_file')} and {opt('prompt_set')}, not "

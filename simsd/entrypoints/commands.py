@@ -5,7 +5,7 @@ A run is prepared in an order that fails early and cheaply (:func:`prepare`): op
 and combinations (:func:`simsd.entrypoints.cli.check_options`), the prompt sources (read, not
 encoded), then as the API checks an engine (:func:`simsd.entrypoints.builder.check_engine`)
 devices, attention backends, the checkpoints' small files and tensor headers (no weights), the
-block length, then the request settings against them (:func:`simsd.entrypoints.settings.resolve`,
+block length, then the request settings against them (:func:`simsd.decoding.config.resolve`,
 as for every request of the API), every prompt (encoded as the API encodes it,
 :mod:`simsd.entrypoints.encoding`) against both models, and the memory the run will need
 (:mod:`simsd.entrypoints.resources`). Only then is the :class:`LLM` built (:func:`build_llm`:
@@ -24,13 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.choices import ParamError, opt
-from ..decoding.config import DecodeConfig
+from ..config.engine import EngineArgs
+from ..config.request import SEED_MAX, SamplingParams
+from ..config.vocabulary import ParamError, opt
+from ..decoding.config import DecodeConfig, resolve
 from ..models.loading import CheckpointInfo
 from .api import LLM
 from .builder import check_engine
 from .errors import SimsdWarning
-from .settings import SEED_MAX, EngineArgs, SamplingParams, resolve
 
 
 def parse_ids(text: str) -> list[int]:

@@ -1,6 +1,6 @@
 """The error and warning types of the entry points: refused settings (:class:`ParamError`, one
 type for every surface), missing optional packages, and warnings about a run."""
-from ..decoding.choices import ParamError  # noqa: F401  (re-exported: simsd.ParamError)
+from ..config.vocabulary import ParamError  # noqa: F401  (re-exported: simsd.ParamError)
 
 
 class MissingPackageError(ValueError, ImportError):

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from ..decoding.choices import ParamError, opt
+from ..config.vocabulary import ParamError, opt
 
 #: ``--modes`` of eval -> (the LLM's mode, its paper variant)
 MODES = {"vanilla": ("vanilla", "described"), "paper": ("paper", "described"),

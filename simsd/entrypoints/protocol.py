@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic) and their translation into
-:class:`~simsd.entrypoints.settings.SamplingParams`.
+:class:`~simsd.config.request.SamplingParams`.
 
 Fields follow OpenAI's Completions and Chat Completions APIs. Unknown fields are refused
 (400 naming the field): nothing a client asks for is silently ignored. OpenAI fields simsd
@@ -18,9 +18,9 @@ from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from ..decoding.choices import settings_of
+from ..config.request import SamplingParams
+from ..config.vocabulary import settings_of
 from .errors import ParamError
-from .settings import SamplingParams
 
 
 class _Body(BaseModel):

@@ -1,6 +1,6 @@
 """A request of the Python API, checked and built before it is queued: the prompt encoded
 (:mod:`simsd.entrypoints.encoding`) and checked against every model, the parameters resolved
-against the engine (:func:`~simsd.entrypoints.settings.resolve`), the stop ids and the text
+against the engine (:func:`~simsd.decoding.config.resolve`), the stop ids and the text
 stream, and the row program the scheduler will run once the request has a row
 (:class:`~simsd.decoding.vanilla.VanillaRow`, or the speculative decoder's row).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..decoding.choices import opt
-from ..decoding.config import check_prompt, check_prompt_ids
+from ..config.vocabulary import opt
+from ..decoding.config import check_prompt, check_prompt_ids, resolve
 from ..decoding.vanilla import VanillaRow
 from ..engine.scheduler import Request, SchedulerClosed
 from .builder import BuiltEngine
@@ -18,7 +18,6 @@ from .detokenize import TextStream
 from .encoding import bytes_per_token, encode_prompt, template_stop_ids
 from .errors import ParamError
 from .outputs import RequestHandle
-from .settings import resolve
 
 
 class RequestBuilder:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decoding.choices import ParamError, opt
+from ..config.vocabulary import ParamError, opt
 from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shortfall, weight_bytes
 
 

@@ -20,7 +20,7 @@ import contextlib
 import signal
 import sys
 
-from ..decoding.choices import ParamError, opt
+from ..config.vocabulary import ParamError, opt
 from .errors import MissingPackageError
 
 

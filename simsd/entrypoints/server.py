@@ -37,13 +37,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config.serving import MAX_REQUEST_BYTES
 from ..engine.scheduler import QueueFull, SchedulerClosed
 from .api import LLM
 from .errors import ParamError
 from .metrics import Metrics
 from .outputs import RequestError, json_safe, request_failure
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .settings import MAX_REQUEST_BYTES
 
 
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",

@@ -17,60 +17,19 @@ Modes (docs/design.md §4):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from ..decoding.choices import (
-    SETTINGS,
-    check_fields,
-    check_fold_commit,
-    check_gamma,
-    check_modes,
-    check_release,
-    draft_settings,
-)
+from ..config.speculative import SpecConfig, check_fold_commit, check_gamma, draft_config
+from ..config.vocabulary import SPECULATIVE
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
 from .spec_row import SpecRow
 from .verifiers import PAPER_VERIFIERS, VERIFIERS
 
-MODES = ("paper", "exact")
+MODES = SPECULATIVE
 #: paper mode as the paper describes it, or as the SimSD release's code runs it (the verifier of each)
 PAPER_VARIANTS = tuple(PAPER_VERIFIERS)
-
-
-@dataclass
-class SpecConfig:
-    """``gamma``: draft steps verified per round (default: the block length).
-    ``on_reject``: ``redraft`` (draft again for the remaining positions) or ``fallback`` (the
-    paper: when fewer than ``gamma`` positions remain, the target finishes the block with vanilla
-    denoising). ``rope_copy=False`` is the ablation of §4. ``optimistic``: draft the next round
-    while the target verifies (:mod:`simsd.speculative.optimistic`); None = when draft and target are on
-    different devices; never combined with ``cfg.fold_commit``, which raises).
-
-    The draft's own settings: ``draft_strategy`` (default: the target's strategy) and
-    ``draft_threshold`` (default: the target's ``threshold`` when the draft runs the same
-    strategy, else the draft strategy's default, since a confidence threshold is not an
-    entropy bound); the draft shares the target's steps schedule and sampling parameters.
-
-    ``paper_variant`` (paper mode): ``described`` (the paper: acceptance in the draft's
-    temporal order) or ``release`` (the SimSD release's loop, docs/design.md §4.3; it drafts
-    the whole rest of the block every round, so it takes no ``gamma`` and no fallback)."""
-    mode: str = dataclasses.replace(SETTINGS["mode"], choices=MODES).field("exact")
-    gamma: int | None = SETTINGS["gamma"].field(None)
-    on_reject: str = SETTINGS["on_reject"].field("redraft")
-    rope_copy: bool = SETTINGS["rope_copy"].field(True)
-    draft_strategy: str | None = SETTINGS["draft_strategy"].field(None)
-    optimistic: bool | None = SETTINGS["optimistic"].field(None)
-    draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
-    paper_variant: str = SETTINGS["paper_variant"].field("described")
-
-    def __post_init__(self):
-        check_fields(self)
-        check_modes({"paper_variant": SETTINGS["paper_variant"]} if self.paper_variant != "described" else {},
-                    [self.mode])
-        check_release(self.paper_variant, self.gamma, self.on_reject)
 
 
 def check_pair(target, draft) -> None:
@@ -87,17 +46,6 @@ def check_pair(target, draft) -> None:
     if target.tokenizer is not None and draft.tokenizer is not None:
         if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise ValueError(f"the draft's tokenizer ({draft.path}) differs from the target's ({target.path})")
-
-
-def draft_config(cfg: DecodeConfig, spec: SpecConfig) -> DecodeConfig:
-    """The draft's decoding settings: ``cfg`` with the draft's strategy and threshold (see
-    :class:`SpecConfig`).
-
-    Raises:
-        ParamError: a draft threshold outside the draft strategy's range.
-    """
-    strategy, threshold = draft_settings(cfg.strategy, cfg.threshold, spec.draft_strategy, spec.draft_threshold)
-    return dataclasses.replace(cfg, strategy=strategy, threshold=threshold)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 
 from simsd.decoding.config import DecodeConfig
 from simsd.decoding.noise import NoiseKey, step_noise
-from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
+from simsd.decoding.sampling import StepSampling, filtered_probs, sample
 from simsd.decoding.step import denoise_step
 from tests.helpers import exp_noise
 from tests.reference_decoder import filtered, step_outcomes
@@ -38,7 +38,7 @@ def close(got, want, tol=1e-6):
 
 
 def test_filtered_distribution_by_hand():
-    f = lambda **kw: filtered_probs(LOGITS4, SamplingParams(**kw))[0].tolist()  # noqa: E731
+    f = lambda **kw: filtered_probs(LOGITS4, StepSampling(**kw))[0].tolist()  # noqa: E731
     close(f(temperature=1.0), P4)
     close(f(temperature=1.0, top_k=2), [2 / 3, 1 / 3, 0, 0])
     close(f(temperature=1.0, top_k=3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
@@ -62,7 +62,7 @@ def test_filtered_distribution_by_hand():
 def test_confidence_and_entropy_by_hand(params):
     """Whatever token is drawn, its confidence is its probability at the temperature before
     top-k/top-p, and the entropy is that distribution's."""
-    sp = SamplingParams(**params)
+    sp = StepSampling(**params)
     q = powered(P4, sp.temperature)
     n = 4000
     tokens, conf, ent, probs = sample(LOGITS4.expand(n, 4), sp, exp_noise((n, 4), torch.Generator().manual_seed(0)))
@@ -75,13 +75,13 @@ def test_confidence_and_entropy_by_hand(params):
 
 
 def test_greedy_confidence_uses_temperature_one():
-    tokens, conf, ent, _ = sample(LOGITS4, SamplingParams(temperature=0.0))
+    tokens, conf, ent, _ = sample(LOGITS4, StepSampling(temperature=0.0))
     assert tokens.tolist() == [0]
     close(conf.tolist(), [0.5])
     close(ent.tolist(), [-sum(x * math.log(x) for x in P4)], tol=1e-5)
     # top-k 1 is greedy at any temperature (issue 15): the whole step, confidences included, is
     # the greedy one, so the confidence is taken at temperature 1
-    tokens, conf, _, _ = sample(LOGITS4 * 3, SamplingParams(temperature=0.7, top_k=1))
+    tokens, conf, _, _ = sample(LOGITS4 * 3, StepSampling(temperature=0.7, top_k=1))
     assert tokens.tolist() == [0]
     close(conf.tolist(), [powered(P4, 1 / 3)[0]])
 
@@ -93,7 +93,7 @@ def test_draws_follow_the_filtered_distribution(params):
     """Chi-square of 40000 draws against the exact filtered distribution (expected counts are
     exactly ``N * p``; a token of probability 0 is never drawn)."""
     logits = torch.tensor([[1.2, 0.9, 0.4, 0.0, -0.3, -1.0, -2.5]])
-    sp = SamplingParams(**params)
+    sp = StepSampling(**params)
     want = torch.tensor(filtered(logits[0], **params), dtype=torch.float64)
     N = 40000
     tokens, _, _, _ = sample(logits.expand(N, 7), sp, exp_noise((N, 7), torch.Generator().manual_seed(1)))
@@ -172,7 +172,7 @@ def test_step_outcomes_follow_the_exact_distribution(strategy, k, threshold, par
     block = torch.tensor([3, MASK, MASK, MASK])
     masked = [False, True, True, True]
     cfg = DecodeConfig(block_length=4, steps=4 // k, strategy=strategy, threshold=threshold,
-                       sampling=SamplingParams(**params))
+                       sampling=StepSampling(**params))
     assert cfg.tokens_for_step(0) == k
     expected = step_outcomes(logits, masked, strategy, k, threshold, **params)
     assert abs(sum(expected.values()) - 1) < 1e-9

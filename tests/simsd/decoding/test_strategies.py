@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from simsd.decoding.sampling import SamplingParams, filtered_probs, sample
+from simsd.decoding.sampling import StepSampling, filtered_probs, sample
 from simsd.decoding.strategies import select_positions, transfer_schedule
 
 
@@ -68,13 +68,13 @@ def test_ties_go_to_lower_index():
 
 def test_confidence_is_unfiltered_probability():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    tok, conf, ent, probs = sample(logits, SamplingParams(temperature=0.0))
+    tok, conf, ent, probs = sample(logits, StepSampling(temperature=0.0))
     assert tok.item() == 0
     torch.testing.assert_close(conf, torch.softmax(logits, -1)[:, 0])
     assert probs[0, 0] == 1.0  # greedy draws from a one-hot
-    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    p = filtered_probs(logits, StepSampling(temperature=1.0, top_k=2))
     torch.testing.assert_close(p[0, 2:], torch.zeros(2))
-    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    p = filtered_probs(logits, StepSampling(temperature=1.0, top_p=0.5))
     assert (p[0] > 0).tolist() == [True, False, False, False]
 
 

@@ -190,9 +190,9 @@ def test_llm_refuses_weights_that_do_not_fit_before_loading(monkeypatch):
 
 def _engine_need(path, **settings) -> int:
     """Bytes (margin and reserve included) an LLM of ``settings`` needs, as its check computes them."""
+    from simsd.config.engine import EngineArgs
     from simsd.entrypoints.builder import check_engine
     from simsd.entrypoints.resources import engine_size, llm_estimate
-    from simsd.entrypoints.settings import EngineArgs
     config, infos = check_engine(EngineArgs(target=path, **settings))
     return llm_estimate(config, infos, engine_size(config, infos)).needed("cpu")
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from simsd.decoding.config import DecodeConfig
-from simsd.decoding.sampling import SamplingParams as StepSampling
+from simsd.decoding.sampling import StepSampling
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.speculative import SpecConfig, SpeculativeDecoder
 

@@ -7,7 +7,7 @@ import pytest
 import simsd
 from simsd import LLM, ParamError, SamplingParams
 from simsd.decoding.config import DecodeConfig, check_prompt
-from simsd.decoding.sampling import SamplingParams as StepSampling
+from simsd.decoding.sampling import StepSampling
 from tests.simsd.entrypoints.serving import doc_blocks, readme_blocks, single, wait_for
 
 PROMPTS = ["def add(a, b):", [{"role": "user", "content": "Write a function that reverses a list."}],
@@ -207,7 +207,7 @@ def test_vllm_habits_get_errors_that_say_what_to_do():
     """vLLM's ``n`` is accepted at 1 (and None) and refused otherwise; an LLM(...) setting passed
     to SamplingParams is refused when it is built, with where it belongs: every LLM keyword but
     the defaults (the fields of EngineArgs) is such a setting."""
-    from simsd.entrypoints.settings import EngineArgs
+    from simsd.config.engine import EngineArgs
     assert SamplingParams(n=1) == SamplingParams(n=None) == SamplingParams() and SamplingParams(n=None).n == 1
     with pytest.raises(ParamError, match=r"n=2: simsd returns one completion per request \(n=1\)"):
         SamplingParams(n=2)

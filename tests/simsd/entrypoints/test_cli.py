@@ -473,7 +473,7 @@ def test_generate_and_bench_are_a_layer_over_the_api(ckdir, capsys, tmp_path, mo
 
 def test_seeds_wrap_at_the_top_of_the_range(ckdir, capsys, tmp_path):
     """Prompt i samples with (--seed + i) mod 2**63: past the largest seed, prompt 1 is seed 0."""
-    from simsd.entrypoints.settings import SEED_MAX
+    from simsd.config.request import SEED_MAX
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_ids": [4, 5, 6, 7]}) for _ in range(2)))
     common = ["generate", "--target", str(ckdir), "--prompts-file", str(f), "--max-new-tokens", "8",

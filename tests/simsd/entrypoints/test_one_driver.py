@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from simsd import LLM, DecodeConfig, SamplingParams, load_checkpoint
-from simsd.decoding.sampling import SamplingParams as StepSampling
+from simsd.decoding.sampling import StepSampling
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.engine import batching
 from simsd.speculative import SpecConfig, speculative_generate_batch

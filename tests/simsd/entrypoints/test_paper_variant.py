@@ -7,10 +7,11 @@ import json
 import pytest
 
 from simsd import DecodeConfig, load_checkpoint
+from simsd.config.request import SamplingParams
+from simsd.decoding.config import resolve
 from simsd.entrypoints.api import LLM
 from simsd.entrypoints.cli import main, parse
 from simsd.entrypoints.errors import ParamError
-from simsd.entrypoints.settings import SamplingParams, resolve
 from simsd.speculative import SpecConfig, speculative_generate
 from simsd.speculative.verifiers import ReleaseVerifier
 from tests.helpers import random_checkpoint
@@ -105,7 +106,7 @@ def test_serve_passes_the_variant_and_refuses_it_outside_paper_mode(capsys):
     llm = build_llm(parse(["serve", "--mode", "paper", "--paper-variant", "release", "--max-batch-size", "1"]))
     try:
         assert llm.config.paper_variant == "release"
-        _, spec, _ = resolve(SamplingParams(max_tokens=4), llm.config, llm.vocab_size)  # what each request's rows run
+        _, spec, _ = resolve(SamplingParams(max_tokens=4), llm.config, llm.target.config.vocab_size)  # what each request's rows run
         assert spec.paper_variant == "release"
     finally:
         llm.shutdown()

@@ -237,10 +237,10 @@ def test_ray_serve_deployment_options():
     range, and a replica asks Ray for its CPU threads and one GPU per CUDA device it names
     (checked on the deployment's options; nothing is started)."""
     pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
+    from simsd.config.engine import EngineArgs
     from simsd.entrypoints.cli import parse
     from simsd.entrypoints.ray_cluster import llm_resources
     from simsd.entrypoints.ray_serve import deployment
-    from simsd.entrypoints.settings import EngineArgs
     fixed = deployment(parse(["serve", "--ray", "--replicas", "3", "--device", "cpu", "--threads", "2"]))
     d = fixed._bound_deployment  # (the deployment an application binds; Ray Serve's own attribute)
     assert d.num_replicas == 3 and d.ray_actor_options == {"num_cpus": 2, "num_gpus": 0}

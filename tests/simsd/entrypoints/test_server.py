@@ -408,8 +408,8 @@ def test_16_concurrent_requests_equal_their_single_runs(llm, url):
 def test_every_sampling_field_of_a_request_is_used():
     """Each field a completion or chat request may give reaches its SamplingParams (nothing a
     client asks for is silently dropped): values unlike the server's defaults."""
+    from simsd.config.request import SamplingParams
     from simsd.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-    from simsd.entrypoints.settings import SamplingParams
     defaults = SamplingParams()
     given = dict(temperature=0.5, top_p=0.75, top_k=9, seed=11, stop=["x"], stop_token_ids=[5], ignore_eos=True,
                  steps=2, strategy="dynamic", threshold=0.7, gamma=2, draft_strategy="entropy", draft_threshold=0.3)
@@ -425,8 +425,8 @@ def test_a_request_draft_threshold_and_the_server_default():
     """A request's ``draft_threshold`` overrides the server's ``--draft-threshold``; a request that
     names another strategy or draft strategy without one falls back to the draft strategy's
     default rule (a bound for one strategy is never read as another's)."""
+    from simsd.config.request import SamplingParams
     from simsd.entrypoints.protocol import CompletionRequest
-    from simsd.entrypoints.settings import SamplingParams
     defaults = SamplingParams(strategy="dynamic", threshold=0.8, draft_strategy="entropy", draft_threshold=0.4)
     req = lambda **kw: CompletionRequest(model=NAME, prompt="hi", **kw).sampling_params(defaults)  # noqa: E731
     assert req().draft_threshold == 0.4

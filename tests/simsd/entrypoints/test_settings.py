@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from simsd.decoding.choices import ParamError, Setting
+from simsd.config.engine import EngineArgs
+from simsd.config.request import SamplingParams
+from simsd.config.vocabulary import ParamError, Setting
 from simsd.entrypoints.cli import ALIASES, COMMANDS, SETTINGS, build_parser, main, options_of
-from simsd.entrypoints.settings import EngineArgs, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -89,7 +90,7 @@ def test_one_refusal_reads_the_same_on_every_surface(capsys):
 
 def test_the_settings_load_without_torch():
     """The command line checks its options before torch loads: the schema is torch-free."""
-    probe = ("import sys\nimport simsd.entrypoints.cli, simsd.entrypoints.settings\n"
+    probe = ("import sys\nimport simsd.entrypoints.cli, simsd.config, simsd.config.request\n"
              "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0 and json.loads(res.stdout.replace("'", '"')) == [], res.stdout + res.stderr
