@@ -106,7 +106,8 @@ def test_serve_passes_the_variant_and_refuses_it_outside_paper_mode(capsys):
     llm = build_llm(parse(["serve", "--mode", "paper", "--paper-variant", "release", "--max-batch-size", "1"]))
     try:
         assert llm.config.paper_variant == "release"
-        _, spec, _ = resolve(SamplingParams(max_tokens=4), llm.config, llm.target.config.vocab_size)  # what each request's rows run
+        # what each request's rows run
+        _, spec, _ = resolve(SamplingParams(max_tokens=4), llm.config, llm.target.config.vocab_size)
         assert spec.paper_variant == "release"
     finally:
         llm.shutdown()
