@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from ..config.engine import EngineArgs
-from ..config.request import SamplingParams, check_request
+from ..config.request import SamplingParams
 from ..config.vocabulary import at_most, opt
-from ..decoding.config import DecodeConfig
+from ..decoding.config import DecodeConfig, resolve
 from ..engine.batching import BatchEngine
 from ..engine.memory import fmt_bytes, parameter_count
 from ..models.loading import Checkpoint, CheckpointInfo, check_block_diffusion, load_checkpoint, read_checkpoint
@@ -115,7 +115,7 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     config = dataclasses.replace(config, device=device, draft_device=draft_device if spec else None, dtype=dtype,
                                  block_length=block_length, max_model_len=max_model_len)
     if default_params is not None:
-        check_request(default_params, config, infos["target"].config.vocab_size)
+        resolve(default_params, config, infos["target"].config.vocab_size)  # check_request, then the configs
         if default_params.max_tokens >= max_model_len:
             raise ParamError("max_tokens", f"{opt('max_tokens')} {default_params.max_tokens} leaves no position for "
                                            f"a prompt in the {max_model_len} positions of a request "

@@ -282,8 +282,8 @@ def check_options(args, modes: list) -> None:
             setattr(args, name, SETTINGS[name].check(name, getattr(args, name), UNITS.get(name, (None,))[0]))
     release = "paper-release" in modes  # eval's name of paper mode with paper_variant="release"
     modes = list(dict.fromkeys("paper" if m == "paper-release" else m for m in modes))
-    args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
     check_modes({n: SETTINGS[n] for n in args.typed}, modes)
+    args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
     mode = next((m for m in ("paper", "exact") if m in modes), "vanilla")
     engine = {n: getattr(args, n) for n in settings_of(EngineArgs) if n in specs and n != "mode"}
     for name, (_, factor) in UNITS.items():
