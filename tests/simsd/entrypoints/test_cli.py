@@ -356,7 +356,7 @@ def test_prompt_file_with_bom_and_from_stdin(ckdir, capsys, tmp_path, monkeypatc
 @pytest.mark.parametrize("flags,needle", [
     (["--prompt", "", "--mode", "exact"], "--prompt is empty"),
     (["--prompt", "x", "--limit", "2", "--mode", "exact"], "--limit applies to"),
-    (["--prompt-ids", "5,6", "--mode", "exact", "--threshold", "0.5"], "--threshold applies to the dynamic and entropy"),
+    (["--prompt-ids", "5,6", "--mode", "exact", "--threshold", "0.5"], "--threshold applies to the dynamic"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--no-rope-copy"], "ablation of paper mode"),
     (["--prompt-ids", "5,6", "--mode", "exact", "--gamma", "99"], "exceeds the block length"),
     (["--prompt-ids", "5,6", "--mode", "vanilla"], "--draft: used by the paper and exact modes only"),
