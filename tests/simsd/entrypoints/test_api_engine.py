@@ -166,15 +166,16 @@ def test_chat_prompts_stop_at_a_new_turn(exact):
     from simsd.entrypoints.encoding import role_markers
     llm = LLM(exact.target, mode="vanilla", batch_size=2, scheduler_thread=False)
     tok = llm.tokenizer
-    assert llm.template_stop_ids == role_markers(tok) and tok.convert_ids_to_tokens(llm.template_stop_ids) == \
-        ["<|im_start|>"]
+    builder = llm.requests  # the request builder holds the template's stop ids
+    assert builder.template_stop_ids == role_markers(tok) and \
+        tok.convert_ids_to_tokens(builder.template_stop_ids) == ["<|im_start|>"]
     chat, ids = [{"role": "user", "content": "Reverse a list."}], [11, 12, 13, 14, 15]
     free = SamplingParams(max_tokens=24, ignore_eos=True)
     c, r = (llm.generate(p, free)[0].token_ids for p in (chat, ids))
     common = [t for t in c[2:] if t in r and t not in llm.target.stop_ids]
     assert common, "no token written after both prompts"
     marker = common[0]
-    llm.template_stop_ids = [marker]
+    builder.template_stop_ids = [marker]
     p = SamplingParams(max_tokens=24)
     stopped = llm.generate(chat, p)[0]
     k = c.index(marker)
