@@ -379,10 +379,13 @@ attention_mma_kernel(const simsd_attention_params p) {
   }
 }
 
-// cudaFuncSetAttribute once per kernel and device (not per launch).
+// cudaFuncSetAttribute once per kernel and device (not per launch), whatever the size: without
+// the opt-in a launch may use 48 KiB of shared memory *static and dynamic together*, so a kernel
+// whose dynamic part is exactly 48 KiB (D = 64, BLOCK_M = 64: 3 stages of 16 KiB) plus its static
+// s_range failed every launch with cudaErrorInvalidValue on the H200 (bench/results/device_h200)
+// when the opt-in was skipped for dynamic sizes <= 48 KiB.
 template <typename Kernel>
 int allow_dynamic_smem(Kernel kernel, size_t smem, std::atomic<unsigned long long>& done) {
-  if (smem <= 48 * 1024) return SIMSD_OK;
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return (int)err;

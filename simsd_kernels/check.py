@@ -4,8 +4,13 @@ Every available backend (and ``auto``) runs a set of configurations on the prese
 dtype x head_dim (64, 128 and 96, which the fused kernels do not support: an explicit backend
 must refuse it with a ``ValueError``, ``auto`` must fall back to one that runs it) x mask mode x
 cache (``empty``: lengths 0/0; ``short``: 37/5; ``split``: 700/300 in a 768-slot cache, past one
-split-KV chunk on a GPU) x GQA group (1, 4) -- on a small case (2 rows, 9 new tokens, 2 kv
-heads, unread cache slots holding NaN) against the float64 reference on the same device. On
+split-KV chunk on a GPU; ``long``: 100/3 with 70 new tokens, so that every GQA group fills the
+fused kernels' 64-row query tile and the new keys span two 64-key tiles) x GQA group (1, 4) -- on
+a small case (2 rows, 9 new tokens unless the cache says otherwise, 2 kv heads, unread cache
+slots holding NaN) against the float64 reference on the same device. The groups and caches
+together run each query tile height (16, 32 and 64 rows) of the fused kernels for every dtype and
+head dim: a tile that cannot launch (the CUDA kernel's 64-row tile at head dim 64 once could not,
+bench/results/device_h200) fails its rows. On
 the CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` is set when Triton
 has not been imported yet).
 
@@ -49,19 +54,22 @@ import warnings
 MODES = ("bidirectional", "block_causal", "exact", "paper")
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128, 96)
-#: name -> (cache lengths of the two rows, capacity)
-CACHES = {"empty": ((0, 0), 16), "short": ((37, 5), 64), "split": ((700, 300), 768)}
+#: name -> (cache lengths of the two rows, capacity, long: the self-check's long case's new tokens
+#: (:data:`simsd_kernels.selfcheck.LONG_LQ`) instead of its usual :data:`~simsd_kernels.selfcheck.LQ`)
+CACHES = {"empty": ((0, 0), 16, False), "short": ((37, 5), 64, False), "split": ((700, 300), 768, False),
+          "long": ((100, 3), 192, True)}
 GROUPS = (1, 4)
 #: the default set, ``(dtype, head_dim, mask mode, GQA group, cache)``, run by every backend:
 #: each dtype, head dim, mode, group and cache at least once; the split cache with the paper
 #: layout (the most mask work), head dim 128 in a half type and in float32 (the fused kernels'
-#: fp32 tiles differ on a GPU), 96 refused or fallen back
+#: fp32 tiles differ on a GPU), 96 refused or fallen back, the 64-row query tile at head dim 64
 QUICK = (
     ("float16", 64, "paper", 4, "split"),
     ("bfloat16", 128, "exact", 4, "short"),
     ("float32", 128, "block_causal", 1, "short"),
     ("bfloat16", 64, "bidirectional", 1, "empty"),
     ("float16", 96, "paper", 4, "short"),
+    ("bfloat16", 64, "exact", 1, "long"),
 )
 #: the axis options (``args`` attributes): given any of them, the product of their values runs
 AXES = ("dtypes", "head_dims", "mask_modes", "caches", "groups")
@@ -199,7 +207,7 @@ def run_task(task, device_str: str, reps: int | None) -> list:
 
     from .backends import OpConfig, get_backend, resolve_backend
     from .mask_rule import parse_mask_mode
-    from .selfcheck import THETA, attention_case, judge, reference
+    from .selfcheck import LONG_LQ, LQ, THETA, attention_case, judge, reference
     name, dtype_name, head_dim, mode_name, group, caches = task
     device = torch.device(device_str)
     dtype = getattr(torch, dtype_name)
@@ -224,10 +232,11 @@ def run_task(task, device_str: str, reps: int | None) -> list:
             return [dict(base, cache=c, resolved=None, status="FAIL", max_err=None, tol=None, us=None,
                          detail=f"{type(exc).__name__}: {exc}"[:300]) for c in caches]
         for cache in caches:
-            lens, capacity = CACHES[cache]
+            lens, capacity, long = CACHES[cache]
             row = dict(base, cache=cache, cache_lens=list(lens), resolved=impl.name, max_err=None, tol=None, us=None)
             try:
-                clean, poisoned = attention_case(device, dtype, head_dim, group, mode, lens, capacity)
+                clean, poisoned = attention_case(device, dtype, head_dim, group, mode, lens, capacity,
+                                                Lq=LONG_LQ if long else LQ)
                 scale = head_dim ** -0.5
                 call = lambda: impl.attention(*poisoned, mode, THETA, scale)  # noqa: E731
                 if not supported:

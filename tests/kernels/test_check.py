@@ -120,7 +120,7 @@ def test_full_is_the_product_of_every_axis():
     got = sorted((b, dt, d, m, g, c) for b, dt, d, m, g, caches in tasks for c in caches)
     want = sorted((b, dt, d, m, g, c) for b in chosen for dt in check.DTYPES for d in check.HEAD_DIMS
                   for m in check.MODES for g in check.GROUPS for c in check.CACHES)
-    assert got == want and len(got) == 2 * check.FULL_ROWS == 2 * 216
+    assert got == want and len(got) == 2 * check.FULL_ROWS == 2 * 288
     _, _, _, quick = check.plan(_args(["--device", "cpu", "--backends", "torch,auto"]))
     assert [t[1:5] + t[5] for t in quick] == [tuple(q) for q in check.QUICK] * 2
 
@@ -141,12 +141,12 @@ def test_rows_are_printed_as_they_finish(capsys, monkeypatch):
     assert check.main(["--device", "cpu", "--backends", "torch", "--full"]) == 0
     tail = capsys.readouterr().out
     assert len(seen) == check.FULL_ROWS // len(check.CACHES)
-    assert "# 216 rows, the full matrix; each row is printed as it finishes" in seen[0]
+    assert "# 288 rows, the full matrix; each row is printed as it finishes" in seen[0]
     assert check.HEADER in seen[0] and "# torch:" not in seen[0]
     for printed in seen[1:]:  # exactly the previous configuration's rows, one per cache
         lines = printed.splitlines()
         assert len(lines) == len(check.CACHES) and all(x.startswith("torch    torch ") for x in lines), printed
-    assert "# torch: 216 pass, 0 FAIL, 0 refused (of 216)" in tail
+    assert "# torch: 288 pass, 0 FAIL, 0 refused (of 288)" in tail
 
 
 def test_a_wrong_backend_fails_its_rows_and_auto_avoids_it(capsys):
