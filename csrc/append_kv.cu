@@ -34,9 +34,10 @@ __global__ void append_kv_kernel(const simsd_append_kv_params p) {
       const float pos = static_cast<float>(p.positions[(int64_t)b * p.positions_stride + i]);
       float s, co;
       sincosf(pos * rope_inv_freq(c, p.D, p.rope_theta), &s, &co);
-      const float x1 = Dt<T>::to_float(k[c]), x2 = Dt<T>::to_float(k[c + half]);
-      kc[c] = Dt<T>::from_float(x1 * co - x2 * s);
-      kc[c + half] = Dt<T>::from_float(x2 * co + x1 * s);
+      float y1, y2;
+      rope_rotate(Dt<T>::to_float(k[c]), Dt<T>::to_float(k[c + half]), co, s, y1, y2);
+      kc[c] = Dt<T>::from_float(y1);
+      kc[c + half] = Dt<T>::from_float(y2);
     } else {
       kc[c] = k[c];
       kc[c + half] = k[c + half];

@@ -52,6 +52,15 @@ __device__ __forceinline__ float rope_inv_freq(int i, int head_dim, float theta)
   return 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(head_dim));
 }
 
+// The rotate-half pair (x1 c - x2 s, x2 c + x1 s) in fp32 with its fused multiply-adds written
+// out, so every kernel that rotates (rope_qk for the attention door, append_kv) rounds the same
+// way: a plain expression leaves the contraction to the compiler, which may contract two kernels
+// differently (the Triton door's and append_kv's fp32 keys differed so on the H200).
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, float& y1, float& y2) {
+  y1 = __fmaf_rn(x1, c, -__fmul_rn(x2, s));
+  y2 = __fmaf_rn(x2, c, __fmul_rn(x1, s));
+}
+
 // ---- tensor-core MMA: D(16x8 f32) += A(16x16 row) * B(16x8 col), sm_80+ ------------------
 // Fragment layout (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
 //   A regs: {row g, k 2t..2t+1}, {row g+8, k 2t..}, {row g, k 2t+8..}, {row g+8, k 2t+8..}

@@ -21,9 +21,10 @@ constexpr int kHeadLanes = 4;
 
 template <typename T>
 __device__ __forceinline__ void rotate_pair(const T* src, T* dst, int x, int half, float c, float s) {
-  const float x1 = Dt<T>::to_float(src[x]), x2 = Dt<T>::to_float(src[x + half]);
-  dst[x] = Dt<T>::from_float(x1 * c - x2 * s);
-  dst[x + half] = Dt<T>::from_float(x2 * c + x1 * s);
+  float y1, y2;
+  rope_rotate(Dt<T>::to_float(src[x]), Dt<T>::to_float(src[x + half]), c, s, y1, y2);
+  dst[x] = Dt<T>::from_float(y1);
+  dst[x + half] = Dt<T>::from_float(y2);
 }
 
 template <typename T>

@@ -10,7 +10,7 @@ written (no out-of-bounds store; the caller owns capacity).
 import triton
 import triton.language as tl
 
-from .common import rope_inv_freq, round_to
+from .common import rope_inv_freq, rope_rotate, round_to
 
 
 @triton.jit
@@ -36,8 +36,9 @@ def append_kv_kernel(K, V, POS, KC, VC, SEQLENS, num_tokens, Lmax,
         ang = pos[:, None] * rope_inv_freq(HALF, HEAD_DIM, log2_theta_hi, log2_theta_lo)[None, :]
         cos = tl.cos(ang)
         sin = tl.sin(ang)
-        tl.store(kc_ptr, round_to(k_lo * cos - k_hi * sin, KC.dtype.element_ty), mask=ok[:, None])
-        tl.store(kc_ptr + HALF, round_to(k_hi * cos + k_lo * sin, KC.dtype.element_ty), mask=ok[:, None])
+        y1, y2 = rope_rotate(k_lo, k_hi, cos, sin)
+        tl.store(kc_ptr, round_to(y1, KC.dtype.element_ty), mask=ok[:, None])
+        tl.store(kc_ptr + HALF, round_to(y2, KC.dtype.element_ty), mask=ok[:, None])
     else:
         tl.store(kc_ptr, tl.load(k_ptr, mask=ok[:, None], other=0.0).to(KC.dtype.element_ty), mask=ok[:, None])
         tl.store(kc_ptr + HALF, tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(KC.dtype.element_ty),

@@ -25,7 +25,7 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
 import triton
 import triton.language as tl
 
-from .common import allowed, dot, rope_inv_freq, round_to, to_dot, upcast
+from .common import allowed, dot, rope_inv_freq, rope_rotate, round_to, to_dot, upcast
 
 # runtime scalars that must not be specialised (a value of 1 or a multiple of 16 would otherwise
 # compile another variant): one variant per (dtype, head_dim, GQA group, BLOCK_M)
@@ -215,8 +215,9 @@ def rope_qk_kernel(Q, K, POS, QR, KR, sqb, sqt, sqh, skb, skt, skh, spb, spt, Lq
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
         dst = QR + ((b * Lq + t) * Hq + h[:, None]) * HEAD_DIM + offs[None, :]
-        tl.store(dst, round_to(x1 * cos - x2 * sin, QR.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, round_to(x2 * cos + x1 * sin, QR.dtype.element_ty), mask=ok)
+        y1, y2 = rope_rotate(x1, x2, cos, sin)
+        tl.store(dst, round_to(y1, QR.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, round_to(y2, QR.dtype.element_ty), mask=ok)
     for h0 in range(0, Hkv, BLOCK_H):
         h = h0 + offs_h
         ok = (h < Hkv)[:, None]
@@ -224,5 +225,6 @@ def rope_qk_kernel(Q, K, POS, QR, KR, sqb, sqt, sqh, skb, skt, skh, spb, spt, Lq
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
         dst = KR + ((b * Lq + t) * Hkv + h[:, None]) * HEAD_DIM + offs[None, :]
-        tl.store(dst, round_to(x1 * cos - x2 * sin, KR.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, round_to(x2 * cos + x1 * sin, KR.dtype.element_ty), mask=ok)
+        y1, y2 = rope_rotate(x1, x2, cos, sin)
+        tl.store(dst, round_to(y1, KR.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, round_to(y2, KR.dtype.element_ty), mask=ok)

@@ -62,6 +62,16 @@ def rope_inv_freq(HALF: tl.constexpr, HEAD_DIM: tl.constexpr, log2_theta_hi, log
 
 
 @triton.jit
+def rope_rotate(x1, x2, cos, sin):
+    """The rotate-half pair ``(x1 cos - x2 sin, x2 cos + x1 sin)`` in fp32 with its fused
+    multiply-adds written out, so every kernel that rotates (``rope_qk_kernel`` for the attention
+    door, ``append_kv_kernel``) rounds the same way: a plain expression leaves the contraction to
+    the compiler, and on the H200 the door's cached fp32 keys and ``append_kv``'s differed
+    (bench/results/device_h200)."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """fp32 ``x`` rounded to ``DTYPE``, to nearest even (the GPU's ``cvt.rn``).
 
