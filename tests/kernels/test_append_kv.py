@@ -35,8 +35,8 @@ def test_append_kv_matches_torch_fp32(num_tokens, D):
     assert torch.equal(kc.isnan(), kc2.isnan()) and torch.equal(vc.isnan(), vc2.isnan())
     assert torch.equal(vc.nan_to_num(), vc2.nan_to_num())
     if num_tokens:
-        rows = torch.arange(3)[:, None]
-        cols = lens.long()[:, None] + torch.arange(num_tokens)[None]
+        rows = torch.arange(3, device=DEVICE)[:, None]
+        cols = lens.long()[:, None] + torch.arange(num_tokens, device=DEVICE)[None]
         exact = apply_rope(k[:, :num_tokens].double(), pos[:, :num_tokens], THETA)
         err, torch_err = max_err(kc[rows, cols], exact), max_err(kc2[rows, cols], exact)
         assert err <= 2 * torch_err + 1e-6, (err, torch_err)
@@ -48,8 +48,8 @@ def test_append_kv_bf16_within_torch_error():
     append_kv_fwd(k, v, pos, kc, vc, lens, THETA, 9)
     append_kv_torch(k, v, pos, kc2, vc.clone(), lens, THETA, 9)
     exact = apply_rope(k.double(), pos, THETA)
-    rows = torch.arange(2)[:, None]
-    cols = lens.long()[:, None] + torch.arange(9)[None]
+    rows = torch.arange(2, device=DEVICE)[:, None]
+    cols = lens.long()[:, None] + torch.arange(9, device=DEVICE)[None]
     err, torch_err = max_err(kc[rows, cols], exact), max_err(kc2[rows, cols], exact)
     assert err <= 2 * torch_err + 1e-2, (err, torch_err)
     assert torch.equal(vc[rows, cols], v)

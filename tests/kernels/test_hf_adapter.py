@@ -1,6 +1,8 @@
 """Drop-in adapter: a tiny random Qwen3 gives the same logits (and greedy tokens) through simsd as
 through transformers' own SDPA attention, for padded batches, 4-D masks, causal and bidirectional
 attention, GQA and the KV cache of ``generate``; what it cannot apply it refuses."""
+import inspect
+
 import pytest
 import torch
 
@@ -12,6 +14,10 @@ from simsd_kernels.mask_rule import TAU_INF, MaskMode, dense_new_token_mask  # n
 from tests.kernels.helpers import available_backends  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: the forward's KV-cache keyword: ``cache`` in recent transformers, ``past_key_values`` before (the
+#: H200 image's 5.17 takes ``past_key_values`` and would pass ``cache=`` on to the attention unused)
+CACHE_KW = "cache" if "cache" in inspect.signature(transformers.Qwen3ForCausalLM.forward).parameters \
+    else "past_key_values"
 PAD = 0
 #: max |logit error| vs float64 of the adapter's run; bf16: relative to SDPA's own bf16 error
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -74,9 +80,9 @@ def _assert_over_the_cache_like_sdpa(model, backend, prefill: dict, step: dict, 
         cache = transformers.DynamicCache(config=model.config)
         own = {"simsd_backend": backend} if impl == "simsd" else {}
         with torch.no_grad():
-            model(**prefill, cache=cache, use_cache=True, **own)
+            model(**prefill, **{CACHE_KW: cache}, use_cache=True, **own)
             extra = {**own, **(simsd_step or {})} if impl == "simsd" else (sdpa_step or {})
-            logits[impl] = model(**step, cache=cache, use_cache=True, **extra).logits
+            logits[impl] = model(**step, **{CACHE_KW: cache}, use_cache=True, **extra).logits
     torch.testing.assert_close(logits["simsd"], logits["sdpa"], atol=2e-5, rtol=1e-5)
 
 
