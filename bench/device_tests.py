@@ -15,10 +15,15 @@ launch), and the ``--jobs`` processes go one at a time to the group with the mos
 seconds per shard (each group at least one, at most one per test), which minimises the longest
 shard. ``tests.json`` records each group's shards and their seconds, to correct the estimates.
 
-Isolation within a group: a shard stops at its first failure (``-x``: a CUDA error is sticky and
-would fail every later test of the process) and at a crash (the process dies: the test that was
-running is recorded as ``crashed``, an error); the shard then restarts with the tests it has not
-run, until they are done or the deadline comes. Every test also has ``--test-timeout`` seconds
+Isolation within a group: a failed test does not stop its shard unless it left the process's CUDA
+context broken (a CUDA error is sticky and would fail every later test of the process): this
+module, loaded into every shard as a pytest plugin, synchronises the device after each failure
+and ends the process when that raises (exit status :data:`BROKEN_CONTEXT`). A shard also stops
+at a crash (the process dies: the test that was running is recorded as ``crashed``, an error);
+either way it restarts with the tests it has not run, until they are done or the deadline comes.
+The shard killed at the deadline records its running test as not run, not as a crash. Each shard
+runs with ``OMP_NUM_THREADS`` = the machine's cores / ``--jobs`` (unless set), so that twelve
+shards on sixteen cores do not each start sixteen threads. Every test also has ``--test-timeout`` seconds
 (pytest-timeout). Output: ``pytest -v`` of every shard run in ``LOGS/tests.log`` (each cut to its
 head and tail past 120 kB), so a shard killed by the deadline still reports the tests it finished.
 
@@ -46,9 +51,33 @@ BASE = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts
 CRASH_ENV = "SIMSD_DEVICE_CRASH_TEST"
 
 
-def pytest_runtest_call(item):  # pytest hook, active only in shards of an --inject-crash run
+#: the exit status of a shard whose CUDA context a failed test left broken (restart, no crash)
+BROKEN_CONTEXT = 70
+#: tests only: the environment variable naming a test whose failure this plugin treats as having
+#: broken the CUDA context (tests/bench/test_device_run.py; a CPU has no context to break)
+BREAK_ENV = "SIMSD_DEVICE_BREAK_TEST"
+
+
+def pytest_runtest_call(item):  # pytest hook (every shard loads this module): --inject-crash's abort
     if os.environ.get(CRASH_ENV) == item.nodeid:
         os.abort()
+
+
+def pytest_runtest_logreport(report):  # pytest hook: after a failure, is the CUDA context still usable?
+    if not report.failed:
+        return
+    if os.environ.get(BREAK_ENV) == report.nodeid:
+        import pytest
+        pytest.exit(f"{report.nodeid} left the CUDA context broken (injected)", returncode=BROKEN_CONTEXT)
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001  (a sticky CUDA error: every later test would fail)
+        import pytest
+        pytest.exit(f"{report.nodeid} left the CUDA context broken: {str(exc).splitlines()[0][:200]}",
+                    returncode=BROKEN_CONTEXT)
 
 
 def parse_args(argv=None):
@@ -162,23 +191,23 @@ class Shard:
         self.seen, self.crashed, self.text, self.runs, self.proc = {}, [], "", 0, None
         self.size, self.seconds, self.t0 = len(self.pending), 0.0, None
 
-    def start(self):
+    def start(self, threads: int = 1):
         self.runs += 1
         self.t0 = time.time()
         self.log = os.path.join(self.log_dir, f"tests-shard{self.index}-run{self.runs}.log")
         env = dict(os.environ)
-        plugin = []
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__)) + os.pathsep + env.get("PYTHONPATH", "")
         if self.crash_id:
             env[CRASH_ENV] = self.crash_id
-            env["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__)) + os.pathsep + env.get("PYTHONPATH", "")
-            plugin = ["-p", "device_tests"]
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(BASE + plugin + ["-v", "-x", "--tb=short", "-rfE", "-o",
-                                                          f"timeout={self.test_timeout:g}", *self.pending],
+            self.proc = subprocess.Popen(BASE + ["-p", "device_tests", "-v", "--tb=short", "-rfE", "-o",
+                                                 f"timeout={self.test_timeout:g}", *self.pending],
                                          stdout=f, stderr=subprocess.STDOUT, env=env)
 
-    def finish(self):
-        """Read the finished process's log; returns True when tests remain to be run."""
+    def finish(self, killed: bool = False):
+        """Read the finished process's log; returns True when tests remain to be run. ``killed``:
+        stopped at the deadline (its running test is left not run, not blamed as a crash)."""
         with open(self.log) as f:
             body = f.read()
         os.remove(self.log)
@@ -189,8 +218,10 @@ class Shard:
         seen = outcomes(body)
         self.seen.update(seen)
         pending = [nid for nid in self.pending if nid not in seen]
-        # died (a signal, an abort, an internal error), or stopped without running anything new
-        if pending and (self.proc.returncode not in (0, 1, 5) or not seen):
+        # died (a signal, an abort, an internal error), or stopped without running anything new; a
+        # broken CUDA context (BROKEN_CONTEXT) has its failed test recorded already
+        if pending and not killed and self.proc.returncode != BROKEN_CONTEXT and \
+                (self.proc.returncode not in (0, 1, 5) or not seen):
             nid = crashed_test(body, pending)
             self.crashed.append(nid)
             self.seen[nid] = "ERROR"
@@ -238,21 +269,22 @@ def main(argv=None) -> int:
     crash_id = ids[args.inject_crash][0] if args.inject_crash and ids[args.inject_crash] else None
     shards = [Shard(i, g, s, args.log_dir, args.test_timeout, crash_id if crash_id in s else None)
               for i, (g, s) in enumerate(deal(ids, args.jobs, args.costs))]
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(shards)))
     for s in shards:
-        s.start()
+        s.start(threads)
     timed_out = False
     while any(s.proc is not None for s in shards):
         for s in shards:
             if s.proc is not None and s.proc.poll() is not None:
                 if s.finish() and time.time() < deadline - 5:
-                    s.start()
+                    s.start(threads)
         if time.time() >= deadline:
             timed_out = True
             for s in shards:
                 if s.proc is not None:
                     s.proc.kill()
                     s.proc.wait()
-                    s.finish()
+                    s.finish(killed=True)
             break
         time.sleep(0.2)
     timed_out = timed_out or any(s.pending for s in shards)

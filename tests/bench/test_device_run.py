@@ -71,6 +71,65 @@ def test_shards_are_dealt_by_cost_not_count():
         dt.parse_args(["--log-dir", "x", "--group", "g=tests", "--cost", "h=2"])  # no such group
 
 
+def _run_shards(tmp_path, body: str, *extra, env=None):
+    """device_tests.py on one group of the tests in ``body`` (a test file): its JSON report and log."""
+    (tmp_path / "test_sample.py").write_text(body)
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, str(BENCH / "device_tests.py"), "--log-dir", str(logs), "--jobs", "1",
+           "--group", f"g={tmp_path / 'test_sample.py'}", *extra]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    report = json.loads((logs / "tests.json").read_text())
+    return report, (logs / "tests.log").read_text(), proc
+
+
+SAMPLE = """
+import time
+def test_a(): pass
+def test_b(): assert False, "planted"
+def test_c(): pass
+def test_d(): pass
+"""
+
+
+def test_a_failure_does_not_stop_its_shard(tmp_path):
+    """The first device run stopped a shard at every failure (-x) and paid a process start (torch,
+    the CUDA context) for each: 26 restarts in 140 s. A failure now costs no restart; only a broken
+    CUDA context does (below)."""
+    report, log, _ = _run_shards(tmp_path, SAMPLE)
+    g = report["groups"]["g"]
+    assert (g["passed"], g["failed"], g["error"], g["not_run"]) == (3, 1, 0, 0), g
+    assert report["restarts"] == 0 and g["failures"] == ["test_sample.py::test_b"]
+
+
+def test_a_broken_cuda_context_restarts_the_shard_without_blaming_a_crash(tmp_path):
+    nid = "test_sample.py::test_b"  # node ids are relative to the shard's rootdir
+    report, log, _ = _run_shards(tmp_path, SAMPLE, env={"SIMSD_DEVICE_BREAK_TEST": nid})
+    g = report["groups"]["g"]
+    assert (g["passed"], g["failed"], g["error"], g["not_run"]) == (3, 1, 0, 0), g
+    assert report["restarts"] == 1 and "left the CUDA context broken" in log and "CRASHED" not in log
+
+
+def test_the_test_running_at_the_deadline_is_not_run_not_crashed(tmp_path):
+    """The first device run reported the CUDA test its deadline killed as ``crashed`` (an error)."""
+    body = SAMPLE.replace('def test_c(): pass', 'def test_c(): time.sleep(60)')
+    report, log, proc = _run_shards(tmp_path, body, "--timeout", "12")
+    g = report["groups"]["g"]
+    assert (g["passed"], g["failed"], g["error"]) == (1, 1, 0) and g["not_run"] == 2, g
+    assert report["timed_out"] and "CRASHED" not in log and "(crashed)" not in json.dumps(g)
+    assert proc.returncode == 1
+
+
+def test_shards_run_with_one_thread_per_core_share(tmp_path):
+    body = "import os\ndef test_threads(): assert os.environ['OMP_NUM_THREADS'] == str(max(1, os.cpu_count()))\n"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    (tmp_path / "test_sample.py").write_text(body)
+    logs = tmp_path / "logs"
+    subprocess.run([sys.executable, str(BENCH / "device_tests.py"), "--log-dir", str(logs), "--jobs", "1",
+                    "--group", f"g={tmp_path / 'test_sample.py'}"], cwd=tmp_path, env=env, timeout=300)
+    assert json.loads((logs / "tests.json").read_text())["groups"]["g"]["passed"] == 1
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
