@@ -364,7 +364,7 @@ class BatchEngine:
             host = torch.ones(R, Lq, dtype=torch.bool)
             for j, s, e in spans:
                 host[j, s:e] = False
-            mask = host.to(logits.device, non_blocking=True)
+            mask = to_device(host, logits.device)
             if len(self._span_masks) < CONSTANTS:
                 self._span_masks[key] = mask
         s = logits.sum(-1)

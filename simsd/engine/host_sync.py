@@ -22,12 +22,15 @@ READ_OPS = frozenset({"__bool__", "__int__", "__float__", "__index__", "item", "
 
 
 def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
-    """``torch.tensor(values, dtype)`` on ``device``; for a CUDA device staged in pinned host
-    memory and copied asynchronously (no wait for the device's queued work)."""
+    """``torch.tensor(values, dtype)`` on ``device`` (``values`` host numbers, or a host tensor
+    taken as it is, ``dtype`` ignored); for a CUDA device staged in pinned host memory and copied
+    asynchronously (no wait for the device's queued work: a copy from pageable memory, even
+    ``non_blocking``, is one that ``torch.cuda.set_sync_debug_mode`` may report)."""
     device = torch.device(device)
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class HostReads(TorchFunctionMode):

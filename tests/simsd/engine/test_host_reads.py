@@ -1,6 +1,7 @@
 """The decoding loop reads device data on the host once per round: the accept decision
 (docs/design.md §6). On a GPU every such read waits for the stream; here they are counted on the CPU
 with :class:`simsd.engine.host_sync.HostReads`, and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
+import collections
 import dataclasses
 import warnings
 
@@ -103,8 +104,10 @@ def test_gpu_syncs_equal_rounds(mode):
             out = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # the debug mode's own notice ("... is a prototype feature ...") is not a sync
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
     # each round's decision is one device-to-host copy; torch.cuda.synchronize (the timer) is
     # not reported by the debug mode
     rounds = totals(out, "rounds")
-    assert rounds <= len(syncs) <= rounds + 2, (rounds, [str(w.message) for w in syncs[:5]])
+    sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs)
+    assert rounds <= len(syncs) <= rounds + 2, (rounds, len(syncs), sites.most_common(8))
