@@ -347,6 +347,7 @@ SDAR_CONFIGS = [OpConfig("attention", torch.bfloat16, 128, g, m) for g in (2, 4)
     [OpConfig("attention", torch.bfloat16, 64, 1, 3)]
 
 
+@pytest.mark.no_emulation  # stand-in backends on the CPU device by design
 @pytest.mark.parametrize("mutant", ["softmax scale 1% off", "RoPE angles 0.1% off"])
 def test_the_tolerance_catches_small_systematic_errors_in_bfloat16(mutant):
     """bfloat16 rounds the largest outputs by ~0.8% of their size: a max-error bound alone passes a
@@ -359,6 +360,7 @@ def test_the_tolerance_catches_small_systematic_errors_in_bfloat16(mutant):
         assert "error" in res.detail
 
 
+@pytest.mark.no_emulation  # stand-in backends on the CPU device by design
 @pytest.mark.parametrize("backend", ["fused numerics", "P in bfloat16 per tile", "torch"])
 def test_correct_numerics_pass_the_tolerance_in_bfloat16(backend):
     impl = {"fused numerics": _fused_numerics(), "P in bfloat16 per tile": _fused_numerics(p_in_dtype=True),
@@ -435,6 +437,7 @@ def _door_backend(name, wrong):
                    auto_devices=("cpu",), kvcache=WrongDoor)
 
 
+@pytest.mark.no_emulation  # stand-in backends on the CPU device by design
 @pytest.mark.parametrize("wrong", ["unrotated k", "no write", None])
 def test_the_door_of_a_backend_is_checked_too(wrong):
     """A backend's own write-then-attend path (the one the model runs) is held to the same bound and

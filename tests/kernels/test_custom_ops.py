@@ -28,6 +28,7 @@ def test_opcheck_append_kv(backend):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.no_emulation
 @pytest.mark.parametrize("backend", _backends())
 def test_torch_compile_fullgraph_equals_eager(backend):
     args = [a.to(DEVICE) for a in make_inputs(3, 2, 6, 4, 2, 64, [9, 1])]
