@@ -85,9 +85,17 @@ def written(value, figure: str) -> bool:
     return float(value) == int(figure)
 
 
+def load(path: str):
+    """A result file: one JSON document, or JSON lines (the device run's rows) as a list of rows."""
+    text = (ROOT / path).read_text()
+    if path.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
 def unmatched(block: str, files: list) -> list:
     """The figures of a block that none of ``files`` holds (a missing file: every figure)."""
-    values = [v for f in files for v in numbers(json.loads((ROOT / f).read_text()))]
+    values = [v for f in files for v in numbers(load(f))]
     return [fig for fig in figures(block) if not any(written(v, fig) for v in values)]
 
 
@@ -134,7 +142,8 @@ def test_no_results_table_without_its_source(page):
 
 def test_named_result_files_exist():
     """A result file named anywhere in README.md or docs/ is committed (a figure's source must not vanish)."""
-    named = {(page.name, m) for page in PAGES for m in re.findall(r"bench/results/[\w.-]+\.json", page.read_text())}
+    named = {(page.name, m) for page in PAGES
+             for m in re.findall(r"bench/results/[\w./-]+\.jsonl?\b", page.read_text())}
     missing = sorted(f"{p}: {f}" for p, f in named if not (ROOT / f).is_file())
     assert not missing, missing
 
