@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .fields import SETTINGS
-from .speculative import check_fold_commit, check_release
+from .speculative import check_fold_commit, check_release, check_self_draft, is_self_draft, parse_draft
 from .vocabulary import SPECULATIVE, ParamError, Setting, check_fields, check_modes, opt, settings_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -31,9 +31,11 @@ class EngineArgs:
     target: object = Setting(Path, "target SDAR checkpoint directory (HF format; the Python API also takes a read "
                                    "CheckpointInfo or a loaded Checkpoint); default: the bundled tiny "
                                    "target").field(None)
-    draft: object = Setting(Path, "draft SDAR checkpoint, as the target (paper/exact modes); default: the bundled "
-                                  "tiny draft",
-                            modes=SPECULATIVE).field(None)
+    draft: object = Setting(object, "draft SDAR checkpoint, as the target (paper/exact modes), or 'self': the "
+                                    "target proposes its own next steps, no draft model (exact mode); a directory "
+                                    "named self is ./self; default: the bundled tiny draft",
+                            modes=SPECULATIVE, parse=parse_draft,
+                            text="a checkpoint directory, 'self', or a read or loaded checkpoint").field(None)
     mode: str = SETTINGS["mode"].field("exact")
     device: object = Setting(object, "device of the target: cpu, cuda, cuda:1 ... (default: cuda if available, "
                                      "else cpu; ignored for a loaded checkpoint)").field(None)
@@ -83,6 +85,8 @@ class EngineArgs:
         defaults = {f.name: f.default for f in fields(self)}
         check_modes({n: s for n, s in settings_of(self).items() if getattr(self, n) != defaults[n]}, [self.mode])
         check_release(self.paper_variant, self.max_gamma, self.on_reject, "max_gamma")
+        if is_self_draft(self.draft):
+            check_self_draft(self)
         if self.scheduler_thread and self.tp > 1:
             raise ParamError("scheduler_thread", f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the "
                                                  f"ranks must run the same rounds)")

@@ -82,13 +82,15 @@ def check_request(params: SamplingParams, config, vocab_size: int | None = None)
             with ``gamma`` 1 (it never falls back).
     """
     from .fields import MIN_TEMPERATURE
-    from .speculative import check_gamma, check_release
+    from .speculative import check_gamma, check_release, check_self_draft, is_self_draft
     from .vocabulary import MODES, check_modes, opt, settings_of
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
     check_modes({n: s for n, s in settings_of(params).items() if s.modes != MODES and getattr(params, n) is not None},
                 [config.mode])
     speculative = config.mode != "vanilla"
+    if speculative and is_self_draft(getattr(config, "draft", None)):
+        check_self_draft(params)  # no draft strategy or threshold: there is no draft model
     if config.block_length is not None:
         check_gamma(params.gamma, config.block_length)
     check_release(config.paper_variant if config.mode == "paper" else "described", params.gamma, "redraft")

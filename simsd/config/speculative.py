@@ -8,12 +8,47 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from .fields import PAPER_VARIANTS, SETTINGS, check_threshold, parse_strategy
 from .vocabulary import SPECULATIVE, ParamError, check_fields, check_modes, opt
 
-__all__ = ["PAPER_VARIANTS", "SpecConfig", "check_fold_commit", "check_gamma", "check_release", "draft_config",
-           "draft_settings"]
+__all__ = ["PAPER_VARIANTS", "SELF_DRAFT", "SpecConfig", "check_fold_commit", "check_gamma", "check_release",
+           "check_self_draft", "draft_config", "draft_settings", "is_self_draft", "parse_draft"]
+
+#: the draft that is the target itself (``--draft self``, ``LLM(draft="self")``): self-speculation,
+#: proposals from the target's own logits, no draft model (:mod:`simsd.speculative.self_draft`)
+SELF_DRAFT = "self"
+
+
+def is_self_draft(draft) -> bool:
+    """Whether ``draft`` (a checkpoint, a path, or the string ``"self"``) asks for
+    self-speculation (a ``Path`` never does: a checkpoint directory named ``self`` is ``./self``)."""
+    return isinstance(draft, str) and draft == SELF_DRAFT
+
+
+def parse_draft(value, name: str = "draft"):
+    """The ``draft`` setting as kept: ``"self"`` (:data:`SELF_DRAFT`), another string as a
+    ``Path``, a path or a checkpoint object as given."""
+    if isinstance(value, str):
+        return SELF_DRAFT if value == SELF_DRAFT else Path(value)
+    return value
+
+
+def check_self_draft(settings) -> None:
+    """:class:`ParamError` for settings that self-speculation has no use for or does not run
+    (``settings``: a :class:`SpecConfig`, the engine's or a request's settings; fields it lacks
+    are not checked): paper mode (exact only, for now), optimistic drafting (there is no draft to
+    run ahead), the draft's own device, strategy or threshold (the proposals are the target's)."""
+    mode = getattr(settings, "mode", "exact")
+    if mode != "exact":
+        raise ParamError("mode", f"{opt('draft', SELF_DRAFT)} runs in exact mode only ({opt('mode', 'exact')}); "
+                                 f"got {opt('mode', mode)}")
+    for name in ("optimistic", "draft_device", "draft_strategy", "draft_threshold"):
+        value = getattr(settings, name, None)
+        if value is not None and value is not False:
+            raise ParamError(name, f"{opt(name)}: {opt('draft', SELF_DRAFT)} has no draft model (the target "
+                                   f"proposes its own next steps with its own strategy)")
 
 
 def draft_settings(strategy: str, threshold, draft_strategy, draft_threshold) -> tuple:

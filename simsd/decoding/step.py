@@ -82,12 +82,15 @@ class Step:
 
     ``block``: ``(L,)``, or ``(C, L)``: C states of the block at steps ``index .. index + C - 1``
     (exact verification's copies, one step each; their logits are the request's ``C * L``
-    tokens and the results have a leading ``C``)."""
+    tokens and the results have a leading ``C``). ``keep_logits``: the result also carries the
+    step's logits (MASK made impossible), ``(new_block, revealed, probs, logits)``, for a row
+    that proposes its next steps from them (self-speculation, :mod:`simsd.speculative.self_draft`)."""
     block: torch.Tensor
     index: int
     cfg: DecodeConfig
     mask_id: int
     key: NoiseKey | None = None
+    keep_logits: bool = False
 
     @property
     def states(self) -> int:
@@ -132,8 +135,10 @@ class Step:
                 keys = [steps[j].key for j in rows for _ in range(sizes[j])]
                 noise = step_noise(keys, index, L, batch.shape[2], batch.device)
             new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, index, noise)
-            for j, result in zip(rows, _per_step([steps[j] for j in rows], new, revealed, probs)):
-                out[j] = result
+            group = [steps[j] for j in rows]
+            kept = batch if any(s.keep_logits for s in group) else None  # masked in place by the step
+            for j, result in zip(rows, _per_step(group, new, revealed, probs, kept)):
+                out[j] = result if steps[j].keep_logits else result[:3]
         return out
 
 

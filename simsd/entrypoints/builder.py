@@ -17,6 +17,7 @@ import torch
 
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams
+from ..config.speculative import SELF_DRAFT, is_self_draft
 from ..config.vocabulary import at_most, opt
 from ..decoding.config import DecodeConfig, resolve
 from ..engine.batching import BatchEngine
@@ -77,7 +78,7 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
 
     from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
     from ..engine.tp import check_tp, rank_device, world
-    spec = config.mode != "vanilla"
+    spec = config.mode != "vanilla" and not is_self_draft(config.draft)  # a draft model to read and load
     device = check_device("device", config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if config.tp > 1:
         if world()[1] != config.tp:
@@ -211,11 +212,14 @@ def build_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     draft = decoder = None
     models = {"target": target.model}
     if config.mode != "vanilla":
-        draft = load(infos["draft"], config.dtype, config.draft_device, config.attention_backend)
-        models["draft"] = draft.model
+        if is_self_draft(config.draft):
+            draft_arg = SELF_DRAFT
+        else:
+            draft = draft_arg = load(infos["draft"], config.dtype, config.draft_device, config.attention_backend)
+            models["draft"] = draft.model
         # refuses the combinations the rows cannot run, with the devices of the loaded checkpoints
         decoder = SpeculativeDecoder(
-            target, draft, DecodeConfig(block_length=config.block_length, fold_commit=config.fold_commit),
+            target, draft_arg, DecodeConfig(block_length=config.block_length, fold_commit=config.fold_commit),
             SpecConfig(config.mode, on_reject=config.on_reject, rope_copy=config.rope_copy,
                        optimistic=config.optimistic, paper_variant=config.paper_variant), check=False)
     try:

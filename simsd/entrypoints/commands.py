@@ -26,6 +26,7 @@ import torch
 
 from ..config.engine import EngineArgs
 from ..config.request import SEED_MAX, SamplingParams
+from ..config.speculative import is_self_draft
 from ..config.vocabulary import ParamError, opt
 from ..decoding.config import DecodeConfig, resolve
 from ..models.loading import CheckpointInfo
@@ -211,8 +212,9 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
     config, spec, block_length = run.config, mode != "vanilla", run.cfg.block_length
     limit = min(m.config.max_position_embeddings for m in (run.target, run.draft) if m is not None)
     need = max(len(p.ids) for p in run.prompts) + run.cfg.max_new_tokens
+    draft = config.draft if is_self_draft(config.draft) else loaded.get("draft", run.draft)
     config = dataclasses.replace(
-        config, target=loaded.get("target", run.target), draft=loaded.get("draft", run.draft) if spec else None,
+        config, target=loaded.get("target", run.target), draft=draft if spec else None,
         mode=mode, draft_device=config.draft_device if spec else None,
         on_reject=config.on_reject if spec else "redraft",
         rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if spec else None,

@@ -19,11 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.speculative import SpecConfig, check_fold_commit, check_gamma, draft_config
+from ..config.speculative import (
+    SpecConfig,
+    check_fold_commit,
+    check_gamma,
+    check_self_draft,
+    draft_config,
+    is_self_draft,
+)
 from ..config.vocabulary import SPECULATIVE
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
+from .self_draft import SelfExactVerifier
 from .spec_row import SpecRow
 from .verifiers import PAPER_VERIFIERS, VERIFIERS
 
@@ -63,6 +71,9 @@ class SpecPlan:
 class SpeculativeDecoder:
     """Decodes prompts with a draft and a target checkpoint (see module doc); each prompt's
     round state lives in its own :class:`SpecRow` (a row program the scheduler drives).
+    ``draft="self"`` (:data:`~simsd.config.speculative.SELF_DRAFT`): self-speculation, the target
+    proposes its own next steps from its verify logits (:mod:`simsd.speculative.self_draft`;
+    exact mode; no draft model, no draft forward).
 
     ``cfg`` and ``spec`` are the decoder's settings (:attr:`plan`); the engine-wide ones
     (``cfg.fold_commit``, ``spec.mode``, ``spec.paper_variant``, ``spec.optimistic``) hold for every
@@ -80,19 +91,30 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig, check: bool = True):
-        if check:
+        self.self_draft = is_self_draft(draft)
+        if self.self_draft:
+            check_self_draft(spec)
+            draft = None
+        elif check:
             check_pair(target, draft)
         self.t, self.d = target, draft
-        t, d = target.model.device, draft.model.device
+        t = target.model.device
+        d = t if draft is None else draft.model.device
         check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
         self.mask_id = target.mask_token_id
-        self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
+        if self.self_draft:
+            self.verifier_class = SelfExactVerifier
+        else:
+            self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
         self.plan = self.plan_for(cfg, spec)
 
     def plan_for(self, cfg: DecodeConfig, spec: SpecConfig) -> SpecPlan:
         """The checked :class:`SpecPlan` of a request's settings (:class:`ParamError`: a ``gamma``
-        past the block length, a draft threshold out of the draft strategy's range)."""
+        past the block length, a draft threshold out of the draft strategy's range, a draft
+        setting with ``draft="self"``)."""
         check_gamma(spec.gamma, cfg.block_length)
+        if self.self_draft:
+            check_self_draft(spec)
         return SpecPlan(cfg, spec, draft_config(cfg, spec), spec.gamma or cfg.block_length)
 
     def generate(self, prompt_ids: list) -> GenerationResult:
@@ -101,6 +123,8 @@ class SpeculativeDecoder:
     def optimistic(self) -> bool:
         """Whether rows draft optimistically (``spec.optimistic``, or: draft and target on
         different devices)."""
+        if self.self_draft:
+            return False
         if self.plan.spec.optimistic is None:
             return self.t.model.device != self.d.model.device
         return self.plan.spec.optimistic
@@ -124,11 +148,13 @@ class SpeculativeDecoder:
         block_length = cfg.block_length
         capacities = [check_prompt(p, self.t.config, cfg.max_new_tokens, block_length, self.mask_id)
                       for p in prompts]
-        for p in prompts:
-            check_prompt(p, self.d.config, cfg.max_new_tokens, block_length, self.mask_id)
-        engine = BatchEngine({"target": self.t.model, "draft": self.d.model}, block_length, len(prompts),
-                             round_capacity(max(capacities)), (self.plan.gamma + 2) * block_length,
-                             cuda_graphs=cuda_graphs)
+        models = {"target": self.t.model}
+        if self.d is not None:
+            for p in prompts:
+                check_prompt(p, self.d.config, cfg.max_new_tokens, block_length, self.mask_id)
+            models["draft"] = self.d.model
+        engine = BatchEngine(models, block_length, len(prompts), round_capacity(max(capacities)),
+                             (self.plan.gamma + 2) * block_length, cuda_graphs=cuda_graphs)
         seeds = row_seeds(cfg, len(prompts), first_index, seeds)
         return generate_batch(engine, prompts, capacities, lambda row, i: self.new_row(row, seeds[i]))
 

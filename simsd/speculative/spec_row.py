@@ -128,6 +128,8 @@ class SpecRow(RowProgram):
     # -- a block: rounds, or fallback steps ---------------------------------------------------
     def new_block(self, tail: list) -> BlockState:
         self.origin = [None] * self.cfg.block_length  # per position: True = from the draft, False = the target's
+        if self.dec.self_draft:
+            self.verifier.draft.drop()  # the last block's logits propose nothing for this one
         return super().new_block(tail)
 
     def advance(self, blk: BlockState):
@@ -141,9 +143,13 @@ class SpecRow(RowProgram):
     def round(self, blk: BlockState):
         """Draft (or take the carried speculation), verify, speculate the next round (optimistic
         drafting: between launching the verify forward and reading its decision, so that on
-        another device it overlaps the target's forward), read the verdict."""
+        another device it overlaps the target's forward), read the verdict. Self-speculation
+        proposes from the target's last verify logits instead, with no forward."""
         draft = self.take(blk)
-        if draft is None:
+        if draft is None and self.dec.self_draft:
+            draft = self.verifier.draft.propose(blk.block, blk.step, blk.host.count(self.mask_id),
+                                                self.key(blk.start), Draft)
+        elif draft is None:
             masks = blk.host.count(self.mask_id)
             draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index))
             draft = draft.to(self.row.devices["target"])
@@ -179,6 +185,8 @@ class SpecRow(RowProgram):
         fwd = self.layouts.commit("target", blk.block, fold=fold)
         if fwd is not None:
             yield fwd
+        if self.dec.self_draft:
+            return  # no draft cache
         if self.carried is None or self.carried.committed is None:
             fwd = self.layouts.commit("draft", blk.block.to(self.row.devices["draft"]), fold=fold)
             if fwd is not None:
@@ -290,7 +298,7 @@ class SpecRow(RowProgram):
         ``draft_share``, ``draft_forwards``, ``draft_forwards_per_token``, ``gamma`` and
         :class:`Stats`."""
         from_draft = sum(1 for o in self.stats.origins[:n] if o)
-        fw = self.row.forwards["draft"]
+        fw = self.row.forwards.get("draft", 0)
         return {**super().stats_for(n, seconds), "from_draft": from_draft,
                 "draft_share": from_draft / n if n else 0.0, "draft_forwards": fw,
                 "draft_forwards_per_token": fw / max(n, 1), "gamma": self.plan.gamma, **self.stats.as_dict()}

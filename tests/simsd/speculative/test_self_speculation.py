@@ -1,0 +1,153 @@
+"""Self-speculation (``draft="self"``, :mod:`simsd.speculative.self_draft`): the target proposes its
+own next steps from its verify logits, and exact verification keeps vanilla's tokens -- greedy
+and sampled, float32 and bfloat16, every strategy, batches, mid-block rounds, folded commits,
+multi-token steps, fallback steps, MoE targets -- with no draft model and no draft forward.
+
+The targets run with ``invariant`` numerics, so that a verify copy's logits are a denoise
+forward's bits (tests/simsd/models/test_invariant_numerics.py).
+"""
+import dataclasses
+
+import pytest
+
+from simsd import DecodeConfig, SamplingParams
+from simsd.config.vocabulary import ParamError
+from simsd.decoding.vanilla import vanilla_generate_batch
+from simsd.speculative import SpecConfig, SpeculativeDecoder, speculative_generate, speculative_generate_batch
+from tests.simsd.speculative.test_exact_sampling import PROMPTS, THRESHOLD, bundled_pair, ckpt, vanilla_ids
+
+STRATEGIES = ["static", "sequential", "dynamic", "entropy"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ckpt("target")
+
+
+def cfg_for(strategy, T, seed=0, **kw):
+    top = dict(top_k=40, top_p=0.95) if T else {}
+    return DecodeConfig(block_length=kw.pop("block_length", 4), strategy=strategy, threshold=THRESHOLD.get(strategy),
+                        max_new_tokens=kw.pop("max_new_tokens", 20), seed=seed,
+                        sampling=SamplingParams(temperature=T, **top), **kw)
+
+
+@pytest.mark.parametrize("T", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_self_speculation_equals_vanilla(target, strategy, T):
+    """Token-identical to vanilla decoding with the same seed; proposals are accepted and
+    rejected somewhere (both verdict paths run), and no draft forward is counted."""
+    accepted = proposed = 0
+    for i, prompt in enumerate(PROMPTS):
+        cfg = cfg_for(strategy, T, seed=i)
+        got = speculative_generate(target, "self", prompt, cfg, SpecConfig(mode="exact"))
+        assert got.token_ids == vanilla_ids(target, prompt, cfg), i
+        # every target forward is a round or a commit (each block but the last)
+        assert got.stats["draft_forwards"] == 0
+        assert got.stats["target_forwards"] == got.stats["rounds"] + got.stats["blocks"] - 1
+        accepted += got.stats["accepted"]
+        proposed += got.stats["proposed"]
+    assert 0 < accepted < proposed, (accepted, proposed)
+
+
+@pytest.mark.parametrize("T", [0.0, 1.0])
+def test_self_speculation_in_bfloat16(T):
+    """bfloat16 weights and activations (the GPU default), greedy and sampled."""
+    target = ckpt("target", dtype="bfloat16")
+    for strategy in ("static", "dynamic"):
+        for i, prompt in enumerate(PROMPTS):
+            cfg = cfg_for(strategy, T, seed=20 + i)
+            got = speculative_generate(target, "self", prompt, cfg, SpecConfig(mode="exact"))
+            assert got.token_ids == vanilla_ids(target, prompt, cfg), (strategy, i)
+
+
+@pytest.mark.parametrize("variant", ["gamma2", "gamma1", "fallback", "fold", "b8_steps4", "moe"])
+def test_self_speculation_paths(target, variant):
+    """Rounds that start mid-block (gamma 2: at most two proposed steps), one proposal a round
+    (gamma 1), the target finishing a block (fallback), folded commits, multi-token steps (B = 8
+    in 4 steps) and a mixture-of-experts target: still vanilla's tokens."""
+    kw, spec = {}, {}
+    if variant == "gamma2":
+        spec["gamma"] = 2
+    elif variant == "gamma1":
+        spec["gamma"] = 1
+    elif variant == "fallback":
+        spec.update(gamma=3, on_reject="fallback")
+    elif variant == "fold":
+        kw["fold_commit"] = True
+    elif variant == "b8_steps4":
+        kw.update(block_length=8, steps=4, max_new_tokens=24)
+    if variant == "moe":
+        from tests.simsd.speculative.test_moe_modes import MOE
+        target = ckpt("moe-target", moe=MOE)
+    for i, prompt in enumerate(PROMPTS):
+        for T in (0.0, 1.0):
+            cfg = cfg_for("static", T, seed=10 + i, **kw)
+            got = speculative_generate(target, "self", prompt, cfg, SpecConfig(mode="exact", **spec))
+            assert got.token_ids == vanilla_ids(target, prompt, cfg), (i, T)
+            if variant == "fallback":
+                assert got.stats["fallback_steps"] > 0
+
+
+def test_self_speculation_batch_equals_vanilla_batch(target):
+    """Rows with independent progress keep their own kept logits and noise: the batch equals
+    vanilla's batch, and single runs with seed + i."""
+    cfg = cfg_for("static", 1.0, seed=4)
+    want = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, [])
+    got = speculative_generate_batch(target, "self", PROMPTS, cfg, SpecConfig(mode="exact"))
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+    assert got.stats["batched_forwards"].keys() == {"target"}
+    for i, p in enumerate(PROMPTS):
+        assert got.results[i].token_ids == vanilla_ids(target, p, dataclasses.replace(cfg, seed=cfg.seed + i))
+
+
+def test_bundled_target_speculates_on_itself_with_fewer_forwards():
+    """The bundled (trained) target in bfloat16: vanilla's tokens, and fewer target forwards per
+    token than vanilla, greedy and sampled."""
+    from simsd.entrypoints.prompts import load_prompts
+    target, _ = bundled_pair("bfloat16")
+    tok = target.tokenizer
+    prompts = [tok(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts("bundled")[:3]]
+    for T in (0.0, 1.0):
+        cfg = DecodeConfig(block_length=4, max_new_tokens=32, seed=7, sampling=SamplingParams(temperature=T))
+        want = vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id, target.stop_ids)
+        got = speculative_generate_batch(target, "self", prompts, cfg, SpecConfig(mode="exact"))
+        assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results], T
+        forwards = [sum(r.stats["target_forwards"] for r in b.results) for b in (got, want)]
+        assert forwards[0] < forwards[1], (T, forwards)
+
+
+@pytest.mark.parametrize("spec,param", [
+    (dict(mode="paper"), "mode"),
+    (dict(mode="exact", optimistic=True), "optimistic"),
+    (dict(mode="exact", draft_strategy="sequential"), "draft_strategy"),
+    (dict(mode="exact", draft_threshold=0.5), "draft_threshold"),
+])
+def test_self_speculation_refuses_what_it_cannot_use(target, spec, param):
+    cfg = DecodeConfig(block_length=4, max_new_tokens=8)
+    with pytest.raises(ParamError, match="self") as err:
+        SpeculativeDecoder(target, "self", cfg, SpecConfig(**spec))
+    assert err.value.param == param
+
+
+def test_command_line_and_api_take_draft_self(capsys):
+    """``simsd generate --draft self`` and ``LLM(draft="self")``: vanilla's tokens, no draft
+    model loaded, no draft forward; ``./self`` stays a path (a checkpoint directory named self)."""
+    import json
+
+    from simsd import LLM
+    from simsd.config.speculative import SELF_DRAFT, parse_draft
+    from simsd.entrypoints.cli import main
+    runs = {}
+    for mode, extra in (("vanilla", []), ("exact", ["--draft", "self"])):
+        assert main(["generate", "--mode", mode, "--max-tokens", "24", "--json", *extra]) == 0
+        runs[mode] = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert runs["exact"]["token_ids"] == runs["vanilla"]["token_ids"]
+    assert runs["exact"]["stats"]["draft_forwards"] == 0 and runs["exact"]["stats"]["rounds"] > 0
+    llm = LLM(draft="self", batch_size=1, scheduler_thread=False)
+    assert llm.draft is None and set(llm.engine.models) == {"target"}
+    vanilla = LLM(mode="vanilla", batch_size=1, scheduler_thread=False)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    assert llm.generate(["Once upon a time"], params)[0].token_ids == \
+        vanilla.generate(["Once upon a time"], params)[0].token_ids
+    assert parse_draft("self") == SELF_DRAFT and str(parse_draft("./self")) == "self" and \
+        not isinstance(parse_draft("./self"), str)
