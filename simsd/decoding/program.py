@@ -136,7 +136,8 @@ class RowProgram:
         """The row's statistics after ``n`` returned tokens in ``seconds`` of decoding (docs/statistics.md,
         "Statistics"): ``mode, new_tokens, cut_tokens`` (decoded after a stop or past the budget,
         not returned), ``decode_seconds, tokens_per_second, target_forwards,
-        target_forwards_per_token, prefill_forwards, blocks``."""
+        target_forwards_per_token, target_query_tokens_per_forward`` (the row's own query tokens
+        per target forward: the forward's width, padding excluded), ``prefill_forwards, blocks``."""
         fw = self.row.forwards["target"]
         return {
             "mode": self.mode,
@@ -146,6 +147,7 @@ class RowProgram:
             "tokens_per_second": n / seconds if seconds > 0 else float("nan"),
             "target_forwards": fw,
             "target_forwards_per_token": fw / max(n, 1),
+            "target_query_tokens_per_forward": self.row.query_tokens["target"] / max(fw, 1),
             "prefill_forwards": self.row.prefill_forwards,
             "blocks": self.blocks,
         }

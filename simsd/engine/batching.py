@@ -130,8 +130,9 @@ class Fwd:
 
 @dataclass
 class Row:
-    """Host-side view of one batch row: its index, the models' devices, its cached length and
-    forward count per model, and its column of the engine's non-finite-logits flags. What a
+    """Host-side view of one batch row: its index, the models' devices, its cached length,
+    forward count and query tokens (its own, padding excluded, summed over its counted forwards)
+    per model, and its column of the engine's non-finite-logits flags. What a
     row's forwards carry (the layouts of denoising, commits and verification, and folded
     commits) is the decoding's (:class:`simsd.decoding.layouts.RowLayouts`).
     """
@@ -141,6 +142,7 @@ class Row:
     forwards: dict = field(default_factory=dict)
     prefill_forwards: int = 0
     caches: dict = field(default_factory=dict)
+    query_tokens: dict = field(default_factory=dict)
     nonfinite: torch.Tensor | None = None
     dtypes: dict = field(default_factory=dict)
 
@@ -245,7 +247,8 @@ class BatchEngine:
     def _new_row(self, index: int) -> Row:
         devices = {n: m.device for n, m in self.models.items()}
         return Row(index, devices, {n: 0 for n in self.models}, {n: 0 for n in self.models}, caches=self.caches,
-                   nonfinite=self.nonfinite[:, index], dtypes=self._dtypes)
+                   nonfinite=self.nonfinite[:, index], dtypes=self._dtypes,
+                   query_tokens={n: 0 for n in self.models})
 
     def release(self, index: int) -> Row:
         """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
@@ -346,6 +349,7 @@ class BatchEngine:
             row = self.rows[i]
             row.cached[name] += r.num_write
             row.forwards[name] += int(r.count)
+            row.query_tokens[name] += len(r.positions) * int(r.count)
         return self._outputs(logits, reqs, a)
 
     def _flag_nonfinite(self, name: str, logits: torch.Tensor, reqs: dict, a: int) -> None:

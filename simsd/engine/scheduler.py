@@ -395,10 +395,11 @@ class Scheduler:
                 log.exception("simsd scheduler: on_finish of request %s raised", req.request_id)
 
     def _snapshot(self, name: str, reqs: dict) -> tuple:
-        """What a failed batched forward of ``reqs`` must undo: the rows' cache lengths and
-        forward counts of model ``name`` and the engine's batched-forward count."""
+        """What a failed batched forward of ``reqs`` must undo: the rows' cache lengths, forward
+        counts and query tokens of model ``name`` and the engine's batched-forward count."""
         rows = self.engine.rows
-        return self.engine.forwards[name], {i: (rows[i].cached[name], rows[i].forwards[name]) for i in reqs}
+        return self.engine.forwards[name], {i: (rows[i].cached[name], rows[i].forwards[name],
+                                                rows[i].query_tokens[name]) for i in reqs}
 
     def _row_by_row(self, name: str, reqs: dict, undo: tuple, exc: Exception) -> tuple:
         """After a batched forward failed with ``exc``: ``(outs, failed)`` of the rows run one by
@@ -412,8 +413,8 @@ class Scheduler:
         outs, failed = {}, {}
         for i, r in reqs.items():
             row = self.engine.rows[i]
-            cached, forwards = rows[i]
-            row.cached[name], row.forwards[name] = cached, forwards
+            cached, forwards, tokens = rows[i]
+            row.cached[name], row.forwards[name], row.query_tokens[name] = cached, forwards, tokens
             self.engine.caches[name].seqlens[i] = cached
             try:
                 outs.update(self.engine.forward(name, r.mask_mode, {i: r}))

@@ -33,14 +33,16 @@ from pathlib import Path
 
 import torch
 
+from ..config.speculative import is_self_draft
 from ..config.vocabulary import ParamError, opt
 from ..decoding.step import without_mask_token_
 from ..engine.batching import Fwd
 from ..engine.scheduler import decode_span
 from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
-from .commands import build_llm, prepare
+from .commands import build_llms, prepare
 from .outputs import json_safe
+from .run_modes import RUN_MODES, base_modes
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable
 UNSTABLE_SPREAD = 0.10
@@ -119,8 +121,10 @@ def is_unstable(row: dict, repeats: int) -> bool:
 def counters(mode: str, results: list) -> dict:
     tot = lambda key: sum(r.stats.get(key, 0) for r in results)  # noqa: E731
     tokens = tot("new_tokens")
+    width = sum(r.stats.get("target_query_tokens_per_forward", 0) * r.stats.get("target_forwards", 0) for r in results)
     row = {"new_tokens": tokens, "target_forwards_per_token": tot("target_forwards") / max(tokens, 1),
-           "draft_forwards_per_token": tot("draft_forwards") / max(tokens, 1)}
+           "draft_forwards_per_token": tot("draft_forwards") / max(tokens, 1),
+           "target_query_tokens_per_forward": width / max(tot("target_forwards"), 1)}
     if mode != "vanilla":
         row.update({"proposed": tot("proposed"), "accepted": tot("accepted"), "from_draft": tot("from_draft"),
                     "acceptance_rate": tot("accepted") / max(tot("proposed"), 1),
@@ -159,24 +163,26 @@ def one_pass(llms: dict, requests: list, params: dict, index: int, bar=None) -> 
 
 
 def mode_label(mode: str, args) -> str:
-    """How tables name a mode: ``paper-release`` for paper mode with ``--paper-variant release``."""
-    return "paper-release" if mode == "paper" and args.engine.paper_variant == "release" else mode
+    """How tables name a ``--modes`` label: ``paper-release`` for paper mode with ``--paper-variant
+    release``, ``exact-self`` for exact mode with ``--draft self``."""
+    if mode == "paper" and args.engine.paper_variant == "release":
+        return "paper-release"
+    return "exact-self" if mode == "exact" and is_self_draft(args.engine.draft) else mode
 
 
 def bench_modes(args, modes: list) -> int:
     check_json_path(args.json_file)
-    run = prepare(args, modes)
+    run = prepare(args, base_modes(modes))
     cfg, prompts = run.cfg, run.prompts
     if args.warmup > len(prompts):
         raise ParamError("warmup", f"{opt('warmup')} {args.warmup} exceeds the {len(prompts)} prompt(s) of the run "
                                    f"(valid: 0 to {len(prompts)})")
-    llms, loaded = {}, {}
-    for mode in modes:  # one LLM per mode, the checkpoints loaded once
-        llms[mode] = build_llm(run, mode, loaded)
+    loaded = {}
+    llms = build_llms(run, modes, loaded)  # one LLM per mode, the checkpoints loaded once
     target, draft = loaded["target"], loaded.get("draft")
     n = llms[modes[0]].batch_size  # the batch size that runs (recorded as such)
     requests = [p.request for p in prompts]
-    params = {m: run.params_of(m) for m in modes}
+    params = {m: run.params_of(RUN_MODES[m].mode) for m in modes}
     warm_up(llms, requests[: args.warmup], params, n)
     seconds = {m: [] for m in modes}
     tokens = {m: [] for m in modes}
@@ -198,7 +204,7 @@ def bench_modes(args, modes: list) -> int:
         row = {"mode": mode_label(mode, args), "prompts": len(prompts), "batch_size": n, "repeats": args.repeats,
                "decode_seconds": statistics.median(seconds[mode]),
                "tokens_per_second": statistics.median(tps[mode]), "tokens_per_second_runs": tps[mode],
-               "tokens_per_second_spread": spread(tps[mode]), **counters(mode, results[mode])}
+               "tokens_per_second_spread": spread(tps[mode]), **counters(RUN_MODES[mode].mode, results[mode])}
         if "vanilla" in results:
             row["identical_to_vanilla"] = sum(a.token_ids == b.token_ids
                                               for a, b in zip(results[mode], results["vanilla"]))
@@ -210,7 +216,7 @@ def bench_modes(args, modes: list) -> int:
         else:
             row.update({"speedup": float("nan"), "speedup_runs": [], "speedup_spread": float("nan"),
                         "forwards_ratio_vs_vanilla": float("nan")})
-        if mode == "paper" and llms[mode].config.paper_variant == "described":
+        if RUN_MODES[mode].mode == "paper" and llms[mode].config.paper_variant == "described":
             row.update(paper_agreement(llms[mode], requests, params[mode]))
         row["unstable"] = is_unstable(row, args.repeats)
         rows.append(row)
@@ -265,6 +271,8 @@ def print_table(rows, cfg, args) -> None:
             ("speedup [range]", speedup),
             ("tgt fwd/tok", lambda r: f"{r['target_forwards_per_token']:.3f}"),
             ("fwd vs van", lambda r: f"{r['forwards_ratio_vs_vanilla']:.2f}" if r["speedup_runs"] else "-"),
+            ("drf fwd/tok", lambda r: f"{r['draft_forwards_per_token']:.3f}"),
+            ("q tok/fwd", lambda r: f"{r['target_query_tokens_per_forward']:.1f}"),
             ("accept", lambda r: f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"),
             ("draft share", lambda r: f"{r['draft_share']:.3f}" if "draft_share" in r else "-"),
             ("acc/round", lambda r: f"{r['accepted_per_round']:.2f}" if "accepted_per_round" in r else "-"),

@@ -20,8 +20,10 @@ from pathlib import Path
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams, check_request
 from ..config.serving import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT
-from ..config.vocabulary import MODES, ParamError, Setting, check_modes, field_name, opt, settings_of
+from ..config.speculative import SELF_DRAFT
+from ..config.vocabulary import ParamError, Setting, check_modes, field_name, opt, settings_of
 from .errors import SimsdWarning
+from .run_modes import RUN_MODES, base_modes, needs_draft_model
 
 #: the command line's own settings (what to decode, where to write, where to listen)
 OPTIONS = {
@@ -37,7 +39,8 @@ OPTIONS = {
                           "bench: 8)", low=1),
     "json": Setting(bool, "one JSON object per prompt on stdout"),
     "json_file": Setting(Path, "write the rows to this JSON file (its folder must exist; default: none)"),
-    "modes": Setting(str, "comma-separated modes"),
+    "modes": Setting(str, "comma-separated: vanilla, paper, paper-release (paper mode as the SimSD release runs "
+                          "it), exact, exact-self (exact mode, the target proposing its own steps: no draft model)"),
     "warmup": Setting(int, "warm-up prompts per mode (not timed)", low=0),
     "repeats": Setting(int, "timed passes over the prompts; the modes alternate within each pass, and tokens/s and "
                             "speedups are the median over passes", low=1),
@@ -78,7 +81,6 @@ HELP = {
                   "samples with seed + i whatever the batch size",
     "eval.json_file": "record every prompt's result in this JSON file (its folder must exist); an existing record "
                       "is resumed",
-    "eval.modes": "comma-separated: vanilla, paper, paper-release (paper mode as the SimSD release runs it), exact",
     "eval.prompt_set": "held-out problems with answers from their packages (pip install 'simsd[data]'; default: "
                        "champ)",
     "eval.warmup": "warm-up prompts per mode (not timed, not recorded)",
@@ -254,11 +256,12 @@ def namer(args):
 
 
 def modes_of(args) -> list:
-    """The decoding modes of a command (``--mode``, or bench's and eval's ``--modes``; eval also
-    knows ``paper-release``, paper mode with ``paper_variant="release"``)."""
+    """The decoding modes of a command (``--mode``, or bench's and eval's ``--modes``: the labels
+    of :data:`~simsd.entrypoints.run_modes.RUN_MODES`, e.g. ``paper-release`` (paper mode with
+    ``paper_variant="release"``) and ``exact-self`` (exact mode with ``draft="self"``))."""
     if args.command not in ("bench", "eval"):
         return [args.mode]
-    known = MODES + (("paper-release",) if args.command == "eval" else ())
+    known = tuple(RUN_MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in known]
     if bad:
@@ -280,8 +283,8 @@ def check_options(args, modes: list) -> None:
     for name in specs:
         if getattr(args, name) is not None:
             setattr(args, name, SETTINGS[name].check(name, getattr(args, name), UNITS.get(name, (None,))[0]))
-    release = "paper-release" in modes  # eval's name of paper mode with paper_variant="release"
-    modes = list(dict.fromkeys("paper" if m == "paper-release" else m for m in modes))
+    release = "paper-release" in modes  # the label of paper mode with paper_variant="release"
+    labels, modes = modes, base_modes(modes)
     check_modes({n: SETTINGS[n] for n in args.typed}, modes)
     args.params = params = SamplingParams(**{n: getattr(args, n) for n in settings_of(SamplingParams) if n in specs})
     mode = next((m for m in ("paper", "exact") if m in modes), "vanilla")
@@ -289,6 +292,9 @@ def check_options(args, modes: list) -> None:
     for name, (_, factor) in UNITS.items():
         if engine.get(name) is not None:
             engine[name] *= factor
+    if args.command in ("bench", "eval") and engine.get("draft") is None and "exact-self" in labels and \
+            not needs_draft_model(labels, None):
+        engine["draft"] = SELF_DRAFT  # no column runs a draft model: none is read or loaded
     args.engine = EngineArgs(mode=mode, **engine)
     # the request's rules, as the API and the server run them (eval's paper-release column is
     # paper mode's release variant); what has no effect is said, as a warning

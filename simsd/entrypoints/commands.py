@@ -33,6 +33,7 @@ from ..models.loading import CheckpointInfo
 from .api import LLM
 from .builder import check_engine
 from .errors import SimsdWarning
+from .run_modes import RUN_MODES
 
 
 def parse_ids(text: str) -> list[int]:
@@ -212,12 +213,13 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
     config, spec, block_length = run.config, mode != "vanilla", run.cfg.block_length
     limit = min(m.config.max_position_embeddings for m in (run.target, run.draft) if m is not None)
     need = max(len(p.ids) for p in run.prompts) + run.cfg.max_new_tokens
+    own = spec and not is_self_draft(config.draft)  # a draft model of its own
     draft = config.draft if is_self_draft(config.draft) else loaded.get("draft", run.draft)
     config = dataclasses.replace(
         config, target=loaded.get("target", run.target), draft=draft if spec else None,
-        mode=mode, draft_device=config.draft_device if spec else None,
+        mode=mode, draft_device=config.draft_device if own else None,
         on_reject=config.on_reject if spec else "redraft",
-        rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if spec else None,
+        rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if own else None,
         paper_variant=config.paper_variant if mode == "paper" else "described",
         max_gamma=run.params.gamma if spec else None, batch_size=min(config.batch_size, len(run.prompts)),
         max_model_len=min(limit, max(need, block_length + 1)), max_waiting=len(run.prompts), scheduler_thread=False)
@@ -226,14 +228,18 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
     return llm
 
 
-def build_llms(run: Run, modes: dict, loaded: dict | None = None) -> dict:
-    """``{label: LLM}``: one :func:`build_llm` per label of ``modes`` (label -> (the LLM's mode,
-    its paper variant), e.g. :data:`simsd.entrypoints.eval.MODES`), the checkpoints loaded once
-    and shared (``loaded``, as in :func:`build_llm`)."""
+def build_llms(run: Run, labels: list, loaded: dict | None = None) -> dict:
+    """``{label: LLM}``: one :func:`build_llm` per ``--modes`` label
+    (:data:`~simsd.entrypoints.run_modes.RUN_MODES`: its mode, paper variant and draft), the
+    checkpoints loaded once and shared (``loaded``, as in :func:`build_llm`)."""
     loaded = {} if loaded is None else loaded
-    return {label: build_llm(dataclasses.replace(run, config=dataclasses.replace(run.config, paper_variant=variant)),
-                             mode, loaded)
-            for label, (mode, variant) in modes.items()}
+    out = {}
+    for label in labels:
+        rm = RUN_MODES[label]
+        own = {} if rm.draft is None else {"draft": rm.draft, "draft_device": None, "optimistic": None}
+        config = dataclasses.replace(run.config, paper_variant=rm.paper_variant or run.config.paper_variant, **own)
+        out[label] = build_llm(dataclasses.replace(run, config=config), rm.mode, loaded)
+    return out
 
 
 def summary_line(stats: dict) -> str:

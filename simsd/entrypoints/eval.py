@@ -7,8 +7,10 @@ pass@1 by running the tests with ``--execute``, else unscored), or a JSONL file
 (``--prompts-file``: lines with ``prompt`` and ``answer``, final-answer match). ``--limit N``
 takes the first N prompts.
 
-Modes (``--modes``): ``vanilla``, ``paper`` (as described in the paper), ``paper-release``
-(paper mode as the SimSD release runs it, ``paper_variant="release"``), ``exact``. Each mode
+Modes (``--modes``, :data:`~simsd.entrypoints.run_modes.RUN_MODES`): ``vanilla``, ``paper`` (as
+described in the paper), ``paper-release`` (paper mode as the SimSD release runs it,
+``paper_variant="release"``), ``exact``, ``exact-self`` (exact mode, the target proposing its own
+steps: no draft model). Each mode
 runs through its own :class:`~simsd.entrypoints.api.LLM` (the checkpoints shared), as ``simsd
 bench`` does. The prompts are taken in chunks of ``--batch-size``; each chunk is one pass of
 ``simsd bench`` (:func:`~simsd.entrypoints.bench.one_pass`: every mode in turn, the order
@@ -33,10 +35,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..config.vocabulary import ParamError, opt
+from .run_modes import RUN_MODES, base_modes
 
-#: ``--modes`` of eval -> (the LLM's mode, its paper variant)
-MODES = {"vanilla": ("vanilla", "described"), "paper": ("paper", "described"),
-         "paper-release": ("paper", "release"), "exact": ("exact", "described")}
 #: options that may differ between a run and the run it resumes (they change no result)
 RESUMABLE = ("json_file", "limit", "warmup", "threads", "command", "ray", "num_workers")
 
@@ -115,7 +115,7 @@ def table_rows(modes: list, records: dict, chunks: list, ids: list) -> list:
         verdicts = [r["results"][mode]["correct"] for r in done if r["results"][mode]["correct"] is not None]
         row = {"mode": mode, "prompts": len(done), "scored": len(verdicts), "correct": sum(verdicts),
                "accuracy": sum(verdicts) / len(verdicts) if verdicts else None, "decode_seconds": seconds,
-               "tokens_per_second": tps[mode], **counters(MODES[mode][0], res)}
+               "tokens_per_second": tps[mode], **counters(RUN_MODES[mode].mode, res)}
         if "vanilla" in modes:
             row["identical_to_vanilla"] = sum(r["results"][mode]["token_ids"] == r["results"]["vanilla"]["token_ids"]
                                               for r in done)
@@ -160,8 +160,7 @@ def run_eval(args, modes: list) -> int:
     check_json_path(args.json_file)
     settings = settings_of(args)
     partial = load_partial(args.json_file, settings)
-    base = list(dict.fromkeys(MODES[m][0] for m in modes))
-    run = prepare(args, base)
+    run = prepare(args, base_modes(modes))
     prompts = run.prompts
     if len({p.id for p in prompts}) != len(prompts):
         raise ParamError("prompts_file", "the prompt set repeats an id: the results are recorded per id")
@@ -184,14 +183,14 @@ def run_eval(args, modes: list) -> int:
     warmup = todo[: args.warmup]
     if args.ray:  # the chunks on Ray Data workers, each with every mode's LLM (simsd.entrypoints.ray_data)
         from .ray_data import map_chunks
-        passes = map_chunks(run, {m: MODES[m] for m in modes}, todo, args.num_workers, warmup)
+        passes = map_chunks(run, modes, todo, args.num_workers, warmup)
         loaded = {"target": run.target, "draft": run.draft}
         dtype, device = f"torch.{run.config.dtype}", str(run.config.device)
     else:
         passes, loaded = None, {}
-        llms = build_llms(run, {m: MODES[m] for m in modes}, loaded)
+        llms = build_llms(run, modes, loaded)
         dtype, device = str(loaded["target"].model.dtype), str(loaded["target"].model.device)
-    params = {m: run.params_of(MODES[m][0]) for m in modes}
+    params = {m: run.params_of(RUN_MODES[m].mode) for m in modes}
     target, draft = loaded["target"], loaded.get("draft")
     meta = {"settings": settings, "modes": modes, "set": args.prompt_set or str(args.prompts_file),
             "prompts": ids, "target": str(target.path), "draft": str(draft.path) if draft else None,

@@ -16,15 +16,16 @@ import pickle
 
 
 class Workers:
-    """The ``map_batches`` callable class: one actor's LLMs (``modes``: label -> (the LLM's mode,
-    its paper variant)), decoding one chunk of prompt indices per call. ``warmup``: prompt
-    indices decoded once, untimed, before the first chunk."""
+    """The ``map_batches`` callable class: one actor's LLMs (``modes``: ``--modes`` labels,
+    :data:`~simsd.entrypoints.run_modes.RUN_MODES`), decoding one chunk of prompt indices per
+    call. ``warmup``: prompt indices decoded once, untimed, before the first chunk."""
 
-    def __init__(self, run, modes: dict, warmup: list):
+    def __init__(self, run, modes: list, warmup: list):
         from .bench import warm_up
         from .commands import build_llms
+        from .run_modes import RUN_MODES
         self.run, self.llms = run, build_llms(run, modes)
-        self.params = {label: run.params_of(mode) for label, (mode, _) in modes.items()}
+        self.params = {label: run.params_of(RUN_MODES[label].mode) for label in modes}
         self.batch_size = next(iter(self.llms.values())).batch_size
         if warmup:
             warm_up(self.llms, self.requests(warmup), self.params_at(warmup), self.batch_size)
@@ -44,7 +45,7 @@ class Workers:
         return {"chunk": np.array([pickle.dumps((indices, outs))], dtype=object)}
 
 
-def map_chunks(run, modes: dict, indices: list, num_workers: int, warmup: list = ()):
+def map_chunks(run, modes: list, indices: list, num_workers: int, warmup: list = ()):
     """Decode the prompts ``indices`` of ``run`` on ``num_workers`` Ray actors (see the module
     doc); yields ``(chunk indices, {label: [RequestOutput] in the chunk's order})`` per chunk of
     at most the run's batch size, in the order the chunks finish.
@@ -81,8 +82,7 @@ def run_generate(args) -> int:
     from .commands import prepare, print_output
     run = prepare(args, [args.mode])
     outs, shown, start = [None] * len(run.prompts), 0, time.perf_counter()
-    modes = {args.mode: (args.mode, run.config.paper_variant)}
-    for indices, chunk in map_chunks(run, modes, list(range(len(run.prompts))), args.num_workers):
+    for indices, chunk in map_chunks(run, [args.mode], list(range(len(run.prompts))), args.num_workers):
         for i, out in zip(indices, chunk[args.mode]):
             outs[i] = out
         while shown < len(outs) and outs[shown] is not None:

@@ -67,7 +67,8 @@ def test_unstable_rule_and_flag(capsys):
     assert not is_unstable({"tokens_per_second_spread": 0.0, "speedup_spread": float("nan")}, 3)
     row = {"mode": "exact", "unstable": True, "tokens_per_second": 10.0, "tokens_per_second_spread": 0.4,
            "speedup": 0.9, "speedup_runs": [0.5, 0.9, 1.4], "target_forwards_per_token": 0.8,
-           "forwards_ratio_vs_vanilla": 0.7, "repeats": 3, "prompts": 2, "batch_size": 1}
+           "forwards_ratio_vs_vanilla": 0.7, "draft_forwards_per_token": 1.5, "target_query_tokens_per_forward": 9.5,
+           "repeats": 3, "prompts": 2, "batch_size": 1}
     print_table([row], DecodeConfig(), SimpleNamespace(gamma=None, repeats=3))
     out = capsys.readouterr().out
     assert "exact !" in out and "0.90x [0.50-1.40]" in out and "40%" in out and "# ! unstable: exact" in out

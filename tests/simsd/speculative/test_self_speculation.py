@@ -151,3 +151,23 @@ def test_command_line_and_api_take_draft_self(capsys):
         vanilla.generate(["Once upon a time"], params)[0].token_ids
     assert parse_draft("self") == SELF_DRAFT and str(parse_draft("./self")) == "self" and \
         not isinstance(parse_draft("./self"), str)
+
+
+def test_bench_runs_exact_self_beside_exact(tmp_path, capsys):
+    """``simsd bench --modes vanilla,exact,exact-self``: one column per way (the draft model only in
+    ``exact``), every column vanilla's tokens; with no column needing it, no draft is loaded."""
+    import json
+
+    from simsd.entrypoints.cli import main
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--modes", "vanilla,exact,exact-self", "--limit", "2", "--max-tokens", "24",
+                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"vanilla", "exact", "exact-self"}
+    assert all(r["identical_to_vanilla"] == 2 for r in rows.values())
+    assert rows["exact-self"]["draft_forwards_per_token"] == 0 < rows["exact"]["draft_forwards_per_token"]
+    assert rows["exact-self"]["target_query_tokens_per_forward"] > rows["vanilla"]["target_query_tokens_per_forward"]
+    assert "and draft" in capsys.readouterr().err
+    assert main(["bench", "--modes", "vanilla,exact-self", "--limit", "1", "--max-tokens", "8", "--repeats", "1",
+                 "--warmup", "0"]) == 0
+    assert "and draft" not in capsys.readouterr().err  # the loading line names the target only
