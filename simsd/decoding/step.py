@@ -82,11 +82,13 @@ class Step:
 
     ``block``: ``(L,)``, or ``(C, L)``: C states of the block at steps ``index .. index + C - 1``
     (exact verification's copies, one step each; their logits are the request's ``C * L``
-    tokens and the results have a leading ``C``). ``keep_logits``: the result also carries the
-    step's logits (MASK made impossible), ``(new_block, revealed, probs, logits)``, for a row
-    that proposes its next steps from them (self-speculation, :mod:`simsd.speculative.self_draft`)."""
+    tokens and the results have a leading ``C``), or at the steps of ``index`` when it is a list
+    of ``C`` ints (a proposal tree's copies, :mod:`simsd.speculative.tree`). ``keep_logits``: the
+    result also carries the step's logits (MASK made impossible), ``(new_block, revealed, probs,
+    logits)``, for a row that proposes its next steps from them (self-speculation,
+    :mod:`simsd.speculative.self_draft`)."""
     block: torch.Tensor
-    index: int
+    index: int | list
     cfg: DecodeConfig
     mask_id: int
     key: NoiseKey | None = None
@@ -96,6 +98,10 @@ class Step:
     def states(self) -> int:
         """Block states the step covers (1 for an ``(L,)`` block)."""
         return 1 if self.block.dim() == 1 else self.block.shape[0]
+
+    def indices(self) -> list:
+        """The step in the block of each state the step covers."""
+        return list(self.index) if isinstance(self.index, list) else [self.index + c for c in range(self.states)]
 
     @staticmethod
     def run_batch(steps: list, logits: torch.Tensor) -> list:
@@ -127,7 +133,7 @@ class Step:
             blocks = [steps[j].block for j in rows]
             blocks = torch.stack(blocks) if all(b.dim() == 1 for b in blocks) else \
                 torch.cat([b.view(-1, L) for b in blocks])
-            index = [steps[j].index + c for j in rows for c in range(sizes[j])]
+            index = [i for j in rows for i in steps[j].indices()]
             noise = None
             if not first.cfg.sampling.greedy:
                 if any(steps[j].key is None for j in rows):

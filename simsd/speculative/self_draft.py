@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from simsd_kernels import TAU_INF
-
 from ..decoding.noise import NoiseKey, step_noise
-from ..decoding.step import denoise_step
+from .tree import ProposalTree, step_candidates
 from .verifiers import ExactVerifier
 
 
@@ -32,60 +30,76 @@ class SelfDraft:
     Args:
         cfg: the target's decoding settings (the proposals follow its strategy and schedule).
         mask_id: the MASK token id.
-        gamma: the most steps a chain proposes.
+        gamma: the most steps a round proposes (the tree's depth).
+        alternatives: siblings proposed beside each step of the chain
+            (:func:`~simsd.speculative.tree.step_candidates`: the next most confident position,
+            then the next most likely token); 0: a plain chain.
 
     ``logits``: ``(L, V)`` the kept logits (MASK made impossible), on the target's device, or
     None (a fresh block); set by :meth:`keep`, used up by :meth:`propose`.
     """
 
-    def __init__(self, cfg, mask_id: int, gamma: int):
-        self.cfg, self.mask_id, self.gamma = cfg, mask_id, gamma
+    def __init__(self, cfg, mask_id: int, gamma: int, alternatives: int = 0):
+        self.cfg, self.mask_id, self.gamma, self.alternatives = cfg, mask_id, gamma, alternatives
         self.logits: torch.Tensor | None = None
 
-    def keep(self, logits: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the logits of the last valid copy: ``logits (C, L, V)`` of a verify forward's
-        copies, ``valid`` a 0-d int64 device tensor (the copy whose step gave the new block); no
-        host read."""
-        self.logits = logits.index_select(0, valid.view(1))[0]
+    def keep(self, logits: torch.Tensor, copy: torch.Tensor) -> None:
+        """Keep the logits of one verify copy: ``logits (C, L, V)`` of a verify forward's copies,
+        ``copy`` a 0-d int64 device tensor (the copy whose step gave the new block); no host read."""
+        self.logits = logits.index_select(0, copy.view(1))[0]
 
     def drop(self) -> None:
         """Forget the kept logits (the block is finished or its state moved on without them)."""
         self.logits = None
 
-    def propose(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey, draft_type):
-        """The chain for the round starting at ``block (L,)`` after ``block_step`` steps with
-        ``masks`` MASK left: up to ``gamma`` states, step ``block_step + c`` applied to the
-        kept logits with that step's noise (``key``: the row's block key). Returns a
-        ``draft_type`` (:class:`~simsd.speculative.spec_row.Draft`): ``states`` the block before
-        each proposed step, ``final`` after the last, ``tau`` the 1-based proposed step per
-        position, ``remaining`` the MASK left in ``final``. Without kept logits the chain is
-        empty. The ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: their
-        chain's counts are read in one host read after the chain."""
+    def propose(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey) -> ProposalTree:
+        """The proposal tree of the round starting at ``block (L,)`` after ``block_step`` steps
+        with ``masks`` MASK left: a chain of up to ``gamma`` steps (step ``block_step + d`` applied
+        to the kept logits with that step's noise; ``key``: the row's block key), each step with
+        its alternatives as siblings. Without kept logits the tree is the block alone. The
+        ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: the nodes' MASK counts
+        are read in one host read after the tree is grown, and nodes that reveal nothing or hang
+        below a full state are dropped."""
         logits, self.logits = self.logits, None
-        L = block.shape[0]
-        tau = torch.full((L,), TAU_INF, dtype=torch.int64, device=block.device)
         if logits is None or masks == 0:
-            return draft_type([], block, tau, None, masks, block)
+            return ProposalTree(block[None], [-1], [0], [masks > 0], 0)
         cfg = self.cfg
-        known_counts = cfg.strategy in ("sequential", "static")
-        states, state, left = [], block, masks
-        steps = min(self.gamma, masks) if known_counts else self.gamma
-        for c in range(steps):
-            if known_counts and left == 0:
+        known = cfg.strategy in ("sequential", "static")
+        states, parent, depth, left = [block], [-1], [0], [masks]
+        spine = 0
+        for d in range(1, self.gamma + 1):
+            if known and left[spine] == 0:
                 break
-            index = block_step + c
-            noise = None if cfg.sampling.greedy else step_noise([key], [index], L, logits.shape[-1], logits.device)[0]
-            states.append(state)
-            state, revealed, _ = denoise_step(logits, state, self.mask_id, cfg, index, noise)
-            tau.masked_fill_(revealed, c + 1)
-            if known_counts:
-                left -= min(max(1, cfg.tokens_for_step(index)), left)
-        if not known_counts:  # one read: the MASK left after each proposed step
-            counts = (torch.stack(states[1:] + [state]) == self.mask_id).sum(-1).tolist()
-            n = next((c + 1 for c, m in enumerate(counts) if m == 0), len(counts))
-            states, state, left = states[:n], (states[n] if n < len(states) else state), counts[n - 1]
-            tau.masked_fill_(tau > n, TAU_INF)
-        return draft_type(states, state, tau, None, left, state)
+            index = block_step + d - 1
+            noise = None if cfg.sampling.greedy else step_noise([key], [index], block.shape[0], logits.shape[-1],
+                                                                 logits.device)[0]
+            cands = step_candidates(logits, states[spine], self.mask_id, cfg, index, noise, self.alternatives,
+                                    left[spine] if known else None)
+            k = min(max(1, cfg.tokens_for_step(index)), left[spine]) if known else None
+            first = len(states)
+            for c, st in enumerate(cands):
+                states.append(st)
+                parent.append(spine)
+                depth.append(d)
+                left.append(left[spine] - k if known else None)
+            spine = first
+        if not known:
+            states, parent, depth, left = self._prune(states, parent, depth)
+        proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
+        return ProposalTree(torch.stack(states), parent, depth, [m > 0 for m in left], proposed)
+
+    def _prune(self, states: list, parent: list, depth: list) -> tuple:
+        """The nodes whose step revealed something and whose parent had MASK, from one host read
+        of every node's MASK count (renumbered, parents kept before children)."""
+        left = (torch.stack(states) == self.mask_id).sum(-1).tolist()
+        keep, new_index = [0], {0: 0}
+        for j in range(1, len(states)):
+            p = parent[j]
+            if p in new_index and left[p] > 0 and left[j] < left[p]:
+                new_index[j] = len(keep)
+                keep.append(j)
+        return ([states[j] for j in keep], [-1] + [new_index[parent[j]] for j in keep[1:]],
+                [depth[j] for j in keep], [left[j] for j in keep])
 
 
 class SelfExactVerifier(ExactVerifier):
@@ -94,9 +108,9 @@ class SelfExactVerifier(ExactVerifier):
     new block: ``taken - 1``) go to :attr:`draft`, which proposes up to ``spec.gamma`` (default:
     the block length) steps."""
 
-    def __init__(self, cfg, spec, mask_id: int, seed: int):
+    def __init__(self, cfg, spec, mask_id: int, seed: int, alternatives: int = 0):
         super().__init__(cfg, spec, mask_id, seed)
-        self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length)
+        self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, alternatives)
 
     def request(self, layouts, rnd):
         fwd = super().request(layouts, rnd)
@@ -105,5 +119,6 @@ class SelfExactVerifier(ExactVerifier):
 
     def judge(self, rnd, out):
         verdict = super().judge(rnd, out)
-        self.draft.keep(out[3].view(-1, *out[3].shape[-2:]), verdict.taken - 1)
+        rank = rnd.layout[1][4]  # each node's copy (a full valid node has none: its block is done)
+        self.draft.keep(out[3].view(-1, *out[3].shape[-2:]), rank.index_select(0, verdict.node.view(1))[0])
         return verdict

@@ -20,6 +20,7 @@ from ..decoding.program import BlockState, RowProgram
 from ..decoding.step import Step
 from ..engine.batching import Row
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
+from .tree import ProposalTree
 from .verifiers import Round, Verdict
 
 
@@ -78,6 +79,10 @@ class Draft:
     @property
     def n(self) -> int:
         return len(self.states)
+
+    def tree(self) -> ProposalTree:
+        """The chain as exact verification's proposal tree (the final state its last node)."""
+        return ProposalTree.chain(self.states, self.final, self.remaining, (self.tau <= self.n).sum())
 
     def to(self, device) -> "Draft":
         probs = None if self.probs is None else self.probs.to(device)
@@ -148,7 +153,7 @@ class SpecRow(RowProgram):
         draft = self.take(blk)
         if draft is None and self.dec.self_draft:
             draft = self.verifier.draft.propose(blk.block, blk.step, blk.host.count(self.mask_id),
-                                                self.key(blk.start), Draft)
+                                                self.key(blk.start))
         elif draft is None:
             masks = blk.host.count(self.mask_id)
             draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index))
@@ -226,23 +231,35 @@ class SpecRow(RowProgram):
 
     # -- the verdict -----------------------------------------------------------------------
     def decide(self, verdict: Verdict, rnd: Round, blk: BlockState) -> None:
-        """Read a round's decision on the host, in one transfer (the new block, the draft's
-        reveal steps, steps taken, accepted count) and move ``blk`` on: its new block (device
-        tensor and host list) and steps. The counters go to ``stats``.
+        """Read a round's decision on the host, in one transfer (the new block; exact mode: the
+        deepest valid proposed state, paper mode: the draft's reveal steps; steps taken,
+        accepted count) and move ``blk`` on: its new block (device tensor and host list) and
+        steps. The counters go to ``stats``.
 
-        Accepted proposals are the first ``accepted`` ones in the verifier's acceptance order
-        (:meth:`Verifier.acceptance_order`: the draft's temporal order, reveal step then position;
-        position order in the release variant); the other positions revealed this round are the
-        target's."""
+        Exact mode accepts the positions where the deepest valid proposed state differs from
+        the round's block; paper mode the first ``accepted`` proposals in the verifier's
+        acceptance order (:meth:`Verifier.acceptance_order`: the draft's temporal order, reveal
+        step then position; position order in the release variant). The other positions
+        revealed this round are the target's."""
         new, taken, acc = verdict.block, verdict.taken, verdict.accepted
-        draft = rnd.draft
         L = new.shape[0]
-        host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)
-        block_host, tau, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
-        proposals = self.verifier.acceptance_order(tau, draft.n)
-        self.stats.proposed += len(proposals)
+        if verdict.valid is not None:  # exact: accepted where the deepest valid proposal differs from the block
+            tree = rnd.layout[0]
+            known = not isinstance(tree.proposed, torch.Tensor)
+            counts = [taken, acc] + ([] if known else [tree.proposed])
+            host = self.read([new, verdict.valid, torch.stack(counts).to(new.dtype)], blk)
+            block_host, valid, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
+            self.stats.proposed += tree.proposed if known else host[2 * L + 2]
+            accepted = {i for i in range(L) if valid[i] != rnd.host[i]}
+        else:
+            draft = rnd.draft
+            host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)
+            block_host, tau, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
+            proposals = self.verifier.acceptance_order(tau, draft.n)
+            self.stats.proposed += len(proposals)
+            accepted = set(proposals[:acc])
         self.stats.accepted += acc
-        self.mark(rnd.host, block_host, set(proposals[:acc]))
+        self.mark(rnd.host, block_host, accepted)
         blk.block, blk.host = new, block_host
         blk.step += taken
 

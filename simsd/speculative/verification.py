@@ -5,7 +5,8 @@
 * :func:`exact_layout`: one copy of the block per verified draft step (exact mode).
 * :func:`token_verdicts`, :func:`accept_in_order`: greedy matching or speculative rejection
   sampling of the draft tokens in the draft's temporal order (paper mode);
-  :func:`exact_step_verdict`: exact mode's comparison of whole steps (greedy or sampling).
+  :func:`tree_verdict`: exact mode's comparison of whole steps over a proposal tree (greedy or
+  sampling).
   All three run on the device without host reads: a round's decision is read once, by the
   caller.
 """
@@ -175,30 +176,34 @@ def accept_in_position_order(block: torch.Tensor, drafted: torch.Tensor, propose
     return torch.where(index == first, replacement, new), before.sum()
 
 
-def exact_step_verdict(mine: torch.Tensor, chain: torch.Tensor, tau: torch.Tensor, bonus: bool):
-    """Exact verification: draft step ``c`` is accepted iff the target's own step on
-    ``chain[c]`` (``mine[c]``: same positions, same tokens) equals the draft's next state
-    ``chain[c + 1]``.
+def tree_verdict(mine: torch.Tensor, states: torch.Tensor, shape: tuple):
+    """Exact verification of a proposal tree (:class:`~simsd.speculative.tree.ProposalTree`):
+    node ``j`` is valid iff every node on its path is the target's own step on its parent (same
+    positions, same tokens); the round commits the target's step on the deepest valid node, or
+    that node's state when it has no MASK left.
 
-    Greedy or sampling alike: ``mine[c]`` is the step vanilla decoding would take at that state
+    Greedy or sampling alike: ``mine`` holds the steps vanilla decoding takes at those states
     (under sampling with the same keyed noise, :mod:`simsd.decoding.noise`), so the committed
-    block is always one vanilla decoding reaches.
+    block is always one vanilla decoding reaches. Sibling states differ: the valid nodes form a
+    path from the root.
 
     Args:
-        mine: ``(n + bonus, L)`` the target's own denoising step on each verified state
-            (``mine[n]``: on the draft's final state, the bonus copy).
-        chain: ``(n + 1, L)`` the block before each draft step, then after the last.
-        tau: ``(L,)`` 1-based reveal steps (``TAU_INF`` where not revealed).
+        mine: ``(C, L)`` the target's own step on each copy (the nodes with MASK, in node order).
+        states: ``(N, L)`` the nodes' states (node 0: the round's block).
+        shape: the tree's :meth:`~simsd.speculative.tree.ProposalTree.constants` on the device.
 
     Returns:
-        ``(new_block (L,), steps_taken, accepted)`` on the device (0-d tensors): the target's
-        step at the first mismatch, else its bonus step (or the draft's final state without
-        one). (The proposals of the steps taken are counted on the host from ``tau``.)
+        ``(new_block (L,), steps_taken, accepted, valid, valid_state (L,))`` on the device (0-d
+        tensors but the blocks; no host read): ``accepted`` counts the proposed tokens on the
+        valid path, ``valid`` is the deepest valid node and ``valid_state`` its state.
     """
-    n = chain.shape[0] - 1
-    same = (mine[:n] == chain[1:]).all(-1)  # draft step c is the target's own step on chain[c]
-    n_ok = same.cumprod(0).sum()  # draft steps accepted
-    candidates = mine if bonus else torch.cat([mine, chain[n:]])  # the state committed after n_ok steps
-    new = candidates.index_select(0, n_ok.view(1))[0]
-    taken = (n_ok + 1).clamp(max=n + int(bonus))
-    return new, taken, (tau <= n_ok).sum()
+    copy_index, parent, depth, copies, _, path = shape
+    stepped = states.index_copy(0, copy_index, mine)  # a node's step: its target step, or itself if full
+    ok = torch.cat([torch.ones(1, dtype=torch.bool, device=states.device),
+                    (stepped.index_select(0, parent) == states[1:]).all(-1)])
+    reached = ~(path & ~ok[None, :]).any(-1)  # every node on the path is its parent's target step
+    valid = (reached.long() * (depth + 1)).argmax()
+    valid_state = states.index_select(0, valid.view(1))[0]
+    new = stepped.index_select(0, valid.view(1))[0]
+    taken = depth.index_select(0, valid.view(1))[0] + copies.index_select(0, valid.view(1))[0]
+    return new, taken, (valid_state != states[0]).sum(), valid, valid_state

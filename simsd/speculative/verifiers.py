@@ -32,9 +32,9 @@ from .verification import (
     accept_in_order,
     accept_in_position_order,
     exact_layout,
-    exact_step_verdict,
     paper_layout,
     token_verdicts,
+    tree_verdict,
 )
 
 
@@ -56,11 +56,15 @@ class Round:
 
 
 class Verdict(NamedTuple):
-    """A round's decision on the device (0-d tensors but ``block``): the new ``block (L,)``,
-    the block steps ``taken`` and the ``accepted`` draft tokens."""
+    """A round's decision on the device (0-d tensors but the blocks): the new ``block (L,)``,
+    the block steps ``taken`` and the ``accepted`` draft tokens; exact verification also gives
+    ``valid (L,)``, the deepest valid proposed state (the accepted tokens are where it differs
+    from the round's block) and ``node``, its node in the round's proposal tree."""
     block: torch.Tensor
     taken: torch.Tensor
     accepted: torch.Tensor
+    valid: torch.Tensor | None = None
+    node: torch.Tensor | None = None
 
 
 class Verifier:
@@ -108,25 +112,28 @@ class Verifier:
 
 
 class ExactVerifier(Verifier):
-    """Exact mode (§4.1, §4.2): one block copy per draft step, plus a bonus copy of the draft's
-    final state while it has MASK; copy ``c`` carries the target's own step ``block step + c``
-    on its state (with that step's noise: a :class:`~simsd.decoding.step.Step` over the copies,
-    run by the engine), and draft step ``c`` is accepted when that step is the same decision
-    (:func:`~simsd.speculative.verification.exact_step_verdict`). A pending commit folds into
-    the forward as its shared prefix."""
+    """Exact mode (§4.1, §4.2): the round's proposal tree (:mod:`simsd.speculative.tree`; a
+    draft's chain of steps, plus the draft's final state as the bonus node) has one block copy
+    per node with MASK; the copy of a node at depth ``d`` carries the target's own step ``block
+    step + d`` on its state (with that step's noise: a :class:`~simsd.decoding.step.Step` over
+    the copies, run by the engine), and a proposed step is accepted when it is that decision on
+    its parent (:func:`~simsd.speculative.verification.tree_verdict`). A pending commit folds
+    into the forward as its shared prefix."""
 
     def request(self, layouts: RowLayouts, rnd: Round) -> Fwd:
-        d = rnd.draft
-        chain = torch.stack(d.states + [d.final])  # the block before each draft step, and after the last
-        verified = chain if d.remaining else chain[:-1]
-        rnd.layout = chain
-        fwd = layouts.exact("target", *exact_layout(verified, rnd.start))
-        fwd.step = Step(verified, rnd.step, self.cfg, self.mask_id, self.key(rnd.start))
+        tree = rnd.draft.tree()
+        shape = tree.constants(rnd.block.device)
+        rnd.layout = (tree, shape)
+        copies = tree.states.index_select(0, shape[0])
+        fwd = layouts.exact("target", *exact_layout(copies, rnd.start))
+        fwd.step = Step(copies, [rnd.step + tree.depth[j] for j in tree.copy_nodes()], self.cfg, self.mask_id,
+                        self.key(rnd.start))
         return fwd
 
     def judge(self, rnd: Round, out) -> Verdict:
-        mine = out[0]  # the target's own step on each copy
-        return Verdict(*exact_step_verdict(mine, rnd.layout, rnd.draft.tau, rnd.draft.remaining > 0))
+        tree, shape = rnd.layout
+        new, taken, accepted, node, valid = tree_verdict(out[0], tree.states, shape)  # out[0]: the copies' steps
+        return Verdict(new, taken, accepted, valid, node)
 
 
 class PaperVerifier(Verifier):

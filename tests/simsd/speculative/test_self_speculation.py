@@ -171,3 +171,47 @@ def test_bench_runs_exact_self_beside_exact(tmp_path, capsys):
     assert main(["bench", "--modes", "vanilla,exact-self", "--limit", "1", "--max-tokens", "8", "--repeats", "1",
                  "--warmup", "0"]) == 0
     assert "and draft" not in capsys.readouterr().err  # the loading line names the target only
+
+
+def with_alternatives(n):
+    """A decoder's verifier class proposing ``n`` alternatives beside each proposed step."""
+    import functools
+
+    from simsd.speculative.self_draft import SelfExactVerifier
+    return functools.partial(SelfExactVerifier, alternatives=n)
+
+
+@pytest.mark.parametrize("alternatives", [1, 2])
+@pytest.mark.parametrize("T", [0.0, 1.0])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_proposal_trees_keep_vanilla_tokens(target, strategy, T, alternatives):
+    """Alternatives beside each proposed step (the next most confident position, the next most
+    likely token: siblings in the round's proposal tree) change no token, and an alternative is
+    the valid node somewhere."""
+    dec = SpeculativeDecoder(target, "self", cfg_for(strategy, T), SpecConfig(mode="exact"))
+    dec.verifier_class = with_alternatives(alternatives)
+    got = dec.generate_batch(PROMPTS, seeds=[7, 8, 9])
+    plain = speculative_generate_batch(target, "self", PROMPTS, cfg_for(strategy, T), SpecConfig(mode="exact"),
+                                       seeds=[7, 8, 9])
+    for i, prompt in enumerate(PROMPTS):
+        want = vanilla_ids(target, prompt, cfg_for(strategy, T, seed=7 + i))
+        assert got.results[i].token_ids == want == plain.results[i].token_ids, i
+    assert sum(r.stats["accepted"] for r in got.results) > sum(r.stats["accepted"] for r in plain.results)
+
+
+def test_alternatives_save_target_forwards_on_the_bundled_target():
+    from simsd.entrypoints.prompts import load_prompts
+    target, _ = bundled_pair("float32")
+    tok = target.tokenizer
+    prompts = [tok(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts("bundled")[:4]]
+    cfg = DecodeConfig(block_length=4, max_new_tokens=48, fold_commit=True)
+    forwards = []
+    for n in (0, 2):
+        dec = SpeculativeDecoder(target, "self", cfg, SpecConfig(mode="exact"))
+        dec.verifier_class = with_alternatives(n)
+        out = dec.generate_batch(prompts)
+        forwards.append(sum(r.stats["target_forwards"] for r in out.results))
+        assert [r.token_ids for r in out.results] == \
+            [r.token_ids for r in vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
+                                                          target.stop_ids).results]
+    assert forwards[1] < forwards[0], forwards

@@ -6,15 +6,17 @@ position 2 (token 6), then positions 1 and 3 (tokens 7 and 8):
     states[0] = [M, M, M, M]   states[1] = [5, M, M, M]   states[2] = [5, M, 6, M]   drafted = [5, 7, 6, 8]
     tau = [1, 3, 2, 3]
 
-:func:`exact_step_verdict` accepts draft step ``c`` iff the target's own step on ``states[c]``
-is the same state (same positions, same tokens), accepts the longest such prefix and commits the
-target's step at the first mismatch (else its bonus step, else the draft's last state).
+:func:`tree_verdict` on a draft's chain accepts draft step ``c`` iff the target's own step on
+``states[c]`` is the same state (same positions, same tokens), accepts the longest such prefix and
+commits the target's step at the first mismatch (else its bonus step, else the draft's last
+state); on a tree with alternatives it follows the valid sibling.
 :func:`accept_in_order` (paper mode) accepts per token in the draft's temporal order (reveal
 step, then position) up to the first rejected token, which takes its replacement.
 """
 import torch
 
-from simsd.speculative.verification import accept_in_order, exact_step_verdict
+from simsd.speculative.tree import ProposalTree
+from simsd.speculative.verification import accept_in_order, tree_verdict
 from simsd_kernels import TAU_INF
 
 M = 9
@@ -24,8 +26,12 @@ TAU = [1, 3, 2, 3]
 
 
 def exact(mine, states, drafted, tau, bonus):
-    new, taken, accepted = exact_step_verdict(torch.tensor(mine), torch.tensor(states + [drafted]),
-                                              torch.tensor(tau), bonus)
+    """The verdict on a draft's chain (a proposal tree without branches, the drafted state its last
+    node, with a copy while it has MASK)."""
+    tree = ProposalTree.chain([torch.tensor(x) for x in states], torch.tensor(drafted), int(bonus), 0)
+    assert len(mine) == len(tree.copy_nodes())
+    new, taken, accepted, _, valid = tree_verdict(torch.tensor(mine), tree.states, tree.constants("cpu"))
+    assert int((valid != torch.tensor(states[0])).sum()) == int(accepted)
     return new.tolist(), int(taken), int(accepted)
 
 
@@ -95,3 +101,28 @@ def test_paper_all_accepted():
     tau = [TAU_INF, 1, 3, 2]
     got = paper([False, True, False, True], [1, 1, 1, 1], tau=tau, n=2, block=[3, M, M, M], drafted=[3, 7, 6, 8])
     assert got == ([3, 7, M, 8], False, 2, 2)
+
+
+def test_tree_follows_the_valid_sibling():
+    """A tree with alternatives: root S0; its children A = [5, M, M, M] (primary) and B = [M, M, 6, M]
+    (alternative); A's children A2 = [5, M, 6, M] and A2b = [5, 7, M, M]. A node is valid only
+    when every node on its path is its parent's target step; the deepest valid node's target step
+    is committed."""
+    A, B, A2, A2b = [5, M, M, M], [M, M, 6, M], [5, M, 6, M], [5, 7, M, M]
+    tree = ProposalTree(torch.tensor([S0, A, B, A2, A2b]), [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [True] * 5, 4)
+    shape = tree.constants("cpu")
+
+    def verdict(t_root, t_a, t_b, t_a2, t_a2b):
+        new, taken, accepted, node, valid = tree_verdict(torch.tensor([t_root, t_a, t_b, t_a2, t_a2b]),
+                                                         tree.states, shape)
+        return new.tolist(), int(taken), int(accepted), int(node), valid.tolist()
+
+    # the target reveals position 2 first: the alternative B is valid, A and its subtree are not
+    # (even though A's own target step would have been A2)
+    assert verdict(B, A2, [5, M, 6, M], A2, A2b) == ([5, M, 6, M], 2, 1, 2, B)
+    # A, then A's alternative child A2b
+    assert verdict(A, A2b, B, [5, 7, 6, M], [5, 7, 6, 8]) == ([5, 7, 6, 8], 3, 2, 4, A2b)
+    # A, then neither child: the target's step on A is committed
+    assert verdict(A, [5, M, M, 1], B, A2, A2b) == ([5, M, M, 1], 2, 1, 1, A)
+    # neither child of the root: the root's step
+    assert verdict([M, 3, M, M], A2, B, A2, A2b) == ([M, 3, M, M], 1, 0, 0, S0)

@@ -59,7 +59,7 @@ def test_exact_request_one_copy_per_draft_step():
     assert fwd.labels == [(KIND_KNOWN, 0, c) for c in range(3) for _ in range(4)] and fwd.tau is None
     assert fwd.logits == slice(None)
     # the copies carry the target's own step, at block steps 2, 3, 4 with the row's noise key
-    assert isinstance(fwd.step, Step) and fwd.step.states == 3 and fwd.step.index == 2
+    assert isinstance(fwd.step, Step) and fwd.step.states == 3 and fwd.step.indices() == [2, 3, 4]
     assert fwd.step.block.tolist() == [S0, S1, S2] and fwd.step.cfg is CFG and fwd.step.mask_id == M
     assert (fwd.step.key.seed, fwd.step.key.start) == (3, START)
 
@@ -147,5 +147,5 @@ def test_paper_judge_greedy():
 
 
 def test_verdict_and_sampling_flags():
-    assert Verdict._fields == ("block", "taken", "accepted")
+    assert Verdict._fields == ("block", "taken", "accepted", "valid", "node")
     assert PaperVerifier.rejection_sampling and not ExactVerifier.rejection_sampling

@@ -1,0 +1,119 @@
+"""Proposal trees: the block states an exact round puts to the target (docs/design.md §4.1, §4.4).
+
+A round proposes states of the block, each one denoising step after its parent: node 0 is the
+round's block (a known state), node ``j > 0`` its parent's state with one proposed step applied.
+A draft's chain of steps is a tree without branches (:meth:`ProposalTree.chain`); a tree may
+also hold *alternatives*: siblings that propose another outcome of the same step (the next most
+confident position, or the next most likely token at the most confident one,
+:func:`step_candidates`), so that a step the primary proposal gets wrong may still be right.
+
+Exact verification (:func:`simsd.speculative.verification.tree_verdict`) puts one copy of every
+node that still has MASK into the verify forward; the target's own step on each copy decides: a
+node is valid when every node on its path is its parent's target step, and the round commits
+the target's step on the deepest valid node. Sibling states differ, so at most one sibling of a
+valid node is valid: the valid nodes form a path, and the output is vanilla decoding's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding.sampling import filtered_probs, sample
+from ..decoding.step import tokens_to_reveal, without_mask_token_
+from ..decoding.strategies import select_positions
+from ..engine.host_sync import to_device
+
+
+@dataclass
+class ProposalTree:
+    """The nodes of one round (module doc).
+
+    ``states``: ``(N, L)`` int64 on the target's device (node 0: the round's block);
+    ``parent``: ``N`` host ints (-1 for the root); ``depth``: ``N`` host ints (the root 0; a
+    node's step in the block is the round's step plus its parent's depth); ``copies``: ``N``
+    host bools, the node still has MASK (one verify copy, one target step); ``proposed``: the
+    tokens the proposals revealed (every node but the root), a host int or a 0-d device tensor.
+    """
+    states: torch.Tensor
+    parent: list
+    depth: list
+    copies: list
+    proposed: object
+
+    @property
+    def nodes(self) -> int:
+        return len(self.parent)
+
+    def copy_nodes(self) -> list:
+        """The nodes with a verify copy, in node order."""
+        return [j for j, c in enumerate(self.copies) if c]
+
+    def tree(self) -> "ProposalTree":
+        return self
+
+    @classmethod
+    def chain(cls, states: list, final: torch.Tensor, remaining: int, proposed) -> "ProposalTree":
+        """A draft's chain: ``states[c]`` the block before draft step ``c`` (``states[0]`` the
+        round's block), ``final`` after the last step, ``remaining`` its MASK count (a host int):
+        node ``c`` is ``states[c]``, node ``n`` is ``final`` (with a copy while it has MASK)."""
+        n = len(states)
+        return cls(torch.stack(list(states) + [final]), [-1] + list(range(n)), list(range(n + 1)),
+                   [True] * n + [remaining > 0], proposed)
+
+    def constants(self, device) -> tuple:
+        """What :func:`~simsd.speculative.verification.tree_verdict` reads of the shape, on
+        ``device`` in one copy: the copy nodes ``(C,)``, the parents of nodes ``1..N-1``, the
+        depths ``(N,)``, the copy flags ``(N,)``, each node's rank among the copies ``(N,)``
+        and the path matrix ``(N, N)`` (``path[j, a]``: ``a`` is on the path from the root's
+        child to ``j``, ``j`` included)."""
+        N, copy_nodes = self.nodes, self.copy_nodes()
+        rank = [0] * N
+        for r, j in enumerate(copy_nodes):
+            rank[j] = r
+        path = []
+        for j in range(N):
+            row, a = [0] * N, j
+            while a > 0:
+                row[a], a = 1, self.parent[a]
+            path.extend(row)
+        flat = copy_nodes + self.parent[1:] + self.depth + [int(c) for c in self.copies] + rank + path
+        t = to_device(flat, device)
+        C = len(copy_nodes)
+        copy_index, parent, depth, copies, rank, path = t.split([C, N - 1, N, N, N, N * N])
+        return copy_index, parent, depth, copies, rank, path.view(N, N).bool()
+
+
+def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg, index: int, noise,
+                    alternatives: int, masks: int | None) -> list:
+    """The outcomes of one denoising step on ``state (L,)`` from ``logits (L, V)`` (MASK made
+    impossible in place) proposed as siblings: first the step as the strategy takes it (step
+    ``index`` of the schedule, ``noise`` its keyed draws, None when greedy), then up to
+    ``alternatives`` others, in this order:
+
+    * the next most confident position (``static``, ``dynamic``; needs two MASK, ``masks`` the
+      host count, None: unknown): the strategy's choice with its most confident position left
+      out;
+    * the next most likely token at the most confident revealed position (every strategy): the
+      runner-up of the same draw (greedy: the second highest logit; sampling: the second
+      arrival of the exponential race under the step's noise).
+
+    Returns ``(L,)`` states on the logits' device, no host read."""
+    greedy = cfg.sampling.greedy
+    masked = state == mask_id
+    logits = without_mask_token_(logits, mask_id)
+    positional = cfg.strategy in ("static", "dynamic")
+    tokens, conf, ent, _ = sample(logits, cfg.sampling, noise, with_probs=False,
+                                  with_entropy=cfg.strategy == "entropy", with_confidence=True)
+    k = tokens_to_reveal(cfg, index, logits.device)
+    revealed = select_positions(cfg.strategy, masked, conf, ent, k, cfg.threshold)
+    out = [torch.where(revealed, tokens, state)]
+    top = conf.masked_fill(~revealed, float("-inf")).argmax()  # the most confident revealed position
+    if alternatives > len(out) - 1 and positional and (masks is None or masks >= 2):
+        others = masked.index_fill(0, top.view(1), False)
+        out.append(torch.where(select_positions(cfg.strategy, others, conf, ent, k, cfg.threshold), tokens, state))
+    if alternatives > len(out) - 1:
+        scores = logits[top].float() if greedy else filtered_probs(logits[top], cfg.sampling) / noise[top]
+        second = scores.topk(2).indices[1]
+        out.append(out[0].index_copy(0, top.view(1), second.view(1)))
+    return out

@@ -1,0 +1,65 @@
+"""Proposal trees (simsd/speculative/tree.py): the alternatives of a step, by hand, and the shape
+constants the verdict reads."""
+import torch
+
+from simsd import DecodeConfig, SamplingParams
+from simsd.speculative.tree import ProposalTree, step_candidates
+
+M = 9  # MASK (vocabulary of 10)
+
+
+def logits_for(rows):
+    """``(4, 10)`` logits: per position a dict token -> logit, everything else -10."""
+    x = torch.full((4, 10), -10.0)
+    for i, row in enumerate(rows):
+        for t, v in row.items():
+            x[i, t] = v
+    return x
+
+
+def test_greedy_static_alternatives_by_hand():
+    """Position 2 is the most confident (token 3, then token 5); position 0 comes next (token 1).
+    One token per step: the primary reveals 3 at position 2, the first alternative 1 at position 0
+    (the strategy's choice without position 2), the second 5 at position 2 (its runner-up token)."""
+    state = torch.tensor([M, 4, M, M])
+    logits = logits_for([{1: 5.0, 2: 4.0}, {4: 9.0}, {3: 9.0, 5: 8.0}, {6: 1.0, 7: 0.9}])
+    cfg = DecodeConfig(block_length=4, strategy="static")
+    out = step_candidates(logits.clone(), state, M, cfg, 1, None, 2, masks=3)
+    assert [s.tolist() for s in out] == [[M, 4, 3, M], [1, 4, M, M], [M, 4, 5, M]]
+    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, cfg, 1, None, 1, masks=3)] == \
+        [[M, 4, 3, M], [1, 4, M, M]]
+    # one MASK left: no other position; the token alternative only
+    one = torch.tensor([7, 4, M, 8])
+    assert [s.tolist() for s in step_candidates(logits.clone(), one, M, cfg, 3, None, 2, masks=1)] == \
+        [[7, 4, 3, 8], [7, 4, 5, 8]]
+    # sequential: the leftmost MASK is fixed, its runner-up token is the alternative
+    seq = DecodeConfig(block_length=4, strategy="sequential")
+    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, seq, 1, None, 2, masks=3)] == \
+        [[1, 4, M, M], [2, 4, M, M]]
+
+
+def test_sampled_token_alternative_is_the_race_runner_up():
+    """Under sampling the token alternative is the second arrival of the step's exponential race
+    (the draw with the same noise) at the most confident drawn position: position 0 draws token 1
+    (its noise favours it; probability ~0.73, above position 2's drawn token 5 at 0.5), and its
+    runner-up under that noise is token 2, not the noise's next-lowest token elsewhere."""
+    state = torch.tensor([M, 4, M, M])
+    logits = logits_for([{1: 5.0, 2: 4.0}, {4: 9.0}, {3: 1.0, 5: 1.0}, {6: 1.0, 7: 0.9}])
+    noise = torch.ones(4, 10)
+    noise[2, 5], noise[2, 3] = 0.1, 0.5  # token 5 first, 3 second at position 2
+    noise[0, 1] = 0.01  # position 0 draws token 1 (probability ~0.73, the most confident drawn token)
+    cfg = DecodeConfig(block_length=4, strategy="static", sampling=SamplingParams(temperature=1.0))
+    out = step_candidates(logits.clone(), state, M, cfg, 1, noise, 2, masks=3)
+    assert out[0].tolist() == [1, 4, M, M]  # the drawn token 1 at position 0 is the most confident
+    assert out[2].tolist() == [2, 4, M, M]  # its runner-up under the same noise
+
+
+def test_constants_of_a_tree():
+    tree = ProposalTree(torch.zeros(5, 4, dtype=torch.long), [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2],
+                        [True, True, False, True, True], 4)
+    copy_index, parent, depth, copies, rank, path = tree.constants("cpu")
+    assert copy_index.tolist() == [0, 1, 3, 4] and parent.tolist() == [0, 0, 1, 1]
+    assert depth.tolist() == [0, 1, 1, 2, 2] and copies.tolist() == [1, 1, 0, 1, 1]
+    assert rank.tolist() == [0, 1, 0, 2, 3]
+    assert path.int().tolist() == [[0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 1, 0],
+                                   [0, 1, 0, 0, 1]]
