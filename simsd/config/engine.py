@@ -60,6 +60,7 @@ class EngineArgs:
     rope_copy: bool = SETTINGS["rope_copy"].field(True)
     paper_variant: str = SETTINGS["paper_variant"].field("described")
     optimistic: bool | None = SETTINGS["optimistic"].field(None)
+    speculation_width: object = SETTINGS["speculation_width"].field("auto")
     max_gamma: int | None = Setting(int, "the most draft steps a request verifies per round, and the gamma of "
                                          "requests that give none (default: the block length); the caches hold "
                                          "its verify forwards", low=1, modes=SPECULATIVE).field(None)
@@ -87,6 +88,10 @@ class EngineArgs:
         check_release(self.paper_variant, self.max_gamma, self.on_reject, "max_gamma")
         if is_self_draft(self.draft):
             check_self_draft(self)
+        elif self.speculation_width != "auto":
+            raise ParamError("speculation_width", f"{opt('speculation_width')} sizes the proposal trees of "
+                                                  f"{opt('draft', 'self')} (a draft model proposes a chain of "
+                                                  f"{opt('gamma')} steps)")
         if self.scheduler_thread and self.tp > 1:
             raise ParamError("scheduler_thread", f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the "
                                                  f"ranks must run the same rounds)")

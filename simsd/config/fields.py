@@ -58,6 +58,19 @@ def by_strategy(value, name: str):
     return value
 
 
+def parse_width(value, name: str = "speculation_width"):
+    """``speculation_width`` as kept: ``"auto"``, or an int >= 1 (a string of digits taken as one);
+    :class:`ParamError` otherwise."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParamError(name, f"{opt(name)} must be auto or an integer >= 1 (block copies per verify forward), "
+                               f"got {value!r}")
+    return value
+
+
 FINITE = Setting(float, "")
 _DRAFT = "the draft's own; default: "
 #: the settings of decoding, by field name (a dataclass field: ``SETTINGS["steps"].field(None)``)
@@ -92,6 +105,11 @@ SETTINGS = {
                                   "fallback; docs/design.md §4.3)", choices=PAPER_VARIANTS, modes=("paper",)),
     "optimistic": Setting(bool, "draft the next round while the target verifies, roll back on rejection "
                                 "(auto: when draft and target are on different devices)", modes=SPECULATIVE),
+    "speculation_width": Setting(object, "with --draft self: the most block copies of a verify forward (the "
+                                         "proposal tree: its depth up to gamma, alternatives beside each proposed "
+                                         "step), or auto: the tree with the most expected tokens per second, from "
+                                         "the acceptance seen and what the engine's forwards cost on this device",
+                                 parse=parse_width, modes=("exact",), text="auto or an integer >= 1"),
     "draft_strategy": Setting(str, _DRAFT + "the target's strategy", parse=parse_strategy, modes=SPECULATIVE),
     "draft_threshold": Setting(float, _DRAFT + "the target's threshold when the draft runs the target's "
                                       "strategy, else the draft strategy's default", modes=SPECULATIVE,

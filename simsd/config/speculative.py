@@ -13,8 +13,27 @@ from pathlib import Path
 from .fields import PAPER_VARIANTS, SETTINGS, check_threshold, parse_strategy
 from .vocabulary import SPECULATIVE, ParamError, check_fields, check_modes, opt
 
-__all__ = ["PAPER_VARIANTS", "SELF_DRAFT", "SpecConfig", "check_fold_commit", "check_gamma", "check_release",
-           "check_self_draft", "draft_config", "draft_settings", "is_self_draft", "parse_draft"]
+__all__ = ["MAX_ALTERNATIVES", "PAPER_VARIANTS", "SELF_DRAFT", "SpecConfig", "check_fold_commit", "check_gamma",
+           "check_release", "check_self_draft", "draft_config", "draft_settings", "is_self_draft", "max_query_blocks",
+           "parse_draft"]
+
+#: the most alternatives a self-speculative tree proposes beside a step (the next most confident
+#: position, the next most likely token; :mod:`simsd.speculative.tree`)
+MAX_ALTERNATIVES = 2
+
+
+def max_query_blocks(mode: str, gamma: int, self_draft: bool = False, width="auto") -> int:
+    """Block copies in the longest forward of a row (the engine's cache margin): vanilla 2 (a
+    folded commit and a block), a draft's exact or paper round ``gamma + 2`` (its steps, the bonus
+    copy or the paper layout's slots, a folded commit), a self-speculative round its widest tree
+    plus a folded commit (``width`` copies, or with ``"auto"`` the root and ``1 +`` :data:`MAX_ALTERNATIVES`
+    per proposed step)."""
+    if mode == "vanilla":
+        return 2
+    if not self_draft:
+        return gamma + 2
+    return (1 + (1 + MAX_ALTERNATIVES) * gamma if width == "auto" else int(width)) + 1
+
 
 #: the draft that is the target itself (``--draft self``, ``LLM(draft="self")``): self-speculation,
 #: proposals from the target's own logits, no draft model (:mod:`simsd.speculative.self_draft`)
@@ -121,7 +140,10 @@ class SpecConfig:
 
     ``paper_variant`` (paper mode): ``described`` (the paper: acceptance in the draft's
     temporal order) or ``release`` (the SimSD release's loop, docs/design.md §4.3; it drafts
-    the whole rest of the block every round, so it takes no ``gamma`` and no fallback)."""
+    the whole rest of the block every round, so it takes no ``gamma`` and no fallback).
+
+    ``speculation_width`` (self-speculation, ``draft="self"``): the most block copies of a
+    verify forward, or ``"auto"`` (:mod:`simsd.speculative.width`)."""
     mode: str = dataclasses.replace(SETTINGS["mode"], choices=SPECULATIVE).field("exact")
     gamma: int | None = SETTINGS["gamma"].field(None)
     on_reject: str = SETTINGS["on_reject"].field("redraft")
@@ -130,9 +152,14 @@ class SpecConfig:
     optimistic: bool | None = SETTINGS["optimistic"].field(None)
     draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
     paper_variant: str = SETTINGS["paper_variant"].field("described")
+    speculation_width: object = SETTINGS["speculation_width"].field("auto")
 
     def __post_init__(self):
         check_fields(self)
-        check_modes({"paper_variant": SETTINGS["paper_variant"]} if self.paper_variant != "described" else {},
-                    [self.mode])
+        given = {}
+        if self.paper_variant != "described":
+            given["paper_variant"] = SETTINGS["paper_variant"]
+        if self.speculation_width != "auto":
+            given["speculation_width"] = SETTINGS["speculation_width"]
+        check_modes(given, [self.mode])
         check_release(self.paper_variant, self.gamma, self.on_reject)

@@ -152,5 +152,6 @@ def resolve(params, config, vocab_size: int) -> tuple:
         spec = SpecConfig(mode=config.mode, gamma=params.gamma or config.max_gamma, on_reject=config.on_reject,
                           rope_copy=config.rope_copy, draft_strategy=params.draft_strategy,
                           optimistic=config.optimistic, draft_threshold=params.draft_threshold,
-                          paper_variant=config.paper_variant)
+                          paper_variant=config.paper_variant,
+                          speculation_width=getattr(config, "speculation_width", "auto"))
     return cfg, spec, seed

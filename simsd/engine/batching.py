@@ -51,6 +51,7 @@ import torch
 
 from simsd_kernels import KIND_KNOWN, KIND_MASK
 
+from .costs import ForwardCost
 from .host_sync import to_device
 from .memory import check_engine_memory
 
@@ -143,6 +144,8 @@ class Row:
     prefill_forwards: int = 0
     caches: dict = field(default_factory=dict)
     query_tokens: dict = field(default_factory=dict)
+    #: per model: the engine's :class:`~simsd.engine.costs.ForwardCost` (what a forward of a width costs)
+    costs: dict = field(default_factory=dict)
     nonfinite: torch.Tensor | None = None
     dtypes: dict = field(default_factory=dict)
 
@@ -228,6 +231,7 @@ class BatchEngine:
         self.nonfinite = torch.zeros(len(models), batch_size, device=next(iter(models.values())).device)
         self._nonfinite_of = dict(zip(models, self.nonfinite))
         self._dtypes = {n: str(m.dtype).removeprefix("torch.") for n, m in models.items()}
+        self.costs = {n: ForwardCost() for n in models}  # what a forward of a width costs here (kept over resets)
         self.graphs = {}
         if cuda_graphs:
             from .graphs import GraphRunner
@@ -248,7 +252,7 @@ class BatchEngine:
         devices = {n: m.device for n, m in self.models.items()}
         return Row(index, devices, {n: 0 for n in self.models}, {n: 0 for n in self.models}, caches=self.caches,
                    nonfinite=self.nonfinite[:, index], dtypes=self._dtypes,
-                   query_tokens={n: 0 for n in self.models})
+                   query_tokens={n: 0 for n in self.models}, costs=self.costs)
 
     def release(self, index: int) -> Row:
         """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
@@ -335,6 +339,7 @@ class BatchEngine:
                 raise ValueError(f"KV cache overflow in row {i} of {name}: {Lq} tokens written, {room} free slots")
         ids, positions, labels, num_write = self._inputs(model.device, mode, reqs, a, b, Lq)
         want = any(r.logits is not None for r in reqs.values())
+        started = self.costs[name].start(model.device)
         if name in self.graphs:
             logits = self.graphs[name](ids, positions, labels, mode, num_write, want)
             if logits is not None:
@@ -350,7 +355,9 @@ class BatchEngine:
             row.cached[name] += r.num_write
             row.forwards[name] += int(r.count)
             row.query_tokens[name] += len(r.positions) * int(r.count)
-        return self._outputs(logits, reqs, a)
+        outs = self._outputs(logits, reqs, a)
+        self.costs[name].stop(started, (b - a) * Lq, len(reqs))  # the forward and its requests' steps
+        return outs
 
     def _flag_nonfinite(self, name: str, logits: torch.Tensor, reqs: dict, a: int) -> None:
         """Set the non-finite flag of model ``name`` (device-side, no host read) for every row

@@ -42,7 +42,7 @@ from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
 from .commands import build_llms, prepare
 from .outputs import json_safe
-from .run_modes import RUN_MODES, base_modes
+from .run_modes import RUN_MODES
 
 #: a spread ((max - min) / median over the passes) above this flags a figure as unstable
 UNSTABLE_SPREAD = 0.10
@@ -172,7 +172,7 @@ def mode_label(mode: str, args) -> str:
 
 def bench_modes(args, modes: list) -> int:
     check_json_path(args.json_file)
-    run = prepare(args, base_modes(modes))
+    run = prepare(args, modes)
     cfg, prompts = run.cfg, run.prompts
     if args.warmup > len(prompts):
         raise ParamError("warmup", f"{opt('warmup')} {args.warmup} exceeds the {len(prompts)} prompt(s) of the run "

@@ -221,7 +221,8 @@ def build_engine(config: EngineArgs, default_params: SamplingParams | None = Non
         decoder = SpeculativeDecoder(
             target, draft_arg, DecodeConfig(block_length=config.block_length, fold_commit=config.fold_commit),
             SpecConfig(config.mode, on_reject=config.on_reject, rope_copy=config.rope_copy,
-                       optimistic=config.optimistic, paper_variant=config.paper_variant), check=False)
+                       optimistic=config.optimistic, paper_variant=config.paper_variant,
+                       speculation_width=config.speculation_width), check=False)
     try:
         engine = BatchEngine(models, config.block_length, size.rows, size.capacity, size.margin,
                              cuda_graphs=config.cuda_graphs)

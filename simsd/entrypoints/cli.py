@@ -96,7 +96,7 @@ _SOURCES = ("prompt", "prompts_file", "prompt_ids", "prompt_set")  # one of them
 _PROMPTS = _SOURCES + ("raw", "limit")
 _REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
             "draft_strategy", "draft_threshold")
-_SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "paper_variant")
+_SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "speculation_width", "paper_variant")
 #: the options of running on Ray (docs/scaling.md), per command
 _RAY = {"generate": ("ray", "num_workers"), "eval": ("ray", "num_workers"),
         "serve": ("ray", "replicas", "max_replicas")}

@@ -155,7 +155,9 @@ class Run:
 def prepare(args, modes: list) -> Run:
     """Check a command's devices, checkpoints (without weights), request settings against them,
     prompts and memory (its options were checked by :func:`simsd.entrypoints.cli.check_options`);
-    see the module doc. Raises :class:`ParamError` / :class:`CheckpointError`."""
+    see the module doc. ``modes``: the run's ``--modes`` labels
+    (:data:`~simsd.entrypoints.run_modes.RUN_MODES`; ``generate``: its ``--mode``). Raises
+    :class:`ParamError` / :class:`CheckpointError`."""
     from simsd_kernels.backends import resolve_backend
 
     from ..engine.threads import apply_threads
@@ -183,8 +185,10 @@ def prepare(args, modes: list) -> Run:
     if len(prompts) < config.batch_size:
         print(f"simsd: {args.typed.get('batch_size', '--batch-size')} {config.batch_size} > {len(prompts)} "
               f"prompts: batches of {len(prompts)}", file=sys.stderr)
+    engines = [RUN_MODES[m]._replace(draft=RUN_MODES[m].draft or config.draft) for m in modes]
     check_run_memory(RunShape(models, [len(p.ids) for p in prompts], cfg.max_new_tokens, cfg.block_length,
-                              args.params.gamma, min(config.batch_size, len(prompts)), modes))
+                              args.params.gamma, min(config.batch_size, len(prompts)), engines,
+                              config.speculation_width))
     return Run(args, modes, config, target, draft, cfg, prompts, args.params)
 
 
@@ -220,6 +224,7 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
         mode=mode, draft_device=config.draft_device if own else None,
         on_reject=config.on_reject if spec else "redraft",
         rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if own else None,
+        speculation_width=config.speculation_width if spec and not own else "auto",
         paper_variant=config.paper_variant if mode == "paper" else "described",
         max_gamma=run.params.gamma if spec else None, batch_size=min(config.batch_size, len(run.prompts)),
         max_model_len=min(limit, max(need, block_length + 1)), max_waiting=len(run.prompts), scheduler_thread=False)

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..config.vocabulary import ParamError, opt
-from .run_modes import RUN_MODES, base_modes
+from .run_modes import RUN_MODES
 
 #: options that may differ between a run and the run it resumes (they change no result)
 RESUMABLE = ("json_file", "limit", "warmup", "threads", "command", "ray", "num_workers")
@@ -160,7 +160,7 @@ def run_eval(args, modes: list) -> int:
     check_json_path(args.json_file)
     settings = settings_of(args)
     partial = load_partial(args.json_file, settings)
-    run = prepare(args, base_modes(modes))
+    run = prepare(args, modes)
     prompts = run.prompts
     if len({p.id for p in prompts}) != len(prompts):
         raise ParamError("prompts_file", "the prompt set repeats an id: the results are recorded per id")

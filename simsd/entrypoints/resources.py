@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.speculative import is_self_draft, max_query_blocks
 from ..config.vocabulary import ParamError, opt
 from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shortfall, weight_bytes
 
@@ -13,7 +14,9 @@ from ..engine.memory import Estimate, estimate, fmt_bytes, largest_fitting, shor
 class RunShape:
     """What the memory of a run depends on. ``models``: name -> ``(config, dtype, device,
     dense_attention)`` (``target``, and ``draft`` when a speculative mode runs); ``gamma``
-    None = the block length."""
+    None = the block length; ``modes``: one :class:`~simsd.entrypoints.run_modes.RunMode` per
+    engine of the run (its ``draft``: ``"self"`` or None, a draft model); ``width``: the
+    self-speculative ``speculation_width``."""
     models: dict
     prompt_lengths: list
     max_new_tokens: int
@@ -21,6 +24,7 @@ class RunShape:
     gamma: int | None
     batch_size: int
     modes: list
+    width: object = "auto"
 
 
 def capacity_of(prompt_lengths, max_new_tokens: int, block_length: int) -> int:
@@ -37,9 +41,10 @@ def run_estimate(shape: RunShape, **change) -> Estimate:
     total = Estimate()
     for name, (config, dtype, device, _) in s.models.items():
         total.add(device, "weights", weight_bytes(config, dtype))
-    for mode in s.modes:  # one engine per mode, side by side (simsd bench); one forward at a time
-        names = ["target"] if mode == "vanilla" else ["target", "draft"]
-        margin = (2 if mode == "vanilla" else gamma + 2) * block_length
+    for rm in s.modes:  # one engine per mode, side by side (simsd bench); one forward at a time
+        own = rm.mode != "vanilla" and not is_self_draft(rm.draft)  # a draft model of its own
+        names = ["target", "draft"] if own else ["target"]
+        margin = max_query_blocks(rm.mode, gamma, is_self_draft(rm.draft), s.width) * block_length
         est = estimate({n: s.models[n] for n in names if n in s.models}, s.batch_size, capacity, margin,
                        with_weights=False)
         for device, parts in est.parts.items():
@@ -134,7 +139,8 @@ def engine_size(config, infos: dict) -> EngineSize:
     block_length, L = config.block_length, config.max_model_len
     capacity = round_capacity(-(-L // block_length) * block_length + block_length)
     gamma = config.max_gamma or block_length
-    margin = (2 if config.mode == "vanilla" else gamma + 2) * block_length  # the longest query
+    margin = max_query_blocks(config.mode, gamma, is_self_draft(config.draft),
+                              config.speculation_width) * block_length  # the longest query
     row_bytes = sum(kv_cache_bytes(cfg, dtype, 1, capacity + margin)
                     for cfg, dtype, _, _ in engine_models(config, infos).values())
     rows = config.batch_size

@@ -26,6 +26,7 @@ from ..config.speculative import (
     check_self_draft,
     draft_config,
     is_self_draft,
+    max_query_blocks,
 )
 from ..config.vocabulary import SPECULATIVE
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
@@ -153,8 +154,10 @@ class SpeculativeDecoder:
             for p in prompts:
                 check_prompt(p, self.d.config, cfg.max_new_tokens, block_length, self.mask_id)
             models["draft"] = self.d.model
-        engine = BatchEngine(models, block_length, len(prompts), round_capacity(max(capacities)),
-                             (self.plan.gamma + 2) * block_length, cuda_graphs=cuda_graphs)
+        margin = max_query_blocks(self.plan.spec.mode, self.plan.gamma, self.self_draft,
+                                  self.plan.spec.speculation_width) * block_length
+        engine = BatchEngine(models, block_length, len(prompts), round_capacity(max(capacities)), margin,
+                             cuda_graphs=cuda_graphs)
         seeds = row_seeds(cfg, len(prompts), first_index, seeds)
         return generate_batch(engine, prompts, capacities, lambda row, i: self.new_row(row, seeds[i]))
 

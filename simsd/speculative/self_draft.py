@@ -17,11 +17,14 @@ that was right.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..decoding.noise import NoiseKey, step_noise
 from .tree import ProposalTree, step_candidates
 from .verifiers import ExactVerifier
+from .width import WidthPolicy
 
 
 class SelfDraft:
@@ -31,16 +34,20 @@ class SelfDraft:
         cfg: the target's decoding settings (the proposals follow its strategy and schedule).
         mask_id: the MASK token id.
         gamma: the most steps a round proposes (the tree's depth).
-        alternatives: siblings proposed beside each step of the chain
-            (:func:`~simsd.speculative.tree.step_candidates`: the next most confident position,
-            then the next most likely token); 0: a plain chain.
+        width: ``speculation_width``, ``"auto"`` or the most block copies of a verify forward:
+            each round's depth and alternatives (siblings beside each proposed step,
+            :func:`~simsd.speculative.tree.step_candidates`) are :class:`~simsd.speculative.width.WidthPolicy`'s
+            choice.
+        alternatives: a fixed shape instead (depth ``gamma``, this many alternatives), for tests.
 
     ``logits``: ``(L, V)`` the kept logits (MASK made impossible), on the target's device, or
-    None (a fresh block); set by :meth:`keep`, used up by :meth:`propose`.
+    None (a fresh block); set by :meth:`keep`, used up by :meth:`propose`. ``policy``: the
+    :class:`~simsd.speculative.width.WidthPolicy` (its ``cost`` set by the row: the engine's).
     """
 
-    def __init__(self, cfg, mask_id: int, gamma: int, alternatives: int = 0):
+    def __init__(self, cfg, mask_id: int, gamma: int, width="auto", alternatives: int | None = None):
         self.cfg, self.mask_id, self.gamma, self.alternatives = cfg, mask_id, gamma, alternatives
+        self.policy = WidthPolicy(width, gamma, cfg.block_length)
         self.logits: torch.Tensor | None = None
 
     def keep(self, logits: torch.Tensor, copy: torch.Tensor) -> None:
@@ -62,33 +69,45 @@ class SelfDraft:
         below a full state are dropped."""
         logits, self.logits = self.logits, None
         if logits is None or masks == 0:
-            return ProposalTree(block[None], [-1], [0], [masks > 0], 0)
+            return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0])
+        started = time.perf_counter()
+        tree = self._grow(logits, block, block_step, masks, key)
+        self.policy.proposing(time.perf_counter() - started, tree.nodes - 1)
+        return tree
+
+    def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey) -> ProposalTree:
         cfg = self.cfg
         known = cfg.strategy in ("sequential", "static")
-        states, parent, depth, left = [block], [-1], [0], [masks]
+        per_step = [cfg.tokens_for_step(block_step + d) if known else 1 for d in range(self.gamma)]
+        if self.alternatives is None:
+            gamma, alternatives = self.policy.shape(masks, per_step, self.policy.rows())
+        else:
+            gamma, alternatives = self.gamma, self.alternatives
+        states, parent, depth, left, kind = [block], [-1], [0], [masks], [0]
         spine = 0
-        for d in range(1, self.gamma + 1):
+        for d in range(1, gamma + 1):
             if known and left[spine] == 0:
                 break
             index = block_step + d - 1
             noise = None if cfg.sampling.greedy else step_noise([key], [index], block.shape[0], logits.shape[-1],
                                                                  logits.device)[0]
-            cands = step_candidates(logits, states[spine], self.mask_id, cfg, index, noise, self.alternatives,
+            cands = step_candidates(logits, states[spine], self.mask_id, cfg, index, noise, alternatives,
                                     left[spine] if known else None)
-            k = min(max(1, cfg.tokens_for_step(index)), left[spine]) if known else None
+            k = min(max(1, per_step[d - 1]), left[spine]) if known else None
             first = len(states)
             for c, st in enumerate(cands):
                 states.append(st)
                 parent.append(spine)
                 depth.append(d)
                 left.append(left[spine] - k if known else None)
+                kind.append(c)
             spine = first
         if not known:
-            states, parent, depth, left = self._prune(states, parent, depth)
+            states, parent, depth, left, kind = self._prune(states, parent, depth, kind)
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
-        return ProposalTree(torch.stack(states), parent, depth, [m > 0 for m in left], proposed)
+        return ProposalTree(torch.stack(states), parent, depth, [m > 0 for m in left], proposed, kind)
 
-    def _prune(self, states: list, parent: list, depth: list) -> tuple:
+    def _prune(self, states: list, parent: list, depth: list, kind: list) -> tuple:
         """The nodes whose step revealed something and whose parent had MASK, from one host read
         of every node's MASK count (renumbered, parents kept before children)."""
         left = (torch.stack(states) == self.mask_id).sum(-1).tolist()
@@ -99,7 +118,17 @@ class SelfDraft:
                 new_index[j] = len(keep)
                 keep.append(j)
         return ([states[j] for j in keep], [-1] + [new_index[parent[j]] for j in keep[1:]],
-                [depth[j] for j in keep], [left[j] for j in keep])
+                [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep])
+
+    def observe(self, tree: ProposalTree, node: int) -> None:
+        """Count a round's outcome for the width policy: ``node`` the deepest valid node of
+        ``tree`` (read with the decision)."""
+        ranks, j = [], node
+        while j > 0:
+            ranks.append(tree.kind[j])
+            j = tree.parent[j]
+        below = [c for c in range(tree.nodes) if tree.parent[c] == node]
+        self.policy.observe(ranks[::-1], len(below))
 
 
 class SelfExactVerifier(ExactVerifier):
@@ -108,9 +137,9 @@ class SelfExactVerifier(ExactVerifier):
     new block: ``taken - 1``) go to :attr:`draft`, which proposes up to ``spec.gamma`` (default:
     the block length) steps."""
 
-    def __init__(self, cfg, spec, mask_id: int, seed: int, alternatives: int = 0):
+    def __init__(self, cfg, spec, mask_id: int, seed: int, alternatives: int | None = None):
         super().__init__(cfg, spec, mask_id, seed)
-        self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, alternatives)
+        self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, spec.speculation_width, alternatives)
 
     def request(self, layouts, rnd):
         fwd = super().request(layouts, rnd)

@@ -115,6 +115,8 @@ class SpecRow(RowProgram):
         self.mode = plan.spec.mode
         self.progress = (f"{self.mode} round", "committed no token")
         self.verifier = (verifier_class or dec.verifier_class)(plan.cfg, plan.spec, dec.mask_id, seed)
+        if dec.self_draft:  # the width policy weighs what the engine's target forwards cost
+            self.verifier.draft.policy.cost = row.costs.get("target")
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
@@ -246,11 +248,13 @@ class SpecRow(RowProgram):
         if verdict.valid is not None:  # exact: accepted where the deepest valid proposal differs from the block
             tree = rnd.layout[0]
             known = not isinstance(tree.proposed, torch.Tensor)
-            counts = [taken, acc] + ([] if known else [tree.proposed])
+            counts = [taken, acc, verdict.node] + ([] if known else [tree.proposed])
             host = self.read([new, verdict.valid, torch.stack(counts).to(new.dtype)], blk)
             block_host, valid, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
-            self.stats.proposed += tree.proposed if known else host[2 * L + 2]
+            self.stats.proposed += tree.proposed if known else host[2 * L + 3]
             accepted = {i for i in range(L) if valid[i] != rnd.host[i]}
+            if self.dec.self_draft:
+                self.verifier.draft.observe(tree, host[2 * L + 2])
         else:
             draft = rnd.draft
             host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)

@@ -30,16 +30,19 @@ class ProposalTree:
     """The nodes of one round (module doc).
 
     ``states``: ``(N, L)`` int64 on the target's device (node 0: the round's block);
-    ``parent``: ``N`` host ints (-1 for the root); ``depth``: ``N`` host ints (the root 0; a
-    node's step in the block is the round's step plus its parent's depth); ``copies``: ``N``
-    host bools, the node still has MASK (one verify copy, one target step); ``proposed``: the
-    tokens the proposals revealed (every node but the root), a host int or a 0-d device tensor.
+    ``parent``: ``N`` host ints (-1 for the root); ``depth``: ``N`` host ints (the root 0; the
+    target's step on a node is the round's step plus its depth); ``copies``: ``N`` host bools,
+    the node still has MASK (one verify copy, one target step); ``proposed``: the tokens the
+    proposals revealed (every node but the root), a host int or a 0-d device tensor; ``kind``:
+    ``N`` host ints, a node's rank among its siblings (0: the primary proposal, ``k``: the
+    ``k``-th alternative), or None.
     """
     states: torch.Tensor
     parent: list
     depth: list
     copies: list
     proposed: object
+    kind: list | None = None
 
     @property
     def nodes(self) -> int:

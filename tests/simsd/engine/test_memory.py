@@ -120,9 +120,10 @@ def test_cli_refuses_a_run_that_cannot_fit_before_loading(long_ck, capsys, monke
     # the suggested block length does fit (and one more does not)
     from simsd.engine.memory import shortfall
     from simsd.entrypoints.resources import RunShape, run_estimate
+    from simsd.entrypoints.run_modes import RUN_MODES
     cfg = ModelConfig.from_dir(long_ck)
     shape = RunShape({"target": (cfg, "float32", "cpu", True), "draft": (cfg, "float32", "cpu", True)}, [168], 64,
-                     4000, None, 1, ["exact"])
+                     4000, None, 1, [RUN_MODES["exact"]])
     assert shortfall(run_estimate(shape, block_length=best)) is None
     assert shortfall(run_estimate(shape, block_length=best + 1)) is not None
 
