@@ -46,6 +46,7 @@ def _rank(path, draft_path, out):
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
     res = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
            "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
+           "self": speculative_generate(t, "self", list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids,
            "kv_heads": t.model.new_cache(1, 4).k[0].shape[2]}
     from simsd import LLM, SamplingParams  # the Python API over the ranks: each rank shards its own target
     llm = LLM(str(path), str(draft_path), "exact", tp=world, dtype="float64", device="cpu", attention_backend="torch",
@@ -54,6 +55,10 @@ def _rank(path, draft_path, out):
     outs = llm.generate([list(range(1, 11)), list(range(3, 9))], SamplingParams(max_tokens=12))
     res["api_exact"] = outs[0].token_ids
     res["api_second"] = outs[1].token_ids
+    # self-speculation with the auto width: the ranks' trees depend on the tokens only (no timings)
+    llm = LLM(str(path), "self", "exact", tp=world, dtype="float64", device="cpu", attention_backend="torch",
+              batch_size=2)
+    res["api_self"] = llm.generate([list(range(1, 11))], SamplingParams(max_tokens=12))[0].token_ids
     Path(f"{out}.{rank}").write_text(json.dumps(res))
     shutdown()
 
@@ -65,7 +70,8 @@ def test_tp2_decoding_equals_single_process(tmp_path):
     cfg = DecodeConfig(block_length=4, strategy="static", max_new_tokens=12)
     want = {"vanilla": vanilla_generate(t.model, list(range(1, 11)), cfg, t.mask_token_id, []).token_ids,
             "exact": speculative_generate(t, d, list(range(1, 11)), cfg, SpecConfig(mode="exact")).token_ids}
-    want["api_exact"] = want["exact"]
+    want["api_exact"] = want["self"] = want["api_self"] = want["exact"]
+    assert want["exact"] == want["vanilla"]
     want["api_second"] = speculative_generate(t, d, list(range(3, 9)), cfg, SpecConfig(mode="exact")).token_ids
     spawn(_rank, 2, str(path), str(draft), str(tmp_path / "res"))
     for rank in range(2):

@@ -229,3 +229,20 @@ def test_alternatives_save_target_forwards_on_the_bundled_target():
             [r.token_ids for r in vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
                                                           target.stop_ids).results]
     assert forwards[1] < forwards[0], forwards
+
+
+def test_self_speculation_on_the_triton_kernels():
+    """The (interpreted, on a CPU) Triton backend: vanilla's tokens, greedy and sampled."""
+    pytest.importorskip("triton")
+    from simsd_kernels.backends import resolve_backend
+    t = ckpt("target")
+    try:
+        resolve_backend("triton", t.model.device)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    t.model.attention_backend = "triton"
+    for T in (0.0, 1.0):
+        cfg = cfg_for("static", T, seed=2, max_new_tokens=12)
+        got = speculative_generate(t, "self", PROMPTS[0], cfg, spec())
+        assert got.token_ids == vanilla_ids(t, PROMPTS[0], cfg), T
+        assert got.stats["proposed"] > 0
