@@ -246,3 +246,16 @@ def test_self_speculation_on_the_triton_kernels():
         got = speculative_generate(t, "self", PROMPTS[0], cfg, spec())
         assert got.token_ids == vanilla_ids(t, PROMPTS[0], cfg), T
         assert got.stats["proposed"] > 0
+
+
+def test_self_speculation_through_the_graph_runner(target, monkeypatch):
+    """The graph engine's static shapes (every row, query lengths rounded to blocks: the trees'
+    widths among them), with the CUDA capture replaced by eager replay: vanilla's tokens."""
+    import simsd.engine.graphs
+    monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.eager_capture)
+    monkeypatch.setattr(simsd.engine.graphs, "check_graphable", lambda model: None)
+    cfg = cfg_for("static", 1.0, seed=3)
+    want = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, []).results
+    got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec(), cuda_graphs=True)
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want]
+    assert sum(r.stats["accepted"] for r in got.results) > 0
