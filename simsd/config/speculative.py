@@ -57,12 +57,15 @@ def parse_draft(value, name: str = "draft"):
 def check_self_draft(settings) -> None:
     """:class:`ParamError` for settings that self-speculation has no use for or does not run
     (``settings``: a :class:`SpecConfig`, the engine's or a request's settings; fields it lacks
-    are not checked): paper mode (exact only, for now), optimistic drafting (there is no draft to
-    run ahead), the draft's own device, strategy or threshold (the proposals are the target's)."""
+    are not checked): vanilla mode, paper mode's release variant (it re-drafts the whole block
+    with a fresh schedule), optimistic drafting (there is no draft to run ahead), the draft's own
+    device, strategy or threshold (the proposals are the target's)."""
     mode = getattr(settings, "mode", "exact")
-    if mode != "exact":
-        raise ParamError("mode", f"{opt('draft', SELF_DRAFT)} runs in exact mode only ({opt('mode', 'exact')}); "
-                                 f"got {opt('mode', mode)}")
+    if mode not in ("exact", "paper"):
+        raise ParamError("mode", f"{opt('draft', SELF_DRAFT)} runs in exact or paper mode; got {opt('mode', mode)}")
+    if mode == "paper" and getattr(settings, "paper_variant", "described") != "described":
+        raise ParamError("paper_variant", f"{opt('draft', SELF_DRAFT)} runs paper mode as described (the release "
+                                          f"variant re-drafts the whole block with a fresh schedule)")
     for name in ("optimistic", "draft_device", "draft_strategy", "draft_threshold"):
         value = getattr(settings, name, None)
         if value is not None and value is not False:

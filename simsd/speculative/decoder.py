@@ -32,7 +32,7 @@ from ..config.vocabulary import SPECULATIVE
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
-from .self_draft import SelfExactVerifier
+from .self_draft import SelfExactVerifier, SelfPaperVerifier
 from .spec_row import SpecRow
 from .verifiers import PAPER_VERIFIERS, VERIFIERS
 
@@ -104,7 +104,7 @@ class SpeculativeDecoder:
         check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
         self.mask_id = target.mask_token_id
         if self.self_draft:
-            self.verifier_class = SelfExactVerifier
+            self.verifier_class = SelfPaperVerifier if spec.mode == "paper" else SelfExactVerifier
         else:
             self.verifier_class = PAPER_VERIFIERS[spec.paper_variant] if spec.mode == "paper" else VERIFIERS[spec.mode]
         self.plan = self.plan_for(cfg, spec)

@@ -21,9 +21,13 @@ import time
 
 import torch
 
+from simsd_kernels import TAU_INF
+
 from ..decoding.noise import NoiseKey, step_noise
+from ..decoding.sampling import filtered_probs
+from ..decoding.step import without_mask_token_
 from .tree import ProposalTree, step_candidates
-from .verifiers import ExactVerifier
+from .verifiers import ExactVerifier, PaperVerifier
 from .width import WidthPolicy
 
 
@@ -63,29 +67,53 @@ class SelfDraft:
         """The proposal tree of the round starting at ``block (L,)`` after ``block_step`` steps
         with ``masks`` MASK left: a chain of up to ``gamma`` steps (step ``block_step + d`` applied
         to the kept logits with that step's noise; ``key``: the row's block key), each step with
-        its alternatives as siblings. Without kept logits the tree is the block alone. The
-        ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: the nodes' MASK counts
-        are read in one host read after the tree is grown, and nodes that reveal nothing or hang
-        below a full state are dropped."""
+        its alternatives as siblings, the shape chosen by :attr:`policy`. Without kept logits the
+        tree is the block alone. The ``dynamic`` and ``entropy`` strategies reveal data-dependent
+        counts: the nodes' MASK counts are read in one host read after the tree is grown, and
+        nodes that reveal nothing or hang below a full state are dropped."""
         logits, self.logits = self.logits, None
         if logits is None or masks == 0:
             return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0])
+        per_step = self.per_step(block_step)
+        if self.alternatives is None:
+            depth, alternatives = self.policy.shape(masks, per_step, self.policy.rows())
+        else:
+            depth, alternatives = self.gamma, self.alternatives
         started = time.perf_counter()
-        tree = self._grow(logits, block, block_step, masks, key)
+        tree = self._grow(logits, block, block_step, masks, key, depth, alternatives, per_step)
         self.policy.proposing(time.perf_counter() - started, tree.nodes - 1)
         return tree
 
-    def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey) -> ProposalTree:
+    def chain(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey, draft_type, with_probs: bool):
+        """Paper mode's proposal: a chain of up to ``gamma`` steps from the kept logits (the
+        paper's layout verifies one chain) as a ``draft_type`` (:class:`~simsd.speculative.spec_row.Draft`:
+        the states before each step, the final state, the reveal steps and, for rejection
+        sampling (``with_probs``), the distribution each token was drawn from: the kept logits'
+        filtered one), or None without kept logits (the row takes a target step first)."""
+        logits, self.logits = self.logits, None
+        if logits is None or masks == 0:
+            return None
+        tree = self._grow(logits, block, block_step, masks, key, self.gamma, 0, self.per_step(block_step))
+        states = list(tree.states.unbind(0))
+        tau = torch.full_like(block, TAU_INF)
+        for c in range(1, len(states)):
+            tau.masked_fill_(states[c] != states[c - 1], c)
+        probs = filtered_probs(logits, self.cfg.sampling) if with_probs else None
+        return draft_type(states[:-1], states[-1], tau, probs, masks - tree.proposed, states[-1])
+
+    def per_step(self, block_step: int) -> list:
+        """Tokens each of the next ``gamma`` steps reveals (the schedule's; 1 where the strategy's
+        counts depend on the data)."""
+        known = self.cfg.strategy in ("sequential", "static")
+        return [self.cfg.tokens_for_step(block_step + d) if known else 1 for d in range(self.gamma)]
+
+    def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey, depth: int, alternatives: int,
+              per_step: list) -> ProposalTree:
         cfg = self.cfg
         known = cfg.strategy in ("sequential", "static")
-        per_step = [cfg.tokens_for_step(block_step + d) if known else 1 for d in range(self.gamma)]
-        if self.alternatives is None:
-            gamma, alternatives = self.policy.shape(masks, per_step, self.policy.rows())
-        else:
-            gamma, alternatives = self.gamma, self.alternatives
-        states, parent, depth, left, kind = [block], [-1], [0], [masks], [0]
+        states, parent, depths, left, kind = [block], [-1], [0], [masks], [0]
         spine = 0
-        for d in range(1, gamma + 1):
+        for d in range(1, depth + 1):
             if known and left[spine] == 0:
                 break
             index = block_step + d - 1
@@ -98,14 +126,14 @@ class SelfDraft:
             for c, st in enumerate(cands):
                 states.append(st)
                 parent.append(spine)
-                depth.append(d)
+                depths.append(d)
                 left.append(left[spine] - k if known else None)
                 kind.append(c)
             spine = first
         if not known:
-            states, parent, depth, left, kind = self._prune(states, parent, depth, kind)
+            states, parent, depths, left, kind = self._prune(states, parent, depths, kind)
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
-        return ProposalTree(torch.stack(states), parent, depth, [m > 0 for m in left], proposed, kind)
+        return ProposalTree(torch.stack(states), parent, depths, [m > 0 for m in left], proposed, kind)
 
     def _prune(self, states: list, parent: list, depth: list, kind: list) -> tuple:
         """The nodes whose step revealed something and whose parent had MASK, from one host read
@@ -150,4 +178,22 @@ class SelfExactVerifier(ExactVerifier):
         verdict = super().judge(rnd, out)
         rank = rnd.layout[1][4]  # each node's copy (a full valid node has none: its block is done)
         self.draft.keep(out[3].view(-1, *out[3].shape[-2:]), rank.index_select(0, verdict.node.view(1))[0])
+        return verdict
+
+
+class SelfPaperVerifier(PaperVerifier):
+    """Paper mode with the target's previous predictions as the draft (the SimSD paper's
+    self-speculative setting): a round verifies a chain proposed from the kept logits
+    (:meth:`SelfDraft.chain`) in the paper's ``[leftover | D | M]`` layout, and keeps its M slots'
+    logits (each position's prediction in the round's context) for the next round. A block's
+    first round has nothing to propose from: the row takes a target step that keeps its logits
+    (:meth:`~simsd.speculative.spec_row.SpecRow.self_step`)."""
+
+    def __init__(self, cfg, spec, mask_id: int, seed: int, alternatives: int | None = None):
+        super().__init__(cfg, spec, mask_id, seed)
+        self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, spec.speculation_width, 0)
+
+    def judge(self, rnd, logits):
+        verdict = super().judge(rnd, logits)
+        self.draft.logits = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)
         return verdict

@@ -155,7 +155,13 @@ class SpecRow(RowProgram):
         another device it overlaps the target's forward), read the verdict. Self-speculation
         proposes from the target's last verify logits instead, with no forward."""
         draft = self.take(blk)
-        if draft is None and self.dec.self_draft:
+        if draft is None and self.dec.self_draft and self.mode == "paper":
+            draft = self.verifier.draft.chain(blk.block, blk.step, blk.host.count(self.mask_id), self.key(blk.start),
+                                              Draft, not self.cfg.sampling.greedy)
+            if draft is None:  # nothing to propose from yet: a target step that keeps its logits
+                yield from self.self_step(blk)
+                return
+        elif draft is None and self.dec.self_draft:
             draft = self.verifier.draft.propose(blk.block, blk.step, blk.host.count(self.mask_id),
                                                 self.key(blk.start))
         elif draft is None:
@@ -181,6 +187,18 @@ class SpecRow(RowProgram):
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
         self.stats.fallback_steps += 1
+        blk.step += 1
+
+    def self_step(self, blk: BlockState):
+        """Paper mode's self-speculation at a round without kept logits: one target step (one host
+        read: its new block) whose logits the next round's proposal is drawn from; counted as a
+        round without proposals."""
+        before = blk.host
+        step = Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start), keep_logits=True)
+        blk.block, _, _, self.verifier.draft.logits = yield self.layouts.denoise("target", blk.block, step)
+        blk.host = self.read([blk.block], blk)
+        self.mark(before, blk.host)
+        self.stats.rounds += 1
         blk.step += 1
 
     def finish_block(self, blk: BlockState) -> None:

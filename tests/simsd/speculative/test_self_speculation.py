@@ -130,7 +130,7 @@ def test_bundled_target_speculates_on_itself_with_fewer_forwards():
 
 
 @pytest.mark.parametrize("spec,param", [
-    (dict(mode="paper"), "mode"),
+    (dict(mode="paper", paper_variant="release"), "paper_variant"),
     (dict(mode="exact", optimistic=True), "optimistic"),
     (dict(mode="exact", draft_strategy="sequential"), "draft_strategy"),
     (dict(mode="exact", draft_threshold=0.5), "draft_threshold"),
@@ -259,3 +259,21 @@ def test_self_speculation_through_the_graph_runner(target, monkeypatch):
     got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec(), cuda_graphs=True)
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want]
     assert sum(r.stats["accepted"] for r in got.results) > 0
+
+
+@pytest.mark.parametrize("T", [0.0, 1.0])
+def test_paper_mode_verifies_the_targets_previous_predictions(target, T):
+    """Paper mode with ``draft="self"`` (the paper's self-speculative setting): a block's first
+    round is a target step keeping its logits, later rounds verify a chain from the last round's
+    M-slot predictions in the paper's layout; proposals are accepted, no draft forward runs, and a
+    batch decodes each row as it decodes alone."""
+    cfg = cfg_for("static", T, seed=5)
+    sp = SpecConfig(mode="paper")
+    alone = [speculative_generate(target, "self", p, dataclasses.replace(cfg, seed=cfg.seed + i), sp)
+             for i, p in enumerate(PROMPTS)]
+    batch = speculative_generate_batch(target, "self", PROMPTS, cfg, sp)
+    assert [r.token_ids for r in batch.results] == [r.token_ids for r in alone]
+    assert sum(r.stats["accepted"] for r in alone) > 0
+    for r in alone:
+        assert r.stats["draft_forwards"] == 0 and len(r.token_ids) == cfg.max_new_tokens
+        assert r.stats["accepted"] + r.stats["target_tokens"] == r.stats["new_tokens"] + r.stats["cut_tokens"]
