@@ -9,7 +9,8 @@ bidirectional). Every row of the batch has the same cache length.
 
 Providers (a provider that cannot run is reported and skipped):
 * ``simsd-<name>``: every simsd backend available by name (``triton``, ``cuda`` once the
-  compiled extension exists), RoPE fused (q, k un-rotated). Only backends that pass: each
+  compiled extension exists), RoPE fused (q, k un-rotated): its door opened once for the case,
+  each launch one ``attend`` (a layer's call). Only backends that pass: each
   case's configuration goes through the backend's self-check first
   (:func:`simsd_kernels.backends.resolve_backend`), and with ``--check FILE`` (the rows of
   ``simsd check --json``) a backend with a failing row is not benchmarked at all;
@@ -155,8 +156,9 @@ def build_providers(names_filter, failed=None):
             q, k = c["args"][0], c["args"][1]
             config = backends.OpConfig("attention", q.dtype, q.shape[3], q.shape[2] // k.shape[2], int(c["mode"]))
             impl = backends.resolve_backend(name, q.device, config)  # raises if its self-check fails
-            a = c["args"]
-            return lambda: impl.attention(*a, c["mode"], 1e6, c["scale"])
+            q, k, v, kc, vc, lens, labels, pos = c["args"]
+            door = impl.open(q, k, kc, lens, labels, pos, mask_mode=c["mode"], rope_theta=1e6, softmax_scale=c["scale"])
+            return lambda: door.attend(q, k, v, kc, vc)  # a layer's call (the plan is made once per forward)
         provs[f"simsd-{name}"] = simsd
 
     def dense_inputs(c):

@@ -6,16 +6,17 @@
 * :func:`temporal_attention`: one call of the door without the cache write (tests, benchmarks,
   the transformers adapter).
 * :func:`append_kv`: the cache write alone, as the door's write (rotated k and v at
-  ``cache_seqlens[b] + i``) of the first ``num_tokens`` tokens.
+  ``cache_seqlens[b] + i``) of the first ``num_tokens`` tokens: :func:`prepare_append_kv
+  <simsd_kernels.prepare.prepare_append_kv>` then :meth:`AttentionMetadata.append_kv
+  <simsd_kernels.metadata.AttentionMetadata.append_kv>`.
 """
 from __future__ import annotations
 
 import torch
 
-from .backends import OpConfig, resolve_backend
 from .custom_ops import append_kv_op
 from .metadata import validate_attention_args
-from .prepare import prepare_attention
+from .prepare import prepare_append_kv, prepare_attention
 
 __all__ = ["prepare_attention", "temporal_attention", "append_kv", "validate_attention_args"]
 
@@ -83,24 +84,18 @@ def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta, n
     ``k, v (B, L, Hkv, D)``, ``positions (B, L) int64``, caches ``(B, Lmax, Hkv, D)``,
     ``cache_seqlens (B,) int32``: token i of row b goes to slot ``cache_seqlens[b] + i`` (slots
     ``>= Lmax`` are skipped). ``cache_seqlens`` is not advanced (the caller owns it).
-    ``num_tokens`` defaults to ``L``. The backend is resolved (and self-checked) for
-    ``("append_kv", dtype, head_dim)``; under ``torch.compile`` it runs as ``simsd::append_kv``.
+    ``num_tokens`` defaults to ``L``. One write of the door: the backend (``auto | cuda | triton
+    | torch``) is resolved (and self-checked) for ``("append_kv", dtype, head_dim)`` and its door
+    writes; under ``torch.compile`` it runs as ``simsd::append_kv``.
 
     Raises:
-        ValueError: shapes/dtypes do not fit, or ``num_tokens`` outside ``[0, L]``.
+        ValueError: shapes/dtypes/devices do not fit (named), ``num_tokens`` outside ``[0, L]``, a
+            backend that cannot run the write.
     """
-    B, L, Hkv, D = k.shape
-    if num_tokens is None:
-        num_tokens = L
-    if not 0 <= num_tokens <= L:
-        raise ValueError(f"num_tokens must be in [0, {L}], got {num_tokens}")
-    if v.shape != k.shape or k_cache.shape[0] != B or k_cache.shape[2:] != (Hkv, D):
-        raise ValueError(f"append_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)} do not "
-                         f"fit")
-    if positions.shape != (B, L):
-        raise ValueError(f"positions must be (B={B}, L={L}), got {tuple(positions.shape)}")
+    num_tokens = k.shape[1] if num_tokens is None else int(num_tokens)
     if torch.compiler.is_compiling():
-        append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens), backend)
+        append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), num_tokens, backend)
         return
-    impl = resolve_backend(backend, k.device, OpConfig("append_kv", k.dtype, D))
-    impl.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), int(num_tokens))
+    door = prepare_append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta=rope_theta,
+                             num_tokens=num_tokens, backend=backend)
+    door.append_kv(k, v, k_cache, v_cache, num_tokens)

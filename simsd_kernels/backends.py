@@ -1,14 +1,17 @@
-"""One backend chooser for the simsd attention ops: ``auto | cuda | triton | torch``.
+"""The attention backends by name, and the one chooser: ``auto | cuda | triton | torch``.
 
-``SIMSD_ATTENTION_BACKEND`` overrides the ``auto`` choice (and then counts as an explicit
-request). Backends register themselves lazily (``triton`` and ``cuda`` import their compilers
-only when first used); :func:`register_backend` adds more (tests register deliberately wrong
-ones).
+A backend is its door class, a subclass of :class:`~simsd_kernels.metadata.AttentionMetadata`
+(:class:`~simsd_kernels.torch_backend.TorchAttention`, ``TritonAttention``, ``CudaAttention``): the
+class declares its name, supported set, availability and the devices ``auto`` may choose it on.
+``triton`` and ``cuda`` are imported on first use (they import their compilers);
+:func:`register_backend` adds more (tests register deliberately wrong ones).
+``SIMSD_ATTENTION_BACKEND`` overrides the ``auto`` choice (and then counts as an explicit request).
 
 Trust (docs/design.md §5): a compiled backend proves itself before it is used. The first time a
 backend would run a configuration :class:`OpConfig` ``(op, dtype, head_dim, GQA group,
-mask_mode)`` on a device, :func:`simsd_kernels.selfcheck.run_check` compares it on that device
-with the torch reference on a small case of that configuration (a few ms, once per process).
+mask_mode)`` on a device, :func:`simsd_kernels.selfcheck.run_check` opens its door on that device
+and compares it with the torch reference on small cases of that configuration (a few ms, once per
+process). The torch backend is the reference and is never checked.
 
 * ``auto``: tries ``cuda``, then ``triton`` (on CUDA devices; the Triton interpreter on the CPU
   is a testing tool, never an automatic choice), then the ``torch`` reference. A backend that
@@ -22,7 +25,8 @@ with the torch reference on a small case of that configuration (a few ms, once p
 * ``SIMSD_TRUST_BACKENDS=1`` skips the checks.
 
 Resolutions are cached per (request, device, configuration), so the eager per-call cost is a
-dictionary lookup; availability is cached per (backend, device).
+dictionary lookup; availability per (backend, device) and self-check verdicts per (backend,
+device, configuration).
 """
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ import importlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
+
+from .metadata import AttentionMetadata
+from .torch_backend import TorchAttention
 
 log = logging.getLogger("simsd_kernels")
 
@@ -69,83 +75,37 @@ class OpConfig(NamedTuple):
         return f"{self.op} {dt} head_dim={self.head_dim}"
 
 
-def _supports_everything(dtype, head_dim) -> tuple:
-    return True, ""
-
-
-def supports_listed(dtype, head_dim, dtypes: tuple, head_dims: tuple) -> tuple:
-    """``(ok, reason)`` for a kernel built for the listed ``dtypes`` and ``head_dims`` only
-    (the reason names the value that is not listed)."""
-    if dtype not in dtypes:
-        return False, f"dtype {dtype} is not one of {dtypes}"
-    if head_dim not in head_dims:
-        return False, f"head_dim {head_dim} is not one of {head_dims}"
-    return True, ""
-
-
-@dataclass
-class Backend:
-    """An implementation of the two ops.
-
-    ``attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
-    rope_theta, softmax_scale)`` and ``append_kv(k, v, positions, k_cache, v_cache,
-    cache_seqlens, rope_theta, num_tokens)`` as in :mod:`simsd_kernels.api`;
-    ``is_available(device) -> (ok, reason)``; ``supports(dtype, head_dim) -> (ok, reason)``;
-    ``auto_devices``: device types on which ``auto`` may choose it; ``self_check``: whether it
-    must pass :func:`simsd_kernels.selfcheck.run_check` before use (not the reference itself);
-    ``plan_options``: whether ``attention`` also takes the launch-plan keywords ``num_splits``
-    (0 = its own plan, n = n splits merged) and ``shape_invariant`` (the fused kernels), so the
-    self-check can force a split-KV plan and the invariant one; ``kvcache``: the backend's door
-    (:mod:`simsd_kernels.metadata`), a subclass of
-    :class:`~simsd_kernels.metadata.AttentionMetadata` built once per forward (it plans there),
-    whose ``forward(q, k, v, k_cache, v_cache)`` every layer calls (RoPE once, the rotated k and v
-    written, attention: the backend's kernels launched directly) and ``attend`` the same without
-    the write; None: :class:`~simsd_kernels.metadata.ComposedAttention` (``attention`` then
-    ``append_kv`` of all new tokens).
-    """
-    name: str
-    attention: Callable
-    append_kv: Callable
-    is_available: Callable[[torch.device], tuple]
-    supports: Callable[[torch.dtype, int], tuple] = field(default=_supports_everything)
-    auto_devices: tuple = ("cuda",)
-    self_check: bool = True
-    plan_options: bool = False
-    kvcache: Callable | None = None
-
-
-def _torch_backend() -> Backend:
-    from .torch_backend import TorchAttention, append_kv_torch, temporal_attention_torch
-    return Backend("torch", temporal_attention_torch, append_kv_torch, lambda device: (True, ""),
-                   auto_devices=(), self_check=False, kvcache=TorchAttention)
-
-
-# name -> "module:factory"; each factory returns a Backend (imported on first use)
+# name -> "module:class", imported on first use
 _LAZY = {
-    "cuda": "simsd_kernels.cuda_backend:make_backend",
-    "triton": "simsd_kernels.triton_backend:make_backend",
+    "cuda": "simsd_kernels.cuda_backend:CudaAttention",
+    "triton": "simsd_kernels.triton_backend:TritonAttention",
 }
 _AUTO_ORDER = ["cuda", "triton"]  # then the torch reference
-_CACHE: dict = {"torch": _torch_backend()}
+_CACHE: dict = {"torch": TorchAttention}  # name -> door class (None: failed to import)
 _AVAILABLE: dict = {}   # (name, device) -> (ok, reason)
 _VERDICTS: dict = {}    # (name, device, OpConfig) -> (ok, detail)
-_RESOLVED: dict = {}    # (requested, env, trust, device, OpConfig | None) -> Backend
-_WARNED: set = set()
-_LOGGED: set = set()
+_RESOLVED: dict = {}    # (requested, env, trust, device, OpConfig | None) -> door class
+_TOLD: set = set()      # the fallbacks warned or logged once
 
 
 def reset() -> None:
     """Forget availability, self-check verdicts, resolutions and warnings (tests)."""
     for d in (_AVAILABLE, _VERDICTS, _RESOLVED):
         d.clear()
-    _WARNED.clear()
-    _LOGGED.clear()
+    _TOLD.clear()
 
 
-def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
-    """Add (or replace) ``backend`` under ``backend.name``; ``auto_rank``: its index in the
-    ``auto`` order (None: only reachable by name). Resets the caches."""
-    if backend.name in ("auto", "torch"):
+def register_backend(backend: type, *, auto_rank: int | None = None) -> None:
+    """Add (or replace) the door class ``backend`` (a subclass of
+    :class:`~simsd_kernels.metadata.AttentionMetadata`) under ``backend.name``; ``auto_rank``: its
+    index in the ``auto`` order (None: only reachable by name). Resets the caches.
+
+    Raises:
+        ValueError: not a door class, or the name ``auto`` or ``torch``.
+    """
+    if not (isinstance(backend, type) and issubclass(backend, AttentionMetadata)):
+        raise ValueError(f"a backend is a subclass of AttentionMetadata, got {backend!r}")
+    if backend.name in ("auto", "torch", ""):
         raise ValueError(f"cannot register a backend named {backend.name!r}")
     _CACHE[backend.name] = backend
     if backend.name in _AUTO_ORDER:
@@ -169,16 +129,16 @@ def backend_names() -> tuple:
     return BACKEND_NAMES + extra
 
 
-def get_backend(name: str) -> Backend | None:
-    """The Backend object for ``name`` or None when its module is missing or fails to import."""
+def get_backend(name: str) -> type | None:
+    """The door class of backend ``name``, or None when its module is missing or fails to import."""
     if name in _CACHE:
         return _CACHE[name]
     spec = _LAZY.get(name)
     backend = None
     if spec is not None:
-        module, factory = spec.split(":")
+        module, cls = spec.split(":")
         try:
-            backend = getattr(importlib.import_module(module), factory)()
+            backend = getattr(importlib.import_module(module), cls)
         except (ImportError, AttributeError, OSError, RuntimeError) as exc:
             log.debug("simsd backend %s unavailable: %s", name, exc)
             backend = None
@@ -202,14 +162,15 @@ def trusted() -> bool:
     return os.environ.get(TRUST_ENV_VAR, "").strip() == "1"
 
 
-def verdict(backend: Backend, device: torch.device, config: OpConfig) -> tuple:
-    """``(ok, detail)`` of ``backend``'s self-check for ``config`` on ``device`` (run once).
+def verdict(backend: type, device: torch.device, config: OpConfig) -> tuple:
+    """``(ok, detail)`` of ``backend``'s self-check for ``config`` on ``device`` (run once; the
+    torch reference is not checked).
 
     Raises:
         RuntimeError: the check has not run yet and the current CUDA stream is capturing a
             graph (run the op once eagerly before capturing).
     """
-    if not backend.self_check or trusted():
+    if backend is TorchAttention or trusted():
         return True, "not checked"
     key = (backend.name, device, config)
     hit = _VERDICTS.get(key)
@@ -237,7 +198,7 @@ def _requested_name(requested: str) -> str:
     return requested
 
 
-def _explicit(name: str, device: torch.device, config: OpConfig | None) -> Backend:
+def _explicit(name: str, device: torch.device, config: OpConfig | None) -> type:
     backend = get_backend(name)
     if backend is None:
         raise ValueError(f"attention backend {name!r} is not installed or failed to import")
@@ -255,7 +216,7 @@ def _explicit(name: str, device: torch.device, config: OpConfig | None) -> Backe
     return backend
 
 
-def _auto(device: torch.device, config: OpConfig | None) -> Backend:
+def _auto(device: torch.device, config: OpConfig | None) -> type:
     skipped = []
     for name in list(_AUTO_ORDER):
         backend = get_backend(name)
@@ -266,8 +227,8 @@ def _auto(device: torch.device, config: OpConfig | None) -> Backend:
             ok, why = backend.supports(config.dtype, config.head_dim)
             if ok:
                 ok, why = verdict(backend, device, config)
-                if not ok and (name, device, config) not in _WARNED:
-                    _WARNED.add((name, device, config))
+                if not ok and (name, device, config) not in _TOLD:
+                    _TOLD.add((name, device, config))
                     warnings.warn(f"simsd: attention backend {name!r} failed its self-check on {device} for "
                                   f"{config.describe()}: {why}; using the next backend", BackendCheckWarning,
                                   stacklevel=4)
@@ -276,15 +237,16 @@ def _auto(device: torch.device, config: OpConfig | None) -> Backend:
         skipped.append(f"{name}: {why}")
     if device.type == "cuda":
         what = config.describe() if config is not None else "these inputs"
-        if (device, config) not in _LOGGED:
-            _LOGGED.add((device, config))
+        if (device, config) not in _TOLD:
+            _TOLD.add((device, config))
             log.warning("simsd: no fused attention backend for %s on %s (%s), using the torch reference",
                         what, device, "; ".join(skipped) or "none registered")
-    return _CACHE["torch"]
+    return TorchAttention
 
 
-def resolve_backend(requested: str, device: torch.device, config: OpConfig | None = None) -> Backend:
-    """Return the backend to run on ``device``.
+def resolve_backend(requested: str, device: torch.device, config: OpConfig | None = None) -> type:
+    """The backend (its door class) to run on ``device``: ``requested`` (``auto`` or a name of
+    :func:`backend_names`) resolved.
 
     ``config`` (the op, dtype, head_dim, GQA group and mask mode at hand) makes the choice
     shape-aware and self-checked, see the module docstring; without it only availability is

@@ -26,7 +26,8 @@ the torch backend's error + a dtype floor (:mod:`simsd_kernels.selfcheck`), NaN,
 or an exception; ``refused``: an unsupported shape rejected cleanly), ``max_err`` against
 float64, ``us`` (median microseconds of the backend call: CUDA events on a GPU after a warm-up
 call, wall clock on the CPU counting the checked call), and for ``auto`` the backend it resolved
-to. ``--json``: one JSON object per row on stdout, written as each row is produced; the table
+to. A row opens the backend's door for the call and runs its ``attend`` (the timed call includes
+opening it). ``--json``: one JSON object per row on stdout, written as each row is produced; the table
 then goes to stderr (``--quiet``: only the per-backend summary and the failures). Exit status 1
 when a row fails.
 
@@ -207,7 +208,7 @@ def run_task(task, device_str: str, reps: int | None) -> list:
 
     from .backends import OpConfig, get_backend, resolve_backend
     from .mask_rule import parse_mask_mode
-    from .selfcheck import LONG_LQ, LQ, THETA, attention_case, judge, reference
+    from .selfcheck import LONG_LQ, LQ, attend_once, attention_case, judge, reference
     name, dtype_name, head_dim, mode_name, group, caches = task
     device = torch.device(device_str)
     dtype = getattr(torch, dtype_name)
@@ -238,7 +239,7 @@ def run_task(task, device_str: str, reps: int | None) -> list:
                 clean, poisoned = attention_case(device, dtype, head_dim, group, mode, lens, capacity,
                                                 Lq=LONG_LQ if long else LQ)
                 scale = head_dim ** -0.5
-                call = lambda: impl.attention(*poisoned, mode, THETA, scale)  # noqa: E731
+                call = lambda: attend_once(impl, poisoned, mode, scale)  # noqa: E731  (the door opened, attend)
                 if not supported:
                     try:
                         call()

@@ -7,7 +7,9 @@ Triton or CUDA launch code) and gives them fake (meta) implementations, so compi
 CUDA-graph capture see the output shape without running a kernel. Eager code calls the door
 directly (no custom-op dispatch per layer); a compiled graph calls these ops, which run the door
 eagerly: the backend is chosen by name (``auto | cuda | triton | torch``) and the configuration at
-hand with :func:`simsd_kernels.backends.resolve_backend` (cached; self-checked on first use).
+hand with :func:`simsd_kernels.backends.resolve_backend` (cached; self-checked on first use) and
+its door opened (:func:`~simsd_kernels.prepare.prepare_attention`,
+:func:`~simsd_kernels.prepare.prepare_append_kv`).
 
 Schemas (shapes as in :func:`simsd_kernels.temporal_attention`)::
 
@@ -24,8 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .backends import OpConfig, resolve_backend
-from .prepare import prepare_attention
+from .prepare import prepare_append_kv, prepare_attention
 
 
 def _prepared(q, k, k_cache, cache_seqlens, labels, positions, mask_mode, rope_theta, softmax_scale, backend,
@@ -71,8 +72,9 @@ def _attention_with_kvcache_fake(q, k, v, k_cache, v_cache, cache_seqlens, label
 @torch.library.custom_op("simsd::append_kv", mutates_args=("k_cache", "v_cache"))
 def append_kv_op(k: Tensor, v: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
                  cache_seqlens: Tensor, rope_theta: float, num_tokens: int, backend: str) -> None:
-    impl = resolve_backend(backend, k.device, OpConfig("append_kv", k.dtype, k.shape[3]))
-    impl.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
+    door = prepare_append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta=rope_theta,
+                             num_tokens=num_tokens, backend=backend)
+    door.append_kv(k, v, k_cache, v_cache, num_tokens)
 
 
 @append_kv_op.register_fake

@@ -108,10 +108,10 @@ def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tenso
 def triton_availability(device) -> tuple:
     """``(ok, reason)`` of the Triton kernels on ``device`` (the attention backend's rule)."""
     try:
-        from .triton_backend import is_available
+        from .triton_backend import TritonAttention
     except ImportError as exc:
         return False, f"triton does not import: {exc}"
-    return is_available(device)
+    return TritonAttention.is_available(device)
 
 
 def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:

@@ -1,22 +1,28 @@
-"""``prepare_attention``: one forward's inputs validated, the backend resolved, its door opened.
+"""Opening a door: one forward's (or one cache write's) inputs validated, the backend resolved, its
+door opened.
 
-The door itself, :class:`~simsd_kernels.metadata.AttentionMetadata` and the backends' subclasses,
-is :mod:`simsd_kernels.metadata` (which imports no backend, so the backends can build on it).
+* :func:`prepare_attention`: the door of one forward (:class:`~simsd_kernels.metadata.AttentionMetadata`).
+* :func:`prepare_append_kv`: the door of one cache write (:func:`simsd_kernels.append_kv`).
+
+The door classes are the backends (:mod:`simsd_kernels.metadata` and the backends' modules);
+:mod:`simsd_kernels.backends` resolves a name to one.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from .backends import OpConfig, resolve_backend
 from .mask_rule import parse_mask_mode
-from .metadata import _FLOAT_DTYPES, AttentionMetadata, open_door, validate_forward_inputs
+from .metadata import _FLOAT_DTYPES, AttentionMetadata, TracedAttention, validate_append_args, validate_forward_inputs
 
 
 def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, cache_capacity: int, mask_mode, rope_theta: float,
                       softmax_scale: float | None = None, backend: str = "auto",
                       shape_invariant: bool = False) -> AttentionMetadata:
-    """Validate one forward's inputs, resolve the backend and let it plan the forward.
+    """Validate one forward's inputs, resolve the backend and open its door (which plans the forward).
 
     Args:
         cache_seqlens: ``(B,)`` int32, row ``b`` holds ``[0, cache_seqlens[b])`` (on the device).
@@ -37,6 +43,10 @@ def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_k
         ValueError: an input that does not fit (named), an unknown mask mode, a GQA ratio that
             does not divide, an odd head_dim, a backend that cannot run the configuration
             (:class:`~simsd_kernels.backends.BackendCheckError` for a failed self-check).
+
+    Returns:
+        the resolved backend's door (an instance of its :class:`AttentionMetadata` subclass;
+        :class:`~simsd_kernels.metadata.TracedAttention` while ``torch.compile`` traces).
     """
     mode = parse_mask_mode(mask_mode)
     validate_forward_inputs(cache_seqlens, labels, positions)
@@ -47,10 +57,27 @@ def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_k
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {head_dim}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if torch.compiler.is_compiling():  # resolved inside the custom op when it runs
-        impl = backend
+    if torch.compiler.is_compiling():  # resolved inside the custom ops when they run
+        door = partial(TracedAttention, backend)
     else:
-        config = OpConfig("attention", dtype, head_dim, num_heads // num_kv_heads, int(mode))
-        impl = resolve_backend(backend, labels.device, config)
-    return open_door(impl, cache_seqlens, labels, positions, mode, float(rope_theta), scale, bool(shape_invariant),
-                     num_heads, num_kv_heads, head_dim, dtype, int(cache_capacity))
+        door = resolve_backend(backend, labels.device, OpConfig("attention", dtype, head_dim, num_heads // num_kv_heads,
+                                                                 int(mode)))
+    return door(cache_seqlens, labels, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                dtype=dtype, cache_capacity=int(cache_capacity), mask_mode=mode, rope_theta=float(rope_theta),
+                softmax_scale=scale, shape_invariant=bool(shape_invariant))
+
+def prepare_append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta: float, num_tokens: int,
+                      backend: str = "auto") -> AttentionMetadata:
+    """Validate one cache write's inputs (shapes as :func:`simsd_kernels.append_kv`), resolve the
+    backend for ``("append_kv", dtype, head_dim)`` (self-check included) and open its door for the
+    write (:meth:`~simsd_kernels.metadata.AttentionMetadata.open_write`; then ``door.append_kv(k,
+    v, k_cache, v_cache, num_tokens)``).
+
+    Raises:
+        ValueError: an input that does not fit (named), ``num_tokens`` outside ``[0, L]``, a backend
+            that cannot run the write (:class:`~simsd_kernels.backends.BackendCheckError` for a
+            failed self-check).
+    """
+    validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens)
+    impl = resolve_backend(backend, k.device, OpConfig("append_kv", k.dtype, k.shape[3]))
+    return impl.open_write(k, k_cache, cache_seqlens, positions, rope_theta=rope_theta)

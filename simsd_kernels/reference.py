@@ -43,7 +43,7 @@ def temporal_attention_dense(q, k, v, k_cache, v_cache, cache_seqlens, labels, p
                              mask_mode, rope_theta, softmax_scale):
     """SDPA with a dense boolean mask over the whole query and every new token, one call per
     distinct cache length (rows of equal length share it). Same results as
-    :func:`simsd_kernels.torch_backend.temporal_attention_torch` up to rounding, but a token's bits
+    :class:`simsd_kernels.torch_backend.TorchAttention` (the torch backend) up to rounding, but a token's bits
     depend on the shape of the forward (the other query tokens, the padding): kept as a baseline and for measuring
     the cost of the grouped reference."""
     lengths = cache_seqlens.tolist()

@@ -1,17 +1,18 @@
 """Self-check of a backend against the references, on the device at hand (docs/design.md §5).
 
-:func:`run_check` runs small cases of one configuration (:class:`~simsd_kernels.backends.OpConfig`)
-through a backend and compares them with the float64 reference on the same device. The
-tolerance is flash-attention's, on two statistics: the backend's max and mean absolute errors may
-each be at most twice those of the torch reference (SDPA) at the same dtype, plus a dtype floor
-(:data:`ERR_FLOOR`, :data:`MEAN_ERR_FLOOR`). The max alone lets a systematic error hide under
+:func:`run_check` opens a backend's door (the class, a subclass of
+:class:`~simsd_kernels.metadata.AttentionMetadata`) on small cases of one configuration
+(:class:`~simsd_kernels.backends.OpConfig`) and compares it with the float64 reference on the same
+device. The tolerance is flash-attention's, on two statistics: the backend's max and mean
+absolute errors may each be at most twice those of the torch reference (SDPA) at the same dtype,
+plus a dtype floor (:data:`ERR_FLOOR`, :data:`MEAN_ERR_FLOOR`). The max alone lets a systematic error hide under
 bfloat16's rounding of the largest outputs (a softmax scale 1% off reaches 0.6-0.9 of it); the
 mean catches it (tests/kernels/test_backend_selfcheck.py keeps a 1% scale and a 0.1% RoPE-angle
 error failing in bfloat16). The backend gets caches whose unread slots hold NaN and must return
-finite values of the right shape and dtype; ``append_kv`` must write exactly its slots (v
-bit-exact). A backend with its own door (``Backend.kvcache``: the write-then-attend path the model
-runs) runs each case through it too: the same output bound, and exactly the new tokens' slots
-written (v bit-exact, k rotated within the bound).
+finite values of the right shape and dtype. Each case runs through the door's ``attend`` (what
+:func:`simsd_kernels.temporal_attention` runs) and its ``forward`` (the write-then-attend path the
+model runs: the same output bound, and exactly the new tokens' slots written, v bit-exact, k rotated
+within the bound); ``append_kv`` (the ``"append_kv"`` op) must write exactly its slots.
 
 Cases (:data:`CASES`, the same on every device): an empty and a short cache row (the backend's own
 plan); a row of 300 keys beside an empty one under a forced 3-way split-KV plan (partials + merge;
@@ -19,8 +20,8 @@ the empty row has one active split and writes directly); and a query of 70 new t
 new-key tiles) over 100 cached keys under the shape-invariant plan (the one exact verification
 uses: the 64-row query tile, the largest); its labels leave a new-key tile that the first query
 tile may not see (the kernels skip it) in every mask mode but ``bidirectional`` (where every token
-sees every other; :func:`skipped_tiles`). Forced plans reach backends that take them
-(``Backend.plan_options``); others run their own plan.
+sees every other; :func:`skipped_tiles`). A forced split count reaches backends that take one
+(``plan_options``); others run their own plan.
 
 :mod:`simsd_kernels.backends` calls it once per process and configuration;
 :mod:`simsd_kernels.check` (``simsd check``) runs it over a grid and prints the table.
@@ -34,10 +35,9 @@ from typing import NamedTuple
 import torch
 
 from .mask_rule import KIND_DRAFT, KIND_KNOWN, KIND_MASK, SHARED_GRP, TAU_INF, MaskMode, dense_new_token_mask
-from .metadata import open_door
 from .reference import temporal_attention_naive
 from .rope import apply_rope
-from .torch_backend import temporal_attention_torch
+from .torch_backend import TorchAttention
 
 #: max-error floor per dtype, added to 2x the max error of plain PyTorch at the same dtype
 ERR_FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
@@ -54,8 +54,8 @@ LONG_LQ = 70
 class Case:
     """One attention case of the self-check: ``cache_lens`` of the rows, the cache ``capacity``,
     ``q_len`` new tokens, ``kv_heads`` (Hq = kv_heads * the configuration's group), and the launch
-    ``plans`` (keyword arguments ``num_splits`` / ``shape_invariant`` of a backend with
-    ``plan_options``) it runs under."""
+    ``plans`` it runs under (keyword arguments of the door: ``shape_invariant``, and ``num_splits``
+    for a backend with ``plan_options``)."""
     cache_lens: tuple
     capacity: int
     q_len: int = LQ
@@ -166,12 +166,21 @@ def mean_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.to(torch.float64) - b.to(torch.float64)).abs().mean().item() if a.numel() else 0.0
 
 
+def attend_once(backend, args, mask_mode, scale, **plan):
+    """``backend``'s door (a door class) opened for the 8 tensors ``args`` of one call and run
+    without a cache write: ``(B, Lq, Hq, D)``, contiguous. ``plan``: ``shape_invariant``,
+    ``num_splits``."""
+    q, k, v, kc, vc, lens, labels, pos = args
+    door = backend.open(q, k, kc, lens, labels, pos, mask_mode=mask_mode, rope_theta=THETA, softmax_scale=scale, **plan)
+    return door.attend(q, k, v, kc, vc).contiguous()
+
+
 def reference(clean, mask_mode, scale):
     """``(ref, baseline)``: the float64 reference of the case and the torch backend's errors
     (:class:`Baseline`)."""
     f64 = [t.to(torch.float64) if t.is_floating_point() else t for t in clean]
     ref = temporal_attention_naive(*f64, int(mask_mode), THETA, scale)
-    out = temporal_attention_torch(*clean, int(mask_mode), THETA, scale)
+    out = attend_once(TorchAttention, clean, int(mask_mode), scale)
     return ref, Baseline(max_err(out, ref), mean_err(out, ref))
 
 
@@ -210,42 +219,40 @@ def skipped_tiles(labels: torch.Tensor, mask_mode, group: int, block_m: int, blo
 
 def check_attention_case(backend, device, dtype, head_dim, group, mask_mode, case: Case,
                          seed: int = 0) -> CheckResult:
-    """One attention case of ``backend`` against float64 (and the torch backend's errors), under
-    each of the case's plans when the backend takes plans (``plan_options``), else its own plan;
-    the worst result, or the first failure."""
+    """One attention case of ``backend`` (a door class) against float64 (and the torch backend's
+    errors): under each of the case's plans (``num_splits`` only for a backend with
+    ``plan_options``) the door is opened, its ``attend`` judged, then its ``forward`` on copies of
+    the caches (:func:`check_forward`); the worst result, or the first failure."""
     clean, poisoned = attention_case(device, dtype, head_dim, group, mask_mode, case.cache_lens, case.capacity,
                                      Lq=case.q_len, Hkv=case.kv_heads, seed=seed)
     scale = head_dim ** -0.5
     ref, baseline = reference(clean, mask_mode, scale)
+    q, k, v, kc, vc, lens, labels, pos = poisoned
     worst = None
-    for plan in (case.plans if getattr(backend, "plan_options", False) else ({},)):
-        out = backend.attention(*poisoned, int(mask_mode), THETA, scale, **plan)
-        res = judge(out, clean, ref, baseline, case.cache_lens)
+    for plan in case.plans:
+        plan = plan if backend.plan_options else {n: x for n, x in plan.items() if n != "num_splits"}
+        door = backend.open(q, k, kc, lens, labels, pos, mask_mode=int(mask_mode), rope_theta=THETA,
+                            softmax_scale=scale, **plan)
+        res = judge(door.attend(q, k, v, kc, vc), clean, ref, baseline, case.cache_lens)
+        if res.ok:
+            fwd = check_forward(door, poisoned, clean, ref, baseline, case.cache_lens)
+            res = fwd if not fwd.ok or fwd.max_err > res.max_err else res
         if not res.ok:
             if plan:
-                res.detail += " (plan: " + ", ".join(f"{k}={v}" for k, v in plan.items()) + ")"
+                res.detail += " (plan: " + ", ".join(f"{n}={x}" for n, x in plan.items()) + ")"
             return res
         worst = res if worst is None or res.max_err > worst.max_err else worst
-    if getattr(backend, "kvcache", None) is not None:
-        res = check_door(backend, clean, poisoned, mask_mode, scale, ref, baseline, case.cache_lens,
-                         any(p.get("shape_invariant") for p in case.plans))
-        if not res.ok:
-            return res
-        worst = res if res.max_err > worst.max_err else worst
     return worst
 
 
-def check_door(backend, clean, poisoned, mask_mode, scale, ref, baseline: Baseline, cache_lens,
-               invariant: bool) -> CheckResult:
-    """The backend's door (``Backend.kvcache``, the path the model runs) on one case: its output
-    judged as the attention's, then the cache: the rotated k and v of every new token at
+def check_forward(door, poisoned, clean, ref, baseline: Baseline, cache_lens) -> CheckResult:
+    """The door's ``forward`` (the path the model runs) on one case, on copies of the caches: its
+    output judged as the attention's, then the cache: the rotated k and v of every new token at
     ``cache_seqlens[b] + i`` below the capacity (v exact, k within 2x the torch error + the floor),
     nothing else written."""
     q, k, v, kc, vc, seqlens, labels, positions = poisoned
     kc, vc = kc.clone(), vc.clone()
-    B, Lq, Hq, D = q.shape
-    door = open_door(backend, seqlens, labels, positions, MaskMode(int(mask_mode)), THETA, scale, invariant, Hq,
-                     k.shape[2], D, q.dtype, kc.shape[1])
+    B, Lq = q.shape[:2]
     out = door.forward(q, k, v, kc, vc)
     res = judge(out, clean, ref, baseline, cache_lens)
     if not res.ok:
@@ -274,8 +281,9 @@ def check_door(backend, clean, poisoned, mask_mode, scale, ref, baseline: Baseli
 
 
 def check_append_kv(backend, device, dtype, head_dim, seed: int = 0) -> CheckResult:
-    """``append_kv`` of 7 of 9 tokens into rows of lengths 0, 5 and 41 (capacity 48: the last
-    row fills it): v exact, k within 2x the torch error + the floor, nothing else written."""
+    """The door's ``append_kv`` (:meth:`~simsd_kernels.metadata.AttentionMetadata.open_write`) of 7
+    of 9 tokens into rows of lengths 0, 5 and 41 (capacity 48: the last row fills it): v exact, k
+    within 2x the torch error + the floor, nothing else written."""
     gen = torch.Generator().manual_seed(seed)
     lens, L, n, cap = (0, 5, 41), 9, 7, 48
     B = len(lens)
@@ -285,7 +293,7 @@ def check_append_kv(backend, device, dtype, head_dim, seed: int = 0) -> CheckRes
     positions = (torch.tensor(lens)[:, None] + torch.arange(L)[None] + 3).to(device)
     nan = torch.full((B, cap, HKV, head_dim), float("nan"), dtype=dtype, device=device)
     kc, vc = nan.clone(), nan.clone()
-    backend.append_kv(k, v, positions, kc, vc, seqlens, THETA, n)
+    backend.open_write(k, kc, seqlens, positions, rope_theta=THETA).append_kv(k, v, kc, vc, n)
     written = torch.zeros(B, cap, dtype=torch.bool)
     for b, c in enumerate(lens):
         written[b, c:min(c + n, cap)] = True
@@ -308,7 +316,8 @@ def check_append_kv(backend, device, dtype, head_dim, seed: int = 0) -> CheckRes
 
 
 def run_check(backend, device, config) -> CheckResult:
-    """Check ``backend`` for ``config`` on ``device`` (every case); an exception is a failure.
+    """Check ``backend`` (a door class) for ``config`` on ``device`` (every case); an exception is a
+    failure.
 
     Runs under ``torch.no_grad`` with ``device`` as the current CUDA device."""
     device = torch.device(device)

@@ -1,6 +1,8 @@
-"""The ``torch`` backend of the attention door: SDPA over exactly the keys each query token sees.
+"""The ``torch`` backend, the reference: SDPA over exactly the keys each query token sees.
 
-:class:`TorchAttention` is built once per forward (:func:`simsd_kernels.prepare_attention`): it
+:class:`TorchAttention` is the backend (any float dtype, float64 included, any even head_dim,
+available everywhere; ``auto``'s last resort, never checked: it is what the others are checked
+against). Its door is built once per forward (:func:`simsd_kernels.prepare_attention`): it
 reads the cache lengths on the host (the forward's one host read: this backend is not CUDA-graph
 safe), computes the RoPE tables for the forward's positions, the cache slots the new tokens are
 written to, and which SDPA calls the mask mode needs. Every layer then calls it once: q and k are
@@ -52,12 +54,14 @@ class _Group:
 
 
 class TorchAttention(AttentionMetadata):
-    """The torch backend's door for one forward (:attr:`Backend.kvcache
-    <simsd_kernels.backends.Backend>`): planned at construction, then :meth:`forward` per layer
-    (shapes as :func:`simsd_kernels.temporal_attention`)."""
+    """The torch backend (:class:`~simsd_kernels.metadata.AttentionMetadata`), and its door for one
+    forward: planned at construction, then :meth:`forward` per layer (shapes as
+    :func:`simsd_kernels.temporal_attention`). ``num_splits`` is ignored (no split plan)."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    name = "torch"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         # The plan is the backend's own work, made outside any TorchFunctionMode, as it was when
         # this backend ran inside a custom op: simsd.engine.host_sync.HostReads counts the
         # decoding loop's reads, not this backend's one read per forward (the fused backends
@@ -76,7 +80,7 @@ class TorchAttention(AttentionMetadata):
         self.lengths, self.Lq = lengths, Lq
         self.room = [n + Lq <= capacity for n in lengths]
         slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lq, device=device)
-        self.rows = torch.arange(B, device=device)[:, None]
+        self.rows, self.all_slots = torch.arange(B, device=device)[:, None], slots
         if all(self.room):
             self.slots, self.keep = slots, None
         else:  # rows near the capacity write only the slots that exist
@@ -137,8 +141,20 @@ class TorchAttention(AttentionMetadata):
     def attend(self, q, k, v, k_cache, v_cache):
         return self.forward(q, k, v, k_cache, v_cache, False)
 
-    def _write(self, kr, v, k_cache, v_cache) -> None:
-        if self.keep is None:
+    def append_kv(self, k, v, k_cache, v_cache, num_tokens=None) -> None:
+        n = self._check_write(k, v, k_cache, v_cache, num_tokens)
+        if n == self.Lq:
+            self._write(rotate(k, self.cos, self.sin), v, k_cache, v_cache)
+        elif n:
+            self._write(rotate(k[:, :n], self.cos[:, :n], self.sin[:, :n]), v[:, :n], k_cache, v_cache, n)
+
+    def _write(self, kr, v, k_cache, v_cache, n=None) -> None:
+        """The rotated ``kr`` and ``v`` of the first ``n`` new tokens (default all) at their slots."""
+        if n is not None:  # a part of the tokens: the slots below the capacity
+            keep = (self.all_slots[:, :n] < self.cache_capacity).nonzero(as_tuple=True)
+            k_cache.index_put_((keep[0], self.all_slots[keep]), kr[keep])
+            v_cache.index_put_((keep[0], self.all_slots[keep]), v[keep])
+        elif self.keep is None:
             k_cache.index_put_((self.rows, self.slots), kr)
             v_cache.index_put_((self.rows, self.slots), v)
         else:
@@ -187,25 +203,3 @@ class TorchAttention(AttentionMetadata):
                 out[r].index_copy_(1, g.pick, self._sdpa(qr[r].index_select(1, g.pick), keys, vals))
         return out
 
-
-def temporal_attention_torch(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
-                             softmax_scale):
-    """The torch backend's attention without a cache write (the :class:`~simsd_kernels.backends.Backend`
-    ``attention`` entry; the self-check's SDPA baseline): :class:`TorchAttention` for one call."""
-    door = TorchAttention(None, cache_seqlens, labels, positions, MaskMode(mask_mode), rope_theta, softmax_scale, False,
-                          q.shape[2], k.shape[2], q.shape[3], q.dtype, k_cache.shape[1])
-    out = door.attend(q, k, v, k_cache, v_cache)
-    return out if out.is_contiguous() else out.contiguous()
-
-
-def append_kv_torch(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
-    """Write rotated ``k[:, :num_tokens]`` and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``
-    (slots past the capacity are skipped, as the kernels do)."""
-    if num_tokens == 0:
-        return
-    k, v, positions = k[:, :num_tokens], v[:, :num_tokens], positions[:, :num_tokens]
-    kr = rotate(k, *rope_tables(positions, k.shape[-1], rope_theta, k.dtype))
-    slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(num_tokens, device=k.device)
-    keep = (slots < k_cache.shape[1]).nonzero(as_tuple=True)
-    k_cache.index_put_((keep[0], slots[keep]), kr[keep].to(k_cache.dtype))
-    v_cache.index_put_((keep[0], slots[keep]), v[keep].to(v_cache.dtype))

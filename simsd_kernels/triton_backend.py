@@ -1,10 +1,11 @@
 """The ``triton`` backend of the simsd attention ops (kernels in :mod:`triton_ops`).
 
-Imported lazily by :mod:`simsd_kernels.backends`; importing it imports Triton. Runs on CUDA
-devices, and on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-Triton is imported), which is how the tests exercise the kernels without a GPU. The interpreter
-of Triton 3.6 and older fails under NumPy 2.4 and newer (:func:`interpreter_problem`); the CPU is
-then refused with that reason.
+Imported lazily by :mod:`simsd_kernels.backends`; importing it imports Triton and defines the
+kernels (an ``ImportError`` makes the backend absent). :class:`TritonAttention` is the backend and
+its door. Runs on CUDA devices, and on CPU only under the Triton interpreter (``TRITON_INTERPRET=1``
+set before Triton is imported), which is how the tests exercise the kernels without a GPU. The
+interpreter of Triton 3.6 and older fails under NumPy 2.4 and newer (:func:`interpreter_problem`);
+the CPU is then refused with that reason.
 """
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ from contextlib import nullcontext
 
 import torch
 
-from .backends import Backend, supports_listed
-from .metadata import AttentionMetadata
+from triton_ops.ops import (
+    INTERPRETED,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    append_kv_fwd,
+    attention_rotated_fwd,
+    rope_qk_fwd,
+)
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (64, 128)
+from .metadata import AttentionMetadata
+from .split_plan import TRITON_FIGURES, plan_for_shape
 
 
 def _major_minor(version: str) -> tuple:
@@ -45,75 +52,49 @@ def interpreter_problem(triton_version: str | None = None, numpy_version: str | 
     return ""
 
 
-def is_available(device) -> tuple:
-    """``(ok, reason)``: CUDA device with Triton, or CPU under ``TRITON_INTERPRET=1`` (with a Triton
-    and NumPy whose interpreter works: :func:`interpreter_problem`)."""
-    device = torch.device(device)
-    try:
-        import triton  # noqa: F401
-
-        from triton_ops import ops
-    except ImportError as exc:  # pragma: no cover - triton is a dependency of this module
-        return False, f"triton does not import: {exc}"
-    if device.type == "cuda":
-        if ops.INTERPRETED:
-            return False, "Triton kernels were defined under TRITON_INTERPRET=1 (CPU only)"
-        return True, ""
-    if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") == "1" and ops.INTERPRETED:
-            problem = interpreter_problem()
-            return not problem, problem
-        return False, "on CPU the Triton kernels need TRITON_INTERPRET=1 before triton is imported"
-    return False, f"device type {device.type!r} is not supported by Triton here"
-
-
-def supports(dtype, head_dim) -> tuple:
-    """``(ok, reason)``: fp16/bf16/fp32 and head_dim 64/128 (the kernels' constexpr tiles)."""
-    return supports_listed(dtype, head_dim, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS)
-
-
 def device_guard(device: torch.device):
     """``torch.cuda.device(device)`` for a CUDA tensor's device (Triton launches on the current
     device's stream and compiles for it: inputs on another GPU must switch to it first)."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def _attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
-               softmax_scale, out=None, num_splits=0, shape_invariant=False):
-    from triton_ops.ops import _check_backend_args, temporal_attention_fwd
-
-    from .split_plan import TRITON_FIGURES, plan_for
-    _check_backend_args(q)
-    plan = plan_for(q, k, k_cache, figures=TRITON_FIGURES, num_splits=int(num_splits), invariant=bool(shape_invariant))
-    with device_guard(q.device):
-        return temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
-                                      mask_mode, rope_theta, softmax_scale, out=out, num_splits=plan.num_splits,
-                                      block_m=plan.block_m, min_tiles=plan.min_tiles, invariant=plan.invariant)
-
-
-def _append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
-    from triton_ops.ops import append_kv_fwd
-    with device_guard(k.device):
-        append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens)
-
-
 class TritonAttention(AttentionMetadata):
-    """The door (:attr:`Backend.kvcache <simsd_kernels.backends.Backend>`): the split plan once per
-    forward; per layer RoPE once (``rope_qk_kernel``), the rotated k and v written as they are
-    (``append_kv_kernel`` without ``ROTATE``), the attention kernels on the rotated q and k."""
+    """The ``triton`` backend (kernels in :mod:`triton_ops`), and its door for one forward: the
+    split plan once per forward (:mod:`simsd_kernels.split_plan`; ``num_splits`` > 0 forces that
+    many splits); per layer RoPE once (``rope_qk_kernel``), the rotated k and v written as they are
+    (``append_kv_kernel`` without ``ROTATE``), the attention kernels on the rotated q and k.
+    Supports fp16/bf16/fp32 and head_dim 64/128 (the kernels' constexpr tiles:
+    :data:`triton_ops.ops.SUPPORTED_DTYPES`, :data:`~triton_ops.ops.SUPPORTED_HEAD_DIMS`)."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        from triton_ops.ops import append_kv_fwd, attention_rotated_fwd, rope_qk_fwd  # imported with the backend
+    name = "triton"
+    dtypes, head_dims = SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+    auto_devices = ("cuda",)
+    plan_options = True
+    fused = True
 
-        from .split_plan import TRITON_FIGURES, plan_for_shape
-        self._ops = (rope_qk_fwd, append_kv_fwd, attention_rotated_fwd)  # once per forward, not per layer
+    @classmethod
+    def is_available(cls, device) -> tuple:
+        """``(ok, reason)``: CUDA device with Triton, or CPU under ``TRITON_INTERPRET=1`` (with a
+        Triton and NumPy whose interpreter works: :func:`interpreter_problem`)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            if INTERPRETED:
+                return False, "Triton kernels were defined under TRITON_INTERPRET=1 (CPU only)"
+            return True, ""
+        if device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") == "1" and INTERPRETED:
+                problem = interpreter_problem()
+                return not problem, problem
+            return False, "on CPU the Triton kernels need TRITON_INTERPRET=1 before triton is imported"
+        return False, f"device type {device.type!r} is not supported by Triton here"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.plan = plan_for_shape(self.B, self.Lq, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.cache_capacity, torch.finfo(self.dtype).bits // 8, self.labels.device,
-                                   figures=TRITON_FIGURES, invariant=self.shape_invariant)
+                                   figures=TRITON_FIGURES, num_splits=self.num_splits, invariant=self.shape_invariant)
 
     def forward(self, q, k, v, k_cache, v_cache, write: bool = True) -> torch.Tensor:
-        rope_qk_fwd, append_kv_fwd, attention_rotated_fwd = self._ops
         self._check(q, k, v, k_cache, v_cache)
         plan = self.plan
         with device_guard(self.labels.device):
@@ -128,9 +109,7 @@ class TritonAttention(AttentionMetadata):
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         return self.forward(q, k, v, k_cache, v_cache, write=False)
 
-
-def make_backend() -> Backend:
-    """Backend factory used by :func:`simsd_kernels.backends.get_backend`."""
-    import triton  # noqa: F401  (ImportError -> backend reported unavailable)
-    return Backend("triton", _attention, _append_kv, is_available, supports, plan_options=True,
-                   kvcache=TritonAttention)
+    def append_kv(self, k, v, k_cache, v_cache, num_tokens=None) -> None:
+        n = self._check_write(k, v, k_cache, v_cache, num_tokens)
+        with device_guard(k.device):
+            append_kv_fwd(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, n)

@@ -727,6 +727,17 @@ MUTANTS = [
     # issue 35 item 5, decoding rules in decoding/ -------------------------------------------------------
     m("one decoder", "simsd/speculative/decoder.py", "return SpecRow(self, plan or self.plan, row,",
       "return SpecRow(self, self.plan, row,", DRIVER, note="a request's plan ignored: rows run the decoder's gamma"),
+    # issue 35 item 4, one door per backend ------------------------------------------------------------
+    m("one door", "simsd_kernels/metadata.py", "if cls.head_dims is not None and head_dim not in cls.head_dims:",
+      "if False:", SELFCHECK, note="the one support rule ignores the head dims (auto runs a kernel on head_dim 48)"),
+    m("one door", "simsd_kernels/torch_backend.py",
+      "self._write(rotate(k[:, :n], self.cos[:, :n], self.sin[:, :n]), v[:, :n], k_cache, v_cache, n)",
+      "self._write(k[:, :n], v[:, :n], k_cache, v_cache, n)", DOOR,
+      note="the torch door's write of part of the tokens leaves k unrotated"),
+    m("one door", GR, "if not backend.fused:", "if False:", GRAPH_CHECK,
+      note="a model whose attention runs on the torch reference accepted for CUDA graphs"),
+    m("one door", "simsd/engine/memory.py", "return not model.attention_backend_class().fused", "return False",
+      MEMORY, note="the memory check counts no dense attention workspace for the torch reference"),
 ]
 
 

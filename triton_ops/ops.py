@@ -162,8 +162,8 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
     """Write ``k[:, :num_tokens]`` (rotated at ``positions``; as it is without ``rotate``: keys
     that :func:`rope_qk_fwd` rotated) and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``.
 
-    Same contract as :func:`simsd_kernels.torch_backend.append_kv_torch`: slots at or beyond the
-    cache capacity are skipped instead of written out of bounds.
+    Same contract as :func:`simsd_kernels.append_kv`: slots at or beyond the cache capacity are
+    skipped instead of written out of bounds.
     """
     _check_backend_args(k)
     B, _, Hkv, D = k.shape

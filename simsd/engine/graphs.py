@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from simsd_kernels import MaskMode
-from simsd_kernels.backends import OpConfig, resolve_backend
 
 #: graph vs eager: max |difference| <= GRAPH_TOL[dtype] * max(1, max |eager|) (a few units in the
 #: last place of the largest value; equal kernels in equal order usually agree bit for bit)
@@ -43,22 +42,22 @@ class GraphCheckWarning(RuntimeWarning):
 def check_graphable(model) -> None:
     """Raise ``ValueError`` when ``model`` cannot run under CUDA graphs here, before any capture.
 
-    Resolves the model's attention backend for each mask mode at the model's dtype, head_dim
-    and GQA group, and the fused-MoE backend of its mixture-of-experts layers (if any) at the
-    model's dtype, which also runs the backends' self-checks before any capture. Refused: the
-    ``torch`` attention reference (it reads the cache lengths on the host) and the ``torch`` MoE
-    path (it reads the expert counts on the host: a capture would fail in its first MoE layer);
-    the message names the configuration and why the kernel backend is not used."""
+    Asks the model what its attention runs on in each mask mode (at its dtype, head_dim and GQA
+    group: :meth:`~simsd.models.model.SDARForCausalLM.attention_backend_class`), and resolves the
+    fused-MoE backend of its mixture-of-experts layers (if any) at the model's dtype, which also
+    runs the backends' self-checks before any capture. Refused: an attention backend that is not
+    fused (the ``torch`` reference reads the cache lengths on the host) and the ``torch`` MoE path
+    (it reads the expert counts on the host: a capture would fail in its first MoE layer); the
+    message names the configuration and why the kernel backend is not used."""
     device = model.device
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
-    c = model.config
     for mode in MaskMode:
-        config = OpConfig("attention", model.dtype, c.head_dim, c.num_attention_heads // c.num_key_value_heads,
-                          int(mode))
-        if resolve_backend(model.attention_backend, device, config).name == "torch":
-            raise ValueError(f"CUDA graphs need the triton or cuda attention backend for {config.describe()} on "
-                             f"{device} (the torch reference reads the cache lengths on the host)")
+        backend = model.attention_backend_class(mode)
+        if not backend.fused:
+            raise ValueError(f"CUDA graphs need the triton or cuda attention backend for the {mode.name.lower()} mask "
+                             f"mode ({model.dtype}, head_dim {model.config.head_dim}) on {device}; the model's "
+                             f"attention runs on {backend.name!r}, which reads the cache lengths on the host")
     check_moe_graphable(model.modules(), device, model.dtype)
 
 

@@ -166,9 +166,9 @@ def largest_fitting(fits, low: int, high: int) -> int | None:
 
 
 def _dense(model) -> bool:
-    from simsd_kernels.backends import resolve_backend
+    """Whether ``model``'s attention holds dense scores (not a fused backend: the torch reference)."""
     try:
-        return resolve_backend(getattr(model, "attention_backend", "auto"), model.device).name == "torch"
+        return not model.attention_backend_class().fused
     except ValueError:  # an unavailable backend fails at its first forward; count the dense reference
         return True
 

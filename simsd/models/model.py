@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from simsd_kernels import KIND_KNOWN, prepare_attention
+from simsd_kernels import KIND_KNOWN, parse_mask_mode, prepare_attention
+from simsd_kernels.backends import OpConfig, resolve_backend
 
 from .cache import KVCache
 from .config import ModelConfig
@@ -186,9 +187,10 @@ class SDARForCausalLM(nn.Module):
     """SDAR / Qwen3 decoder with simsd's cache-aware forward.
 
     Attribute ``attention_backend`` (``auto | cuda | triton | torch``) is resolved once per
-    forward. Attribute ``invariant`` (bool, default False): shape-invariant numerics (module
-    doc) for forwards that pass ``unit``. ``state_dict`` / ``load_state_dict`` use the
-    checkpoint's (Qwen3's) parameter names, merged projections included.
+    forward (:meth:`attention_backend_class` says what it resolves to). Attribute ``invariant``
+    (bool, default False): shape-invariant numerics (module doc) for forwards that pass ``unit``.
+    ``state_dict`` / ``load_state_dict`` use the checkpoint's (Qwen3's) parameter names, merged
+    projections included.
     """
 
     def __init__(self, config: ModelConfig):
@@ -210,6 +212,22 @@ class SDARForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    def attention_backend_class(self, mask_mode=None) -> type:
+        """What this model's attention runs on: the backend ``attention_backend`` resolves to on the
+        model's device, its door class (a subclass of :class:`simsd_kernels.AttentionMetadata`:
+        ``name``, ``fused``). With ``mask_mode`` as each forward of that mode resolves it (the
+        model's dtype, head_dim and GQA group; self-check included), without one by availability
+        alone.
+
+        Raises:
+            ValueError: a backend that cannot run here (named), as the forward would raise.
+        """
+        if mask_mode is None:
+            return resolve_backend(self.attention_backend, self.device)
+        group = self.num_local_heads // self.num_local_kv_heads
+        config = OpConfig("attention", self.dtype, self.config.head_dim, group, int(parse_mask_mode(mask_mode)))
+        return resolve_backend(self.attention_backend, self.device, config)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         c = self.config

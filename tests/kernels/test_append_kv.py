@@ -1,12 +1,11 @@
-"""The Triton ``append_kv`` kernel against ``append_kv_torch`` and a float64 rotation."""
+"""The Triton ``append_kv`` kernel against the torch backend's cache write and a float64 rotation."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from simsd_kernels.rope import apply_rope  # noqa: E402
-from simsd_kernels.torch_backend import append_kv_torch  # noqa: E402
-from tests.kernels.helpers import max_err  # noqa: E402
+from tests.kernels.helpers import max_err, torch_append_kv  # noqa: E402
 from triton_ops.ops import append_kv_fwd  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +29,7 @@ def test_append_kv_matches_torch_fp32(num_tokens, D):
     k, v, pos, kc, vc, lens = _inputs(num_tokens + D, 3, 19, 2, D, [0, 5, 40], 64, torch.float32)
     kc2, vc2 = kc.clone(), vc.clone()
     append_kv_fwd(k, v, pos, kc, vc, lens, THETA, num_tokens)
-    append_kv_torch(k, v, pos, kc2, vc2, lens, THETA, num_tokens)
+    torch_append_kv(k, v, pos, kc2, vc2, lens, THETA, num_tokens)
     # the same slots are written (untouched ones stay NaN), values exactly, keys within fp32 error
     assert torch.equal(kc.isnan(), kc2.isnan()) and torch.equal(vc.isnan(), vc2.isnan())
     assert torch.equal(vc.nan_to_num(), vc2.nan_to_num())
@@ -46,7 +45,7 @@ def test_append_kv_bf16_within_torch_error():
     k, v, pos, kc, vc, lens = _inputs(3, 2, 9, 2, 128, [1, 30], 48, torch.bfloat16)
     kc2 = kc.clone()
     append_kv_fwd(k, v, pos, kc, vc, lens, THETA, 9)
-    append_kv_torch(k, v, pos, kc2, vc.clone(), lens, THETA, 9)
+    torch_append_kv(k, v, pos, kc2, vc.clone(), lens, THETA, 9)
     exact = apply_rope(k.double(), pos, THETA)
     rows = torch.arange(2, device=DEVICE)[:, None]
     cols = lens.long()[:, None] + torch.arange(9, device=DEVICE)[None]

@@ -6,7 +6,6 @@ backend, the configuration and the error, and keep the configuration marked bad;
 request must raise; ``SIMSD_TRUST_BACKENDS=1`` skips the checks; unsupported shapes go to the
 next backend under ``auto`` and raise when explicit.
 """
-import dataclasses
 import warnings
 
 import pytest
@@ -14,39 +13,28 @@ import torch
 
 import simsd_kernels as sk
 from simsd_kernels import backends, selfcheck
-from simsd_kernels.backends import Backend, BackendCheckError, BackendCheckWarning, OpConfig
-from simsd_kernels.torch_backend import append_kv_torch, temporal_attention_torch
-from tests.kernels.helpers import make_inputs
+from simsd_kernels.backends import BackendCheckError, BackendCheckWarning, OpConfig
+from simsd_kernels.torch_backend import TorchAttention
+from tests.kernels.helpers import door_attention, function_backend, make_inputs, torch_append_kv, torch_attention
 
 CPU = torch.device("cpu")
 
 
-def _wrapping(name, attention=None, append_kv=None, supports=None, calls=None):
-    """A backend named ``name`` on the CPU (auto may pick it there) that counts its calls."""
-    calls = calls if calls is not None else {"attention": 0, "append_kv": 0, "available": 0}
-
-    def att(*a):
-        calls["attention"] += 1
-        return (attention or temporal_attention_torch)(*a)
-
-    def app(*a):
-        calls["append_kv"] += 1
-        return (append_kv or append_kv_torch)(*a)
-
-    def avail(device):
-        calls["available"] += 1
-        return True, ""
-
-    kw = dict(supports=supports) if supports else {}
-    return Backend(name, att, app, avail, auto_devices=("cpu",), **kw), calls
+def _wrapping(name, attention=None, append_kv=None, head_dims=None):
+    """``(backend, calls)``: a backend (door class) named ``name`` on the CPU (auto may pick it
+    there) whose attend is ``attention`` and whose cache write is ``append_kv`` (the torch
+    reference's by default), and the counts of its calls (``attention``: every attend, the ones of
+    its ``forward`` included)."""
+    calls = {}
+    return function_backend(name, attention, append_kv, head_dims=head_dims, calls=calls), calls
 
 
 def _scaled_softmax(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
-    return temporal_attention_torch(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale * 1.25)
+    return torch_attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale * 1.25)
 
 
 def _ignores_mask(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
-    return temporal_attention_torch(q, k, v, kc, vc, lens, labels, pos, 0, theta, scale)
+    return torch_attention(q, k, v, kc, vc, lens, labels, pos, 0, theta, scale)
 
 
 @pytest.fixture
@@ -80,7 +68,7 @@ def test_auto_falls_back_from_a_wrong_backend_with_one_warning(register):
     backend, calls = _wrapping("wrong", _scaled_softmax)
     register(backend)
     args = make_inputs(1, 2, 7, 4, 2, 64, [5, 0])
-    ref = temporal_attention_torch(*args, 3, 1e4, 64 ** -0.5)
+    ref = torch_attention(*args, 3, 1e4, 64 ** -0.5)
 
     out, caught = _recorded(lambda: [_attention(args, "paper") for _ in range(3)])
     for o in out:
@@ -109,10 +97,11 @@ def test_a_correct_configuration_of_the_same_backend_is_used(register):
     args = make_inputs(2, 2, 9, 4, 2, 64, [6, 3])
     _, caught = _recorded(lambda: _attention(args, "bidirectional"))
     n_cases = len(selfcheck.CASES)
-    assert not caught and calls["attention"] == n_cases + 1  # the check's cases, then the call itself
+    # the check's cases (each attends, then runs forward: attend and write), then the call itself
+    assert not caught and calls["attention"] == 2 * n_cases + 1 and calls["append_kv"] == n_cases
     _, caught = _recorded(lambda: _attention(args, "paper"))
     assert len(caught) == 1 and "mask_mode=paper" in str(caught[0].message)
-    assert calls["attention"] == n_cases + 2  # only the check ran the failing configuration (its first case)
+    assert calls["attention"] == 2 * n_cases + 2  # only the check ran the failing configuration (its first case)
 
 
 def test_explicit_request_of_a_wrong_backend_raises(register, monkeypatch):
@@ -136,14 +125,14 @@ def test_a_backend_that_raises_or_returns_nan_fails_its_check(register):
         raise RuntimeError("illegal memory access\nsecond line")
 
     def nan(*a):
-        out = temporal_attention_torch(*a)
+        out = torch_attention(*a)
         out[0, 0, 0, 0] = float("nan")
         return out
     register(_wrapping("raises", raises)[0], auto_rank=0)
     register(_wrapping("nans", nan)[0], auto_rank=1)
     args = make_inputs(4, 1, 3, 2, 2, 64, [2])
     out, caught = _recorded(lambda: _attention(args, "block_causal"))
-    assert torch.equal(out, temporal_attention_torch(*args, 1, 1e4, 64 ** -0.5))
+    assert torch.equal(out, torch_attention(*args, 1, 1e4, 64 ** -0.5))
     msgs = [str(w.message) for w in caught]
     assert len(msgs) == 2, msgs
     assert "'raises'" in msgs[0] and "RuntimeError: illegal memory access" in msgs[0] and "second" not in msgs[0]
@@ -156,29 +145,29 @@ def test_a_backend_that_reads_unread_cache_slots_fails_its_check(register, which
     unread slots hold finite values and wrong where they hold garbage: the check fills them with
     NaN, so ``0 * NaN`` shows the read."""
     def reads_past(*a):
-        return temporal_attention_torch(*a) + 0 * a[which].sum()
+        return torch_attention(*a) + 0 * a[which].sum()
     register(_wrapping("reads-past", reads_past)[0])
     args = make_inputs(7, 2, 5, 2, 2, 64, [3, 0], lmax=16)
-    assert torch.equal(reads_past(*args, 1, 1e4, 64 ** -0.5), temporal_attention_torch(*args, 1, 1e4, 64 ** -0.5))
+    assert torch.equal(reads_past(*args, 1, 1e4, 64 ** -0.5), torch_attention(*args, 1, 1e4, 64 ** -0.5))
     out, caught = _recorded(lambda: _attention(args, "block_causal"))
-    assert torch.equal(out, temporal_attention_torch(*args, 1, 1e4, 64 ** -0.5))
+    assert torch.equal(out, torch_attention(*args, 1, 1e4, 64 ** -0.5))
     msgs = [str(w.message) for w in caught]
     assert len(msgs) == 1 and "'reads-past'" in msgs[0] and "NaN" in msgs[0], msgs
 
 
 def test_wrong_append_kv_falls_back(register):
     def bad_append(k, v, positions, kc, vc, lens, theta, n):
-        append_kv_torch(k, v * 2, positions, kc, vc, lens, theta, n)
+        torch_append_kv(k, v * 2, positions, kc, vc, lens, theta, n)
 
     def wide_append(k, v, positions, kc, vc, lens, theta, n):
-        append_kv_torch(k, v, positions, kc, vc, lens, theta, n)
+        torch_append_kv(k, v, positions, kc, vc, lens, theta, n)
         kc[:, -1] = 0  # writes a slot it must not touch
     register(_wrapping("badv", append_kv=bad_append)[0], auto_rank=0)
     register(_wrapping("wide", append_kv=wide_append)[0], auto_rank=1)
     _, k, v, kc, vc, lens, _, pos = make_inputs(5, 2, 4, 4, 2, 64, [3, 0], lmax=12)
     kt, vt = kc.clone(), vc.clone()
     _, caught = _recorded(lambda: sk.append_kv(k, v, pos, kc, vc, lens, rope_theta=1e4))
-    append_kv_torch(k, v, pos, kt, vt, lens, 1e4, 4)
+    torch_append_kv(k, v, pos, kt, vt, lens, 1e4, 4)
     assert torch.equal(kc, kt) and torch.equal(vc, vt)
     msgs = [str(w.message) for w in caught]
     assert len(msgs) == 2 and "append_kv float32 head_dim=64" in msgs[0] and "v differs" in msgs[0]
@@ -192,10 +181,10 @@ def test_an_output_off_by_a_constant_fails_either_sign(register, shift, dtype):
     k in append_kv, is the reference plus or minus 0.5 fails it (explicit requests raise), in
     float32 and in bfloat16 (the loosest error floor, 1.6e-2)."""
     def attention(*a):
-        return temporal_attention_torch(*a) + shift
+        return torch_attention(*a) + shift
 
     def append(k, v, positions, kc, vc, lens, theta, n):
-        append_kv_torch(k, v, positions, kc, vc, lens, theta, n)
+        torch_append_kv(k, v, positions, kc, vc, lens, theta, n)
         for b, c in enumerate(lens.tolist()):
             kc[b, c:c + n] += shift
     register(_wrapping("shifted", attention, append)[0], auto_rank=None)
@@ -215,7 +204,7 @@ def test_trust_env_skips_the_checks(register, monkeypatch):
     args = make_inputs(6, 1, 4, 2, 1, 64, [3])
     out, caught = _recorded(lambda: _attention(args, "paper"))
     assert not caught and calls["attention"] == 1
-    assert not torch.allclose(out, temporal_attention_torch(*args, 3, 1e4, 64 ** -0.5)), \
+    assert not torch.allclose(out, torch_attention(*args, 3, 1e4, 64 ** -0.5)), \
         "trusted: the wrong backend ran unchecked"
     assert not backends._VERDICTS
 
@@ -224,27 +213,30 @@ def test_trust_env_skips_the_checks(register, monkeypatch):
 def test_unsupported_head_dim_goes_to_the_next_backend(register, head_dim):
     """A kernel that supports head_dim 64/128 only: ``auto`` passes a trained pair's head_dim 48
     (or 96) to the next backend without a warning; asking for it by name is an error."""
-    def only_64_128(dtype, d):
-        return (d in (64, 128), f"head_dim {d} is not one of (64, 128)")
-
     def must_not_run(*a):
         raise AssertionError("called with an unsupported head_dim")
-    narrow, calls = _wrapping("narrow", must_not_run, supports=only_64_128)
+    narrow, calls = _wrapping("narrow", must_not_run, head_dims=(64, 128))
     register(narrow)
     args = make_inputs(7, 1, 5, 4, 2, head_dim, [6])
     out, caught = _recorded(lambda: _attention(args, "paper"))
     assert not caught and calls["attention"] == 0
-    assert torch.equal(out, temporal_attention_torch(*args, 3, 1e4, head_dim ** -0.5))
+    assert torch.equal(out, torch_attention(*args, 3, 1e4, head_dim ** -0.5))
     with pytest.raises(ValueError, match=rf"'narrow' does not support attention float32 head_dim={head_dim}"):
         _attention(args, "paper", backend="narrow")
     with pytest.raises(ValueError, match=rf"head_dim={head_dim}"):
         sk.append_kv(*[args[i] for i in (1, 2, 7, 3, 4, 5)], rope_theta=1e4, backend="narrow")
+    # the one support rule holds for a door opened directly too (the self-check, tests)
+    q, k, v, kc, vc, lens, labels, pos = args
+    with pytest.raises(ValueError, match=rf"'narrow': head_dim {head_dim} is not one of \(64, 128\)"):
+        narrow.open(q, k, kc, lens, labels, pos, mask_mode="paper", rope_theta=1e4)
+    assert narrow.supports(torch.float32, 64) == (True, "") and calls["attention"] == 0
 
 
 def test_triton_refuses_head_dim_48_by_name_and_auto_takes_torch(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    from simsd_kernels.triton_backend import supports
+    from simsd_kernels.triton_backend import TritonAttention
+    supports = TritonAttention.supports
     assert supports(torch.float16, 48)[0] is False and supports(torch.bfloat16, 128)[0] is True
     assert supports(torch.float64, 64)[0] is False
     args = make_inputs(8, 1, 3, 2, 1, 48, [2])
@@ -266,7 +258,7 @@ def test_resolution_is_cached(register):
     for _ in range(4):
         _attention(args, "exact")
     assert calls["available"] == 1
-    assert calls["attention"] == len(selfcheck.CASES) + 4  # one check (a call per case), four calls
+    assert calls["attention"] == 2 * len(selfcheck.CASES) + 4  # one check (attend and forward per case), four calls
     cfg = OpConfig("attention", torch.float32, 64, 2, 2)
     assert backends.resolve_backend("auto", CPU, cfg) is backend
     assert backends.resolve_backend("counted", CPU, cfg) is backend
@@ -277,7 +269,9 @@ def test_registry_names_and_errors(register):
     register(_wrapping("extra")[0], auto_rank=None)
     assert "extra" in backends.backend_names() and set(backends.BACKEND_NAMES) <= set(backends.backend_names())
     with pytest.raises(ValueError, match="cannot register"):
-        backends.register_backend(dataclasses.replace(_wrapping("x")[0], name="torch"))
+        backends.register_backend(type("Torch", (_wrapping("x")[0],), {"name": "torch"}))
+    with pytest.raises(ValueError, match="subclass of AttentionMetadata"):
+        backends.register_backend(torch_attention)
     with pytest.raises(ValueError, match="backend must be one of"):
         backends.resolve_backend("nope", CPU)
     backends.unregister_backend("extra")
@@ -291,13 +285,13 @@ def test_on_the_gpu_auto_uses_a_checked_fused_backend_and_skips_a_wrong_one(regi
     fused = backends.resolve_backend("auto", dev, cfg)
     assert fused.name in ("cuda", "triton"), "no fused backend passed its check on this GPU"
     assert backends._VERDICTS[(fused.name, dev, cfg)] == (True, backends._VERDICTS[(fused.name, dev, cfg)][1])
-    wrong = dataclasses.replace(_wrapping("wrong", _scaled_softmax)[0], auto_devices=("cuda",))
+    wrong = function_backend("wrong", _scaled_softmax, auto_devices=("cuda",))
     register(wrong)
     args = [a.to(dev) for a in make_inputs(10, 2, 9, 8, 2, 128, [40, 600], dtype=torch.bfloat16, lmax=640)]
     out, caught = _recorded(lambda: _attention(args, "paper"))
     assert len(caught) == 1 and "'wrong'" in str(caught[0].message) and "cuda" in str(caught[0].message)
     assert backends.resolve_backend("auto", dev, cfg).name == fused.name
-    torch.testing.assert_close(out, fused.attention(*args, 3, 1e4, 128 ** -0.5), atol=0, rtol=0)
+    torch.testing.assert_close(out, door_attention(fused, *args, 3, 1e4, 128 ** -0.5), atol=0, rtol=0)
 
 
 # ---- what the self-check covers, and the errors its tolerance must catch in bfloat16 ----------
@@ -320,8 +314,8 @@ def _fused_numerics(angle_factor=1.0, scale_factor=1.0, p_in_dtype=False):
     def attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
         qr, kr = _rotate(q, pos, theta, angle_factor), _rotate(k, pos, theta, angle_factor)
         if not p_in_dtype:
-            return temporal_attention_torch(qr, kr, v, kc, vc, lens, labels, torch.zeros_like(pos), mode, theta,
-                                            scale * scale_factor)
+            return torch_attention(qr, kr, v, kc, vc, lens, labels, torch.zeros_like(pos), mode, theta,
+                                   scale * scale_factor)
         from simsd_kernels.reference import full_mask
         used = int(lens.max())
         g = q.shape[2] // k.shape[2]
@@ -339,7 +333,7 @@ def _fused_numerics(angle_factor=1.0, scale_factor=1.0, p_in_dtype=False):
             acc = acc * alpha[..., None] + p.to(q.dtype).float() @ vals[:, :, t:t + 64]
             m = m_new
         return (acc / torch.where(total > 0, total, 1.0)[..., None]).transpose(1, 2).to(q.dtype)
-    return Backend("fused-numerics", attention, append_kv_torch, lambda device: (True, ""), auto_devices=("cpu",))
+    return function_backend("fused-numerics", attention)
 
 
 #: SDAR's head size and GQA groups (1.7B: 2, 8B: 4) in every mask mode, and one D64 G1 configuration
@@ -364,7 +358,7 @@ def test_the_tolerance_catches_small_systematic_errors_in_bfloat16(mutant):
 @pytest.mark.parametrize("backend", ["fused numerics", "P in bfloat16 per tile", "torch"])
 def test_correct_numerics_pass_the_tolerance_in_bfloat16(backend):
     impl = {"fused numerics": _fused_numerics(), "P in bfloat16 per tile": _fused_numerics(p_in_dtype=True),
-            "torch": backends.get_backend("torch")}[backend]
+            "torch": TorchAttention}[backend]
     for config in SDAR_CONFIGS:
         res = selfcheck.run_check(impl, CPU, config)
         assert res.ok, (config.describe(), res.detail)
@@ -379,8 +373,8 @@ def test_the_cases_reach_split_merge_the_largest_tile_the_invariant_plan_and_a_s
 
     def recording(*args, **plan):
         seen.append((args, plan))
-        return temporal_attention_torch(*args)
-    backend = Backend("recording", recording, append_kv_torch, lambda device: (True, ""), plan_options=True)
+        return torch_attention(*args)
+    backend = function_backend("recording", recording, plan_options=True)
     for group in (1, 2, 4, 8):
         for mode in range(4):
             seen.clear()
@@ -400,10 +394,12 @@ def test_the_cases_reach_split_merge_the_largest_tile_the_invariant_plan_and_a_s
                     skipped = selfcheck.skipped_tiles(labels, mode, group, BLOCK_MS[-1])
                     assert (skipped > 0) == (mode != 0), (group, mode, skipped)
             assert any(a[0].shape[1] > 64 for a, _ in seen)
-    # a backend without plan options runs each case once, with its own plan
-    counted, calls = _wrapping("counted")
+    # a backend without plan options runs each case once (its door opened once: attend, then forward), with its
+    # own plan
+    seen.clear()
+    counted = function_backend("counted", recording)
     assert selfcheck.run_check(counted, CPU, OpConfig("attention", torch.float32, 64, 2, 3)).ok
-    assert calls["attention"] == len(selfcheck.CASES)
+    assert len(seen) == 2 * len(selfcheck.CASES) and all(plan == {} for _, plan in seen)
 
 
 def test_the_triton_kernels_pass_the_selfcheck_in_bfloat16():
@@ -418,23 +414,24 @@ def test_the_triton_kernels_pass_the_selfcheck_in_bfloat16():
 
 
 def _door_backend(name, wrong):
-    """The torch backend's attention and append_kv, with a door (``kvcache``) that is wrong in one way."""
-    from simsd_kernels.torch_backend import TorchAttention
-
+    """The torch backend under another name, with a ``forward`` (the door's write-then-attend) that
+    is wrong in one way; its ``attend`` is right."""
     class WrongDoor(TorchAttention):
+        auto_devices = ("cpu",)
+
         def forward(self, q, k, v, k_cache, v_cache, write=True):
-            if wrong == "unrotated k":  # the new keys cached as they came (RoPE forgotten in the write)
+            if write and wrong == "unrotated k":  # the new keys cached as they came (RoPE forgotten in the write)
                 out = super().forward(q, k, v, k_cache.clone(), v_cache, write)
                 rows = torch.arange(q.shape[0])[:, None]
                 slots = self.cache_seqlens.long()[:, None] + torch.arange(q.shape[1])
                 keep = slots < k_cache.shape[1]
                 k_cache[rows.expand_as(slots)[keep], slots[keep]] = k[keep]
                 return out
-            if wrong == "no write":
+            if write and wrong == "no write":
                 return super().forward(q, k, v, k_cache, v_cache, False)
             return super().forward(q, k, v, k_cache, v_cache, write)
-    return Backend(name, temporal_attention_torch, append_kv_torch, lambda device: (True, ""),
-                   auto_devices=("cpu",), kvcache=WrongDoor)
+    WrongDoor.name = name
+    return WrongDoor
 
 
 @pytest.mark.no_emulation  # stand-in backends on the CPU device by design

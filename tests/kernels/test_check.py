@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from simsd_kernels import backends, check
-from simsd_kernels.backends import Backend
-from simsd_kernels.torch_backend import append_kv_torch, temporal_attention_torch
+from tests.kernels.helpers import function_backend, torch_attention
 
 SMALL = ["--dtypes", "float32,bfloat16", "--head-dims", "64,96", "--mask-modes", "paper,exact", "--groups", "4",
          "--caches", "empty,short"]
@@ -151,11 +150,10 @@ def test_rows_are_printed_as_they_finish(capsys, monkeypatch):
 
 def test_a_wrong_backend_fails_its_rows_and_auto_avoids_it(capsys):
     def wrong(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
-        out = temporal_attention_torch(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale)
+        out = torch_attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale)
         out[:, -1] = 0  # the last new token's output is lost
         return out
-    backends.register_backend(Backend("wrong", wrong, append_kv_torch, lambda d: (True, ""),
-                                       auto_devices=("cpu",)), auto_rank=0)
+    backends.register_backend(function_backend("wrong", wrong), auto_rank=0)
     try:
         code = check.main(["--device", "cpu", "--backends", "wrong,auto", "--dtypes", "float32", "--head-dims", "64",
                            "--mask-modes", "paper", "--groups", "1", "--caches", "short"])

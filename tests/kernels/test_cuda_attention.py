@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simsd_kernels import KIND_MASK, MaskMode, temporal_attention, temporal_attention_naive, temporal_attention_torch
+from simsd_kernels import KIND_MASK, MaskMode, temporal_attention, temporal_attention_naive
 from simsd_kernels.backends import get_backend
-from simsd_kernels.torch_backend import append_kv_torch
+from tests.kernels.helpers import door_append_kv, door_attention, torch_append_kv, torch_attention
 
 from .cuda_helpers import ERR_FLOOR, load_cuda_backend, make_inputs, max_err, nan_poison_beyond, poison_allocator
 
@@ -42,14 +42,14 @@ def _run_case(cb, mode, Lq, groups, dtype, D, num_splits, seed, Hkv=2, cache_len
     scale = D ** -0.5
     f64 = [t.to(torch.float64) if t.is_floating_point() else t for t in args]
     ref = temporal_attention_naive(*f64, mode, THETA, scale)
-    base = temporal_attention_torch(*args, mode, THETA, scale)
+    base = torch_attention(*args, mode, THETA, scale)
 
     kc_bad, vc_bad = nan_poison_beyond(k_cache, cache_lens), nan_poison_beyond(v_cache, cache_lens)
     splits = num_splits if num_splits else 32
     poison_allocator((B, Lq, Hq, D), dtype=dtype)
     poison_allocator((splits, B, Lq, Hq, D), (splits, B, Lq, Hq))
-    out = cb.attention(q, k, v, kc_bad, vc_bad, cache_seqlens, labels, positions, int(mode), THETA, scale,
-                       num_splits=num_splits)
+    out = door_attention(cb.CudaAttention, q, k, v, kc_bad, vc_bad, cache_seqlens, labels, positions, int(mode),
+                         THETA, scale, num_splits=num_splits)
     torch.cuda.synchronize()
 
     assert out.shape == (B, Lq, Hq, D) and out.dtype == dtype
@@ -61,7 +61,8 @@ def _run_case(cb, mode, Lq, groups, dtype, D, num_splits, seed, Hkv=2, cache_len
     if cross_check:
         triton = get_backend("triton")
         if triton is not None and triton.is_available(q.device)[0]:
-            tri = triton.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mode, THETA, scale)
+            tri = door_attention(triton, q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mode, THETA,
+                                 scale)
             assert max_err(out, tri) <= 2 * tol, "cuda and triton backends disagree"
     return out
 
@@ -102,8 +103,8 @@ def test_fully_masked_rows_are_zero(cb, dtype, num_splits):
         2, 9, 4, 2, 64, cache_lens, 64, dtype, "cuda", 3, mode)
     labels[:, ::2, 0] = 3  # no rule lets kind 3 see a new token, nor see it
     labels[:, 1::2, 0] = KIND_MASK
-    out = cb.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, int(mode), THETA, 0.125,
-                       num_splits=num_splits)
+    out = door_attention(cb.CudaAttention, q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, int(mode),
+                         THETA, 0.125, num_splits=num_splits)
     ref = temporal_attention_naive(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
                                    cache_seqlens, labels, positions, mode, THETA, 0.125)
     assert torch.isfinite(out).all()
@@ -115,7 +116,7 @@ def test_fully_masked_rows_are_zero(cb, dtype, num_splits):
 def test_public_api_routes_to_cuda(cb, dtype):
     args = make_inputs(3, 7, 4, 2, 128, CACHE_LENS, LMAX, dtype, "cuda", 11, MaskMode.EXACT)
     out = temporal_attention(*args, mask_mode="exact", rope_theta=THETA, backend="cuda")
-    ref = temporal_attention_torch(*args, MaskMode.EXACT, THETA, 128 ** -0.5)
+    ref = torch_attention(*args, MaskMode.EXACT, THETA, 128 ** -0.5)
     assert max_err(out, ref) <= 4 * ERR_FLOOR[dtype]
 
 
@@ -131,12 +132,12 @@ def test_append_kv(cb, dtype, D):
     cache_seqlens = torch.tensor(cache_lens, dtype=torch.int32, device="cuda")
     num_tokens = 11
     kc, vc = k_cache.clone(), v_cache.clone()
-    cb.append_kv(k, v, positions, kc, vc, cache_seqlens, THETA, num_tokens)
+    door_append_kv(cb.CudaAttention, k, v, positions, kc, vc, cache_seqlens, THETA, num_tokens)
     kr, vr = k_cache.clone().double(), v_cache.clone().double()
     for b, n in enumerate(cache_lens):  # reference on the rows' in-range slots, in float64
         m = min(num_tokens, Lmax - n)
         sub_k, sub_v = kr[b:b + 1].clone(), vr[b:b + 1].clone()
-        append_kv_torch(k[b:b + 1, :m].double(), v[b:b + 1, :m].double(), positions[b:b + 1, :m], sub_k, sub_v,
+        torch_append_kv(k[b:b + 1, :m].double(), v[b:b + 1, :m].double(), positions[b:b + 1, :m], sub_k, sub_v,
                         cache_seqlens[b:b + 1], THETA, m)
         kr[b], vr[b] = sub_k[0], sub_v[0]
     torch.cuda.synchronize()
@@ -149,20 +150,25 @@ def test_append_kv(cb, dtype, D):
 
 
 def test_rejects_bad_arguments(cb):
+    """The door refuses a dtype outside the backend's supported set; the extension's own checks (the
+    op called directly, one split of 64-row tiles) refuse mixed dtypes, a bad mask mode, misalignment."""
     args = list(make_inputs(1, 4, 2, 1, 64, (3,), 8, torch.float16, "cuda", 0, MaskMode.BIDIRECTIONAL))
+
+    def raw(q, k, v, kc, vc, lens, labels, pos, mode):
+        return cb.ops.attention(q, k, v, kc, vc, lens, labels, pos, mode, THETA, 0.125, 1, 64, 1, False)
     with pytest.raises(ValueError, match="dtype"):
-        cb.attention(*[a.double() if a.is_floating_point() else a for a in args], 0, THETA, 0.125)
+        door_attention(cb.CudaAttention, *[a.double() if a.is_floating_point() else a for a in args], 0, THETA, 0.125)
     bad = list(args)
     bad[1] = bad[1].float()
     with pytest.raises(RuntimeError, match="k must be"):
-        cb.attention(*bad, 0, THETA, 0.125)
+        raw(*bad, 0)
     with pytest.raises(RuntimeError, match="mask_mode"):
-        cb.attention(*args, 7, THETA, 0.125)
+        raw(*args, 7)
     odd = list(args)
     odd[0] = torch.zeros(1, 4, 2, 64 + 4, dtype=torch.float16, device="cuda")[..., 4:]  # 8-byte offset
     with pytest.raises(RuntimeError, match="16-byte"):
-        cb.attention(*odd, 0, THETA, 0.125)
-    assert cb.is_available(torch.device("cpu"))[0] is False
+        raw(*odd, 0)
+    assert cb.CudaAttention.is_available(torch.device("cpu"))[0] is False
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=lambda d: str(d).split(".")[-1])
@@ -199,8 +205,8 @@ def test_hf_layout_strided_inputs(cb, dtype):
             torch.zeros(B, Lq, dtype=torch.int64, device="cuda"), int(MaskMode.BLOCK_CAUSAL), THETA, D ** -0.5)
     strided = (q, k_all[:, past:], v_all[:, past:], k_all[:, :past], v_all[:, :past])
     assert not any(t.is_contiguous() for t in strided)
-    out = cb.attention(*strided, *rest)
-    dense = cb.attention(*(t.contiguous() for t in strided), *rest)
+    out = door_attention(cb.CudaAttention, *strided, *rest)
+    dense = door_attention(cb.CudaAttention, *(t.contiguous() for t in strided), *rest)
     ref = temporal_attention_naive(*(t.double() for t in strided), *rest)
     assert torch.equal(out, dense), "strided and contiguous inputs of equal values must give equal outputs"
-    assert max_err(out, ref) <= 2 * max_err(temporal_attention_torch(*strided, *rest), ref) + ERR_FLOOR[dtype]
+    assert max_err(out, ref) <= 2 * max_err(torch_attention(*strided, *rest), ref) + ERR_FLOOR[dtype]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simsd_kernels import MaskMode, temporal_attention_naive, temporal_attention_torch
+from simsd_kernels import MaskMode, temporal_attention_naive
+from tests.kernels.helpers import door_attention, torch_attention
 
 from .cuda_helpers import ERR_FLOOR, load_cuda_backend, make_inputs, max_err, nan_poison_beyond, poison_allocator
 
@@ -27,7 +28,7 @@ def cb():
 
 def _reference(args, mode, scale):
     f64 = [t.double() if t.is_floating_point() else t for t in args]
-    return temporal_attention_naive(*f64, mode, THETA, scale), temporal_attention_torch(*args, mode, THETA, scale)
+    return temporal_attention_naive(*f64, mode, THETA, scale), torch_attention(*args, mode, THETA, scale)
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"s{p[0]}-min{p[1]}{'-inv' if p[2] else ''}")
@@ -56,7 +57,7 @@ def test_automatic_plan_on_a_long_cache(cb, dtype):
     lens = (3000, 40, 4096)
     args = make_inputs(3, 8, 32, 8, 128, lens, 4096, dtype, "cuda", 5, MaskMode.PAPER)
     ref, base = _reference(args, MaskMode.PAPER, 128 ** -0.5)
-    out = cb.attention(*args, int(MaskMode.PAPER), THETA, 128 ** -0.5)
+    out = door_attention(cb.CudaAttention, *args, int(MaskMode.PAPER), THETA, 128 ** -0.5)
     assert max_err(out, ref) <= 2 * max_err(base, ref) + ERR_FLOOR[dtype]
 
 
@@ -72,6 +73,6 @@ def test_shape_invariant_rows_are_bit_identical(cb):
     big[6][1, :, 2] = (torch.arange(80, device="cuda") // 4).to(torch.int32)
     one[6][0, :, 2] = 0
     big[7][1, :4] = one[7][0]
-    a = cb.attention(*one, int(MaskMode.EXACT), THETA, D ** -0.5, shape_invariant=True)
-    b = cb.attention(*big, int(MaskMode.EXACT), THETA, D ** -0.5, shape_invariant=True)
+    a = door_attention(cb.CudaAttention, *one, int(MaskMode.EXACT), THETA, D ** -0.5, shape_invariant=True)
+    b = door_attention(cb.CudaAttention, *big, int(MaskMode.EXACT), THETA, D ** -0.5, shape_invariant=True)
     assert torch.equal(a[0], b[1, :4])

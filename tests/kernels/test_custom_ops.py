@@ -5,7 +5,7 @@ import torch
 import simsd_kernels as sk
 from simsd_kernels.backends import resolve_backend
 from simsd_kernels.custom_ops import append_kv_op, temporal_attention_op
-from tests.kernels.helpers import available_backends, make_inputs
+from tests.kernels.helpers import available_backends, door_attention, make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,11 +59,11 @@ def test_triton_backend_rejects_unsupported_head_dim():
     except ValueError as exc:
         pytest.skip(f"triton backend unavailable here: {exc}")
     args = [a.to(DEVICE) for a in make_inputs(5, 1, 3, 2, 1, 32, [2])]
-    with pytest.raises(ValueError, match="head_dim"):
-        impl.attention(*args, 0, 1e4, 0.1)
-    with pytest.raises(ValueError, match="dtype"):
-        impl.attention(*[a.double() if a.is_floating_point() else a for a in
-                         make_inputs(5, 1, 3, 2, 1, 64, [2])], 0, 1e4, 0.1)
+    with pytest.raises(ValueError, match="'triton': head_dim 32 is not one of"):
+        door_attention(impl, *args, 0, 1e4, 0.1)
+    with pytest.raises(ValueError, match="'triton': dtype torch.float64 is not one of"):
+        door_attention(impl, *[a.double() if a.is_floating_point() else a for a in
+                               make_inputs(5, 1, 3, 2, 1, 64, [2])], 0, 1e4, 0.1)
 
 
 def _gpu_backends():

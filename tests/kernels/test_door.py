@@ -6,7 +6,9 @@
 * the torch backend takes SDPA's fast paths: one unmasked call per run of equal-length rows in
   ``bidirectional``, one masked call in ``paper``, per-group calls over exactly the visible keys in
   ``exact`` and ``block_causal``; its plan (host read, RoPE tables, mask) is made once per forward;
-* inputs are validated and named once per forward; the per-layer call only compares shapes.
+* inputs are validated and named once per forward; the per-layer call only compares shapes;
+* the door's cache write alone (``append_kv``) writes exactly the first ``num_tokens`` tokens, rotated,
+  on every backend; bad write arguments are named.
 """
 from __future__ import annotations
 
@@ -158,6 +160,51 @@ def test_prepare_names_bad_inputs():
                              dtype=torch.float32, cache_capacity=16, mask_mode="exact", rope_theta=THETA)
     with pytest.raises(ValueError, match="mask_mode"):
         _prepare(args, "causal", "torch")
+
+
+@pytest.mark.parametrize("backend", available_backends(DEVICE))
+@pytest.mark.parametrize("num_tokens", [0, 1, 4, 9])
+def test_append_kv_writes_the_first_num_tokens_rotated(backend, num_tokens):
+    """Rows of 0, 5 and 30 cached tokens, capacity 36 (the last row has room for 6 of 9): exactly the
+    slots ``cache_seqlens[b] + i`` for ``i < num_tokens`` below the capacity are written, v as it is,
+    k rotated within 2x the torch error of a float64 rotation (+ a floor)."""
+    from simsd_kernels.rope import apply_rope
+    gen = torch.Generator().manual_seed(num_tokens)
+    lens, L, cap = [0, 5, 30], 9, 36
+    k, v = (torch.randn(3, L, 2, 64, generator=gen).to(DEVICE) for _ in range(2))
+    pos = (torch.tensor(lens)[:, None] + torch.arange(L) + 7).to(DEVICE)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kc = torch.full((3, cap, 2, 64), float("nan"), device=DEVICE)
+    vc = kc.clone()
+    sk.append_kv(k, v, pos, kc, vc, seqlens, rope_theta=THETA, num_tokens=num_tokens, backend=backend)
+    written = torch.zeros(3, cap, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        written[b, n:min(n + num_tokens, cap)] = True
+    written = written.to(DEVICE)
+    assert torch.equal(kc.isnan().all(-1).all(-1), ~written) and torch.equal(vc.isnan().all(-1).all(-1), ~written)
+    rows, cols = written.nonzero(as_tuple=True)
+    tok = cols - seqlens.long()[rows]
+    assert torch.equal(vc[rows, cols], v[rows, tok])
+    if num_tokens:
+        exact = apply_rope(k.double(), pos, THETA)[rows, tok]
+        err = (kc[rows, cols].double() - exact).abs().max()
+        torch_err = (apply_rope(k, pos, THETA)[rows, tok].double() - exact).abs().max()
+        assert err <= 2 * torch_err + 1e-6, (backend, err, torch_err)
+
+
+def test_append_kv_names_bad_inputs():
+    _, k, v, kc, vc, lens, _, pos = make_inputs(9, 2, 5, 4, 2, 64, [3, 9], lmax=16)
+    bad = {r"num_tokens must be in \[0, 5\], got 6": dict(num_tokens=6),
+           r"positions must be \(B=2, L=5\)": dict(positions=pos[:, :4]),
+           "v must be shaped as k": dict(v=v[:, :4]),
+           "k_cache must have dtype": dict(k_cache=kc.double()),
+           "cache_seqlens must have dtype torch.int32": dict(cache_seqlens=lens.long())}
+    for needle, change in bad.items():
+        args = dict(k=k, v=v, positions=pos, k_cache=kc, v_cache=vc, cache_seqlens=lens, num_tokens=None)
+        args.update(change)
+        with pytest.raises(ValueError, match=needle):
+            sk.append_kv(args["k"], args["v"], args["positions"], args["k_cache"], args["v_cache"],
+                         args["cache_seqlens"], rope_theta=THETA, num_tokens=args["num_tokens"], backend="torch")
 
 
 @pytest.mark.parametrize("backend", available_backends(DEVICE))

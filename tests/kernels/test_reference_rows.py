@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from simsd_kernels import MaskMode
-from simsd_kernels.torch_backend import temporal_attention_torch
+from tests.kernels.helpers import torch_attention
 
 
 @pytest.mark.bitwise
@@ -18,9 +18,9 @@ def test_row_output_independent_of_neighbours(dtype):
     lens = torch.tensor([37, 1100, 37], dtype=torch.int32)
     labels = torch.zeros(B, L, 3, dtype=torch.int32)
     pos = lens[:, None].long() + torch.arange(L)
-    batch = temporal_attention_torch(q, k, v, kc, vc, lens, labels, pos, int(MaskMode.BIDIRECTIONAL), 1e6, D ** -0.5)
+    batch = torch_attention(q, k, v, kc, vc, lens, labels, pos, int(MaskMode.BIDIRECTIONAL), 1e6, D ** -0.5)
     for b in range(B):
         s = slice(b, b + 1)
-        alone = temporal_attention_torch(q[s], k[s], v[s], kc[s], vc[s], lens[s], labels[s], pos[s],
-                                         int(MaskMode.BIDIRECTIONAL), 1e6, D ** -0.5)
+        alone = torch_attention(q[s], k[s], v[s], kc[s], vc[s], lens[s], labels[s], pos[s],
+                                int(MaskMode.BIDIRECTIONAL), 1e6, D ** -0.5)
         assert torch.equal(batch[s], alone), b

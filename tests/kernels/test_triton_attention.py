@@ -10,8 +10,7 @@ pytest.importorskip("triton")
 
 from simsd_kernels.mask_rule import MaskMode  # noqa: E402
 from simsd_kernels.reference import temporal_attention_naive  # noqa: E402
-from simsd_kernels.torch_backend import temporal_attention_torch  # noqa: E402
-from tests.kernels.helpers import make_inputs, max_err  # noqa: E402
+from tests.kernels.helpers import make_inputs, max_err, torch_attention  # noqa: E402
 from triton_ops.ops import temporal_attention_fwd  # noqa: E402
 
 THETA = 1e6
@@ -35,7 +34,7 @@ def _check(args, mode, num_splits=None, scale=None):
     ref = temporal_attention_naive(*args, mode, THETA, scale)
     out = _run(args, mode, scale, num_splits)
     err = max_err(out, ref)
-    torch_err = max_err(temporal_attention_torch(*args, mode, THETA, scale), ref)
+    torch_err = max_err(torch_attention(*args, mode, THETA, scale), ref)
     assert err <= 2 * torch_err + FLOOR[q.dtype], (err, torch_err)
     return err, out
 

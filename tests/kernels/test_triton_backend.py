@@ -5,7 +5,9 @@ import torch
 pytest.importorskip("triton")
 
 from simsd_kernels import backends  # noqa: E402
-from simsd_kernels.triton_backend import is_available  # noqa: E402
+from simsd_kernels.triton_backend import TritonAttention  # noqa: E402
+
+is_available = TritonAttention.is_available
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter rules")

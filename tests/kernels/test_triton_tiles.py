@@ -18,9 +18,8 @@ from simsd_kernels.mask_rule import MaskMode  # noqa: E402
 from simsd_kernels.reference import temporal_attention_naive  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
 from simsd_kernels.split_plan import TRITON_FIGURES, active_splits, plan_for  # noqa: E402
-from simsd_kernels.torch_backend import temporal_attention_torch  # noqa: E402
-from simsd_kernels.triton_backend import _attention as triton_attention  # noqa: E402
-from tests.kernels.helpers import make_inputs, max_err  # noqa: E402
+from simsd_kernels.triton_backend import TritonAttention  # noqa: E402
+from tests.kernels.helpers import door_attention, make_inputs, max_err, torch_attention  # noqa: E402
 from triton_ops.ops import rope_qk_fwd, temporal_attention_fwd  # noqa: E402
 
 THETA = 1e6
@@ -38,7 +37,7 @@ def _check(args, mode, **plan):
     res = temporal_attention_fwd(*args, mode, THETA, scale, out=out, **plan)
     assert res is out and not torch.isnan(out).any(), "unwritten or NaN output"
     ref = temporal_attention_naive(*[a.double() if a.is_floating_point() else a for a in args], mode, THETA, scale)
-    err, torch_err = max_err(out, ref), max_err(temporal_attention_torch(*args, mode, THETA, scale), ref)
+    err, torch_err = max_err(out, ref), max_err(torch_attention(*args, mode, THETA, scale), ref)
     assert err <= 2 * torch_err + FLOOR[q.dtype], (err, torch_err, plan)
     return out
 
@@ -79,7 +78,7 @@ def test_automatic_plan_splits_and_rows_with_one_split_skip_the_merge():
     plan = plan_for(q, k, k_cache, figures=TRITON_FIGURES)
     assert plan.num_splits > 1, plan
     scale = 0.125
-    out = triton_attention(*args, MaskMode.EXACT, THETA, scale)
+    out = door_attention(TritonAttention, *args, MaskMode.EXACT, THETA, scale)
     ref = temporal_attention_naive(*[a.double() if a.is_floating_point() else a for a in args], MaskMode.EXACT,
                                    THETA, scale)
     assert not torch.isnan(out).any() and max_err(out, ref) < 5e-5
@@ -123,8 +122,8 @@ def test_shape_invariant_rows_are_bit_identical(dtype):
     one = [a.to(DEVICE) for a in one]
     big = [a.to(DEVICE) for a in big]
     scale = D ** -0.5
-    a = triton_attention(*one, MaskMode.EXACT, THETA, scale, shape_invariant=True)
-    b = triton_attention(*big, MaskMode.EXACT, THETA, scale, shape_invariant=True)
+    a = door_attention(TritonAttention, *one, MaskMode.EXACT, THETA, scale, shape_invariant=True)
+    b = door_attention(TritonAttention, *big, MaskMode.EXACT, THETA, scale, shape_invariant=True)
     pa = plan_for(one[0], one[1], one[3], figures=TRITON_FIGURES, invariant=True)
     pb = plan_for(big[0], big[1], big[3], figures=TRITON_FIGURES, invariant=True)
     assert pa == pb and pa.num_splits > 1  # the same plan, and it does split this cache

@@ -197,21 +197,22 @@ def test_eager_and_graph_engines_pick_the_same_split_count(pair, graph_engines):
 # ---- issue 34 item 1: a MoE model is refused up front when its MoE layers would run the torch path
 
 
-def on_fake_cuda(model):
+def on_fake_cuda(model, attention=SimpleNamespace(name="triton", fused=True)):
     """``model`` as :func:`graphs.check_graphable` sees it on ``cuda:0`` in bfloat16 (its modules are
-    the real ones: the MoE layers and their ``backend`` attribute)."""
+    the real ones: the MoE layers and their ``backend`` attribute), its attention running on
+    ``attention`` (a stand-in of the fused triton backend's class) in every mask mode."""
     return SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, config=model.config,
-                           attention_backend="auto", modules=model.modules)
+                           attention_backend="auto", modules=model.modules,
+                           attention_backend_class=lambda mask_mode=None: attention)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """A CUDA device whose attention backend resolves to ``triton``; the fused-MoE choices, verdicts
-    and warnings start empty. Returns a setter of the MoE kernels' availability and self-check
-    verdict (which records the ``(device, dtype)`` it was asked for)."""
+    """A CUDA device; the fused-MoE choices, verdicts and warnings start empty. Returns a setter of
+    the MoE kernels' availability and self-check verdict (which records the ``(device, dtype)`` it
+    was asked for)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(graphs, "resolve_backend", lambda name, device, config: SimpleNamespace(name="triton"))
     for name, value in (("_RESOLVED", {}), ("_VERDICTS", {}), ("_WARNED", set())):
         monkeypatch.setattr(moe, name, value)
     checked = []
@@ -233,6 +234,17 @@ def _refusal(model) -> str:
         with pytest.raises(ValueError) as info:
             graphs.check_graphable(on_fake_cuda(model))
     return str(info.value)
+
+
+def test_a_model_whose_attention_is_not_fused_is_refused_before_any_capture(pair, fake_cuda):
+    """The model says what its attention runs on; the torch reference (it reads the cache lengths on
+    the host) is refused, naming the backend and the mask mode."""
+    from simsd_kernels.torch_backend import TorchAttention
+    with pytest.raises(ValueError) as info:
+        graphs.check_graphable(on_fake_cuda(pair[0].model, TorchAttention))
+    msg = str(info.value)
+    assert "CUDA graphs need the triton or cuda attention backend for the bidirectional mask mode" in msg
+    assert "runs on 'torch'" in msg and "reads the cache lengths on the host" in msg
 
 
 def test_a_moe_model_without_the_fused_moe_kernels_is_refused_before_any_capture(moe_pair, fake_cuda):

@@ -53,6 +53,26 @@ def test_backend_resolved_and_rope_tables_made_once_per_forward(monkeypatch):
         assert resolutions == ["torch"] and len(tables) == 1, (mode, resolutions, len(tables))
 
 
+def test_the_model_says_what_its_attention_runs_on(monkeypatch):
+    """``attention_backend_class``: the door class a forward of that mask mode opens (resolved as the
+    forward resolves it), or by availability alone; an unknown backend is the forward's error."""
+    from simsd_kernels.torch_backend import TorchAttention
+    m, _ = _model(layers=1)
+    monkeypatch.delenv("SIMSD_ATTENTION_BACKEND", raising=False)
+    cache = m.new_cache(1, 16)
+    ids, pos = torch.randint(0, 96, (1, 4)), torch.arange(4)[None]
+    ctx = m.context(pos, labels_for(4, "cpu"), "exact", cache)
+    for requested in ("torch", "auto"):  # auto never takes the Triton interpreter on the CPU
+        m.attention_backend = requested
+        assert m.attention_backend_class("exact") is type(ctx.attention) is TorchAttention
+        assert m.attention_backend_class() is TorchAttention and not TorchAttention.fused
+    m.attention_backend = "nope"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        m.attention_backend_class("paper")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        m(ids, pos, labels_for(4, "cpu"), "paper", cache)
+
+
 def test_state_dict_keeps_qwen3_names_and_round_trips():
     m, sd = _model(layers=2)
     got = m.state_dict()
