@@ -202,7 +202,8 @@ attention_mma_kernel(const simsd_attention_params p) {
     const int qmin = s_range[0], qmax = s_range[1];
     const int j_end = min(p.Lq, new_hi * C::kBlockN);
     for (int j = new_lo * C::kBlockN + tid; j < j_end; j += C::kThreads) {
-      if (layout::maybe_visible(p.mask_mode, qmin, qmax, lab_b[(int64_t)j * p.labels_stride[1] + 2])) {
+      const int* lab_j = lab_b + (int64_t)j * p.labels_stride[1];
+      if (layout::maybe_visible(p.mask_mode, qmin, qmax, lab_j[2], lab_j[1])) {
         atomicMin(&s_range[2], j);
         atomicMax(&s_range[3], j);
       }

@@ -5,7 +5,8 @@
 // (CUDA tensors) so a test can compare it with the Python rule over every label combination.
 //
 // Labels of a new token: kind (0 known, 1 draft D, 2 mask M), tau (1-based draft step,
-// TAU_INF = 1 << 30 when never revealed), grp (block id for block_causal, copy id for exact;
+// TAU_INF = 1 << 30 when never revealed; in exact mode the last copy of the token's subtree in a
+// verification tree, 0 without descendants), grp (block id for block_causal, copy id for exact;
 // -1 in exact mode = a shared prefix every token sees).
 // Modes (MaskMode): 0 bidirectional, 1 block_causal, 2 exact, 3 paper.
 //
@@ -39,8 +40,8 @@ SIMSD_HOST_DEVICE bool mask_allowed(int mode, int kq, int tq, int gq, int kk, in
       return true;
     case kBlockCausal:
       return gk <= gq;
-    case kExact:
-      return gk == gq || gk == kSharedGrp;
+    case kExact:  // the same copy, the shared prefix, or an ancestor copy (tk: its subtree's last group)
+      return gk == gq || gk == kSharedGrp || (gk < gq && gq <= tk);
     case kPaper: {
       if (kk == kKnown) return kq == kKnown || kq == kDraft || kq == kMask;
       if (kq == kDraft) return (kk == kDraft && tk <= tq) || (kk == kMask && tk > tq);

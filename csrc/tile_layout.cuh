@@ -97,11 +97,13 @@ SIMSD_LAYOUT_FN TileRange split_range(int z, int num_splits, int min_tiles, bool
 
 // ---- tile skipping: may new key (grp gk) be visible to some query with grp in [qmin, qmax]? ----
 // Conservative (never false when a query of the range may see the key): block_causal needs
-// gk <= some gq; exact needs gk == gq or the shared prefix (-1); paper and bidirectional keep
-// every key (paper's known keys are seen by everyone). Mode values: mask_rule.cuh MaskMode.
-SIMSD_LAYOUT_FN bool maybe_visible(int mode, int qmin, int qmax, int gk) {
+// gk <= some gq; exact needs the shared prefix (-1) or some gq in [gk, max(gk, tk)] (the key's
+// copy or its descendants in a verification tree, tk the subtree's last group); paper and
+// bidirectional keep every key (paper's known keys are seen by everyone). Mode values:
+// mask_rule.cuh MaskMode.
+SIMSD_LAYOUT_FN bool maybe_visible(int mode, int qmin, int qmax, int gk, int tk) {
   if (mode == 1) return gk <= qmax;
-  if (mode == 2) return gk == -1 || (gk >= qmin && gk <= qmax);
+  if (mode == 2) return gk == -1 || (gk <= qmax && (gk > tk ? gk : tk) >= qmin);
   return true;
 }
 

@@ -9,6 +9,7 @@ Each new (query-side) token carries three int32 labels ``(kind, tau, grp)``:
 * ``kind``: 0 = known token (prompt tail, committed tokens: "leftover"),
   1 = draft data slot ``D``, 2 = mask slot ``M``;
 * ``tau``: the draft step that revealed the token, 1-based (``TAU_INF`` if never revealed);
+  in ``exact`` mode the last group of the copy's subtree (0: the copy alone), see below;
 * ``grp``: a group id: the block index for ``block_causal`` (prefill), the copy id for
   ``exact``.
 
@@ -17,9 +18,12 @@ attention. Query ``i`` may attend key ``j`` when (SimSD paper, docs/design.md §
 
 * ``bidirectional`` (denoise, commit): always;
 * ``block_causal`` (prefill): ``grp_j <= grp_i``;
-* ``exact`` (one block copy per verified step): ``grp_j == grp_i``, or ``grp_j == SHARED_GRP``
+* ``exact`` (one block copy per verified state): ``grp_j == grp_i``, or ``grp_j == SHARED_GRP``
   (-1): a shared prefix that every token sees and that sees only itself (used to fold the
-  previous block's commit into the verification forward);
+  previous block's commit into the verification forward), or ``grp_j < grp_i <= tau_j``: the
+  key's copy is an ancestor of the query's in a verification tree, the copies numbered in
+  depth-first order and ``tau_j`` the last group of the key copy's subtree (a proposed finished
+  block seen by the next block's copies, as the cache would hold it; ``tau = 0``: no descendant);
 * ``paper`` (four-quadrant temporal mask)::
 
       query \\ key | known | D_j           | M_j
@@ -79,7 +83,7 @@ def allowed(mask_mode, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
     if mode == MaskMode.BLOCK_CAUSAL:
         return grp_k <= grp_q
     if mode == MaskMode.EXACT:
-        return (grp_k == grp_q) | (grp_k == SHARED_GRP)
+        return (grp_k == grp_q) | (grp_k == SHARED_GRP) | ((grp_k < grp_q) & (grp_q <= tau_k))
     # paper: four quadrants
     k_known = kind_k == KIND_KNOWN
     k_draft = kind_k == KIND_DRAFT

@@ -91,7 +91,8 @@ def case_labels(mode: MaskMode, B: int, Lq: int, gen: torch.Generator):
     """``(labels (B, Lq, 3) int32, position offsets (B, Lq) int64)`` of a realistic layout:
     bidirectional random labels; block_causal blocks of 4; exact a shared prefix of 2 then
     copies of 4 tokens (positions repeat per copy; past 64 tokens the shared prefix is 4, so no
-    copy straddles the 64-token tile boundary); paper ``[known | D_1..D_n | M_1..M_n]`` with tau in
+    copy straddles the 64-token tile boundary), the first copy an ancestor of every other (a
+    verification tree's finished block: its ``tau`` the last group); paper ``[known | D_1..D_n | M_1..M_n]`` with tau in
     1..3 or TAU_INF and the RoPE copy (M_k at D_k's position; past 64 tokens the first 64 are known,
     a folded commit, and n = (Lq - 64) // 2). Past 64 tokens each of block_causal, exact and paper
     thus has a new-key tile that the first query tile may not see (:func:`skipped_tiles`)."""
@@ -108,6 +109,7 @@ def case_labels(mode: MaskMode, B: int, Lq: int, gen: torch.Generator):
         shared = min(2 if Lq <= 64 else 4, Lq)
         lab[:, :shared, 2] = SHARED_GRP
         lab[:, shared:, 2] = ((idx[shared:] - shared) // 4).to(torch.int32)
+        lab[:, shared:shared + 4, 1] = (Lq - 1 - shared) // 4  # copy 0's subtree: every copy after it
         off[:, shared:] = shared + (idx[shared:] - shared) % 4
     else:
         n0, n = fill_paper_labels(lab, gen, pairs=None if Lq <= 64 else (Lq - 64) // 2)

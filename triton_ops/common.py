@@ -34,7 +34,8 @@ def allowed(mode, kind_q, tau_q, grp_q, kind_k, tau_k, grp_k):
     elif mode == MODE_BLOCK_CAUSAL:
         res = grp_k <= grp_q
     elif mode == MODE_EXACT:
-        res = (grp_k == grp_q) | (grp_k == -1)  # -1: shared prefix (mask_rule.SHARED_GRP)
+        # -1: shared prefix (mask_rule.SHARED_GRP); grp_k < grp_q <= tau_k: an ancestor copy in a tree
+        res = (grp_k == grp_q) | (grp_k == -1) | ((grp_k < grp_q) & (grp_q <= tau_k))
     else:
         k_known = kind_k == KIND_KNOWN
         k_draft = kind_k == KIND_DRAFT

@@ -26,13 +26,13 @@ def max_query_blocks(mode: str, gamma: int, self_draft: bool = False, width="aut
     """Block copies in the longest forward of a row (the engine's cache margin): vanilla 2 (a
     folded commit and a block), a draft's exact or paper round ``gamma + 2`` (its steps, the bonus
     copy or the paper layout's slots, a folded commit), a self-speculative round its widest tree
-    plus a folded commit (``width`` copies, or with ``"auto"`` the root and ``1 +`` :data:`MAX_ALTERNATIVES`
-    per proposed step)."""
+    (``width`` copies, or with ``"auto"`` the root and ``1 +`` :data:`MAX_ALTERNATIVES` per
+    proposed step), a lookahead's finished block and next block, and a folded commit."""
     if mode == "vanilla":
         return 2
     if not self_draft:
         return gamma + 2
-    return (1 + (1 + MAX_ALTERNATIVES) * gamma if width == "auto" else int(width)) + 1
+    return (1 + (1 + MAX_ALTERNATIVES) * gamma if width == "auto" else int(width)) + 3
 
 
 #: the draft that is the target itself (``--draft self``, ``LLM(draft="self")``): self-speculation,

@@ -49,17 +49,21 @@ class RowLayouts:
         L = block.shape[0]
         return Fwd(model, block, self.row.positions(model, L), [KNOWN] * L, "bidirectional", step=step)
 
-    def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list) -> Fwd:
+    def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list, write: int = 0) -> Fwd:
         """Exact verification forward of the layout ``ids (L,)``, ``positions`` and ``labels``
         (host; one copy per verified state, :func:`simsd.speculative.verification.exact_layout`
         at :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``)
-        and is written. The logits are those of the copies."""
+        and is written. ``write``: the layout's first tokens also written after it (a proposed
+        finished block's commit copy, :mod:`simsd.speculative.self_draft`; the caller rolls the
+        cache back if the block is not finished so). The logits are those of the rest."""
         prev = self.pending.pop(model, None)
         if prev is None:
-            return Fwd(model, ids, positions, labels, "exact")
+            return Fwd(model, ids, positions, labels, "exact", num_write=write,
+                       logits=slice(write, None) if write else slice(None))
         P = prev.shape[0]
         return Fwd(model, torch.cat([prev, ids]), list(self.row.positions(model, P)) + list(positions),
-                   [(KIND_KNOWN, 0, SHARED_GRP)] * P + labels, "exact", num_write=P, logits=slice(P, None))
+                   [(KIND_KNOWN, 0, SHARED_GRP)] * P + labels, "exact", num_write=P + write,
+                   logits=slice(P + write, None))
 
     def commit(self, model: str, block: torch.Tensor, fold: bool = False) -> Fwd | None:
         """Commit forward: the clean block's K/V are stored (no logits). ``fold``: defer it to

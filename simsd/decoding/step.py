@@ -83,7 +83,8 @@ class Step:
     ``block``: ``(L,)``, or ``(C, L)``: C states of the block at steps ``index .. index + C - 1``
     (exact verification's copies, one step each; their logits are the request's ``C * L``
     tokens and the results have a leading ``C``), or at the steps of ``index`` when it is a list
-    of ``C`` ints (a proposal tree's copies, :mod:`simsd.speculative.tree`). ``keep_logits``: the
+    of ``C`` ints (a proposal tree's copies, :mod:`simsd.speculative.tree`), with ``key`` one
+    per state when it is a list. ``keep_logits``: the
     result also carries the step's logits (MASK made impossible), ``(new_block, revealed, probs,
     logits)``, for a row that proposes its next steps from them (self-speculation,
     :mod:`simsd.speculative.self_draft`)."""
@@ -91,7 +92,7 @@ class Step:
     index: int | list
     cfg: DecodeConfig
     mask_id: int
-    key: NoiseKey | None = None
+    key: NoiseKey | list | None = None
     keep_logits: bool = False
 
     @property
@@ -102,6 +103,11 @@ class Step:
     def indices(self) -> list:
         """The step in the block of each state the step covers."""
         return list(self.index) if isinstance(self.index, list) else [self.index + c for c in range(self.states)]
+
+    def keys(self) -> list:
+        """The noise key of each state the step covers (``key`` may be one per state: a tree's copy
+        of the next block draws that block's noise)."""
+        return list(self.key) if isinstance(self.key, list) else [self.key] * self.states
 
     @staticmethod
     def run_batch(steps: list, logits: torch.Tensor) -> list:
@@ -136,9 +142,9 @@ class Step:
             index = [i for j in rows for i in steps[j].indices()]
             noise = None
             if not first.cfg.sampling.greedy:
-                if any(steps[j].key is None for j in rows):
+                keys = [k for j in rows for k in steps[j].keys()]
+                if any(k is None for k in keys):
                     raise ValueError("a sampling Step needs its noise key")
-                keys = [steps[j].key for j in rows for _ in range(sizes[j])]
                 noise = step_noise(keys, index, L, batch.shape[2], batch.device)
             new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, index, noise)
             group = [steps[j] for j in rows]

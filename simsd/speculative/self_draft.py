@@ -21,13 +21,14 @@ import time
 
 import torch
 
-from simsd_kernels import TAU_INF
+from simsd_kernels import KIND_KNOWN, TAU_INF
 
 from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
-from ..decoding.step import without_mask_token_
+from ..decoding.step import Step, without_mask_token_
 from .tree import ProposalTree, step_candidates
-from .verifiers import ExactVerifier, PaperVerifier
+from .verification import exact_layout, tree_verdict
+from .verifiers import ExactVerifier, PaperVerifier, Verdict
 from .width import WidthPolicy
 
 
@@ -63,11 +64,13 @@ class SelfDraft:
         """Forget the kept logits (the block is finished or its state moved on without them)."""
         self.logits = None
 
-    def propose(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey) -> ProposalTree:
+    def propose(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey,
+                lookahead: bool = False) -> ProposalTree:
         """The proposal tree of the round starting at ``block (L,)`` after ``block_step`` steps
         with ``masks`` MASK left: a chain of up to ``gamma`` steps (step ``block_step + d`` applied
         to the kept logits with that step's noise; ``key``: the row's block key), each step with
-        its alternatives as siblings, the shape chosen by :attr:`policy`. Without kept logits the
+        its alternatives as siblings, the shape chosen by :attr:`policy` (``lookahead``: a chain
+        that finishes the block also takes the next block's first step, two more copies). Without kept logits the
         tree is the block alone. The ``dynamic`` and ``entropy`` strategies reveal data-dependent
         counts: the nodes' MASK counts are read in one host read after the tree is grown, and
         nodes that reveal nothing or hang below a full state are dropped."""
@@ -76,7 +79,7 @@ class SelfDraft:
             return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0])
         per_step = self.per_step(block_step)
         if self.alternatives is None:
-            depth, alternatives = self.policy.shape(masks, per_step, self.policy.rows())
+            depth, alternatives = self.policy.shape(masks, per_step, self.policy.rows(), lookahead)
         else:
             depth, alternatives = self.gamma, self.alternatives
         started = time.perf_counter()
@@ -161,24 +164,68 @@ class SelfDraft:
 
 class SelfExactVerifier(ExactVerifier):
     """Exact verification that keeps the target's logits for the row's next proposals: the
-    verify step returns its copies' logits, and the last valid copy's (the one whose step is the
-    new block: ``taken - 1``) go to :attr:`draft`, which proposes up to ``spec.gamma`` (default:
-    the block length) steps."""
+    verify step returns its copies' logits, and the deepest valid node's copy's go to
+    :attr:`draft`, which proposes up to ``spec.gamma`` (default: the block length) steps.
+
+    **Lookahead** (``rnd.lookahead``: the next block will be decoded): when the tree's chain of
+    primary proposals ends in a finished block ``F``, the forward also carries ``F`` as the
+    block's commit (written to the cache, seeing the cache and itself) and the next block, all
+    MASK, at the next positions, seeing the cache, ``F`` (its ancestor in the tree mask, as the
+    cache would hold it) and itself: its target step is the next block's first step, its logits
+    the next block's first proposals. Its noise is the next block's. When ``F`` is the deepest
+    valid node the block is finished and committed by this forward; otherwise the row rolls
+    the written ``F`` back (:class:`~simsd.speculative.spec_row.SpecRow`)."""
 
     def __init__(self, cfg, spec, mask_id: int, seed: int, alternatives: int | None = None):
         super().__init__(cfg, spec, mask_id, seed)
         self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, spec.speculation_width, alternatives)
 
+    @staticmethod
+    def finished_leaf(tree: ProposalTree) -> int | None:
+        """The node that ends the chain of primary proposals when it finishes the block, else None."""
+        j, last = 0, None
+        while True:
+            children = [c for c in range(tree.nodes) if tree.parent[c] == j and (tree.kind or [0] * tree.nodes)[c] == 0]
+            if not children:
+                break
+            j = last = children[0]
+        return last if last is not None and not tree.copies[last] else None
+
     def request(self, layouts, rnd):
-        fwd = super().request(layouts, rnd)
-        fwd.step.keep_logits = True
+        tree = rnd.draft.tree()
+        shape = tree.constants(rnd.block.device)
+        leaf = self.finished_leaf(tree) if rnd.lookahead else None
+        rnd.layout = (tree, shape, leaf)
+        copies = tree.states.index_select(0, shape[0])
+        ids, positions, labels = exact_layout(copies, rnd.start)
+        indices = [rnd.step + tree.depth[j] for j in tree.copy_nodes()]
+        keys = [self.key(rnd.start)] * len(indices)
+        if leaf is None:
+            fwd = layouts.exact("target", ids, positions, labels)
+            fwd.step = Step(copies, indices, self.cfg, self.mask_id, keys, keep_logits=True)
+            return fwd
+        L, C = copies.shape[1], copies.shape[0]
+        nxt = torch.full((L,), self.mask_id, dtype=copies.dtype, device=copies.device)
+        ids = torch.cat([tree.states[leaf], ids, nxt])
+        positions = list(range(rnd.start, rnd.start + L)) + list(positions) + list(range(rnd.start + L,
+                                                                                          rnd.start + 2 * L))
+        labels = [(KIND_KNOWN, C + 1, C)] * L + list(labels) + [(KIND_KNOWN, 0, C + 1)] * L  # F: grp C, sees
+        fwd = layouts.exact("target", ids, positions, labels, write=L)  # grp C + 1 (its subtree); next: C + 1
+        fwd.step = Step(torch.cat([copies, nxt[None]]), indices + [0], self.cfg, self.mask_id,
+                        keys + [self.key(rnd.start + L)], keep_logits=True)
         return fwd
 
     def judge(self, rnd, out):
-        verdict = super().judge(rnd, out)
-        rank = rnd.layout[1][4]  # each node's copy (a full valid node has none: its block is done)
-        self.draft.keep(out[3].view(-1, *out[3].shape[-2:]), rank.index_select(0, verdict.node.view(1))[0])
-        return verdict
+        tree, shape, leaf = rnd.layout
+        mine, logits = out[0], out[3].view(-1, *out[3].shape[-2:])
+        C = shape[0].shape[0]
+        new, taken, accepted, node, valid = tree_verdict(mine[:C], tree.states, shape)
+        copy = shape[4].index_select(0, node.view(1))[0]  # the valid node's copy (a finished one has none)
+        if leaf is None:
+            self.draft.keep(logits, copy)
+            return Verdict(new, taken, accepted, valid, node)
+        self.draft.keep(logits, torch.where(node == leaf, C, copy))  # finished as proposed: the next block's
+        return Verdict(new, taken, accepted, valid, node, mine[C], leaf)
 
 
 class SelfPaperVerifier(PaperVerifier):

@@ -35,7 +35,9 @@ class Stats:
       steps in exact mode, fallback steps). ``accepted + target_tokens`` = every token decoded,
       the returned ones and those cut after a stop or the token budget;
     * ``rounds``, ``accepted_per_round`` = accepted / rounds, ``fallback_steps``, ``speculations``
-      (optimistic drafts started), ``speculations_kept``.
+      (optimistic drafts started), ``speculations_kept``;
+    * ``lookahead_blocks``: blocks finished as a self-speculative round proposed them, committed
+      by that round, which also took the next block's first step (no commit forward of their own).
 
     ``origins`` records, per decoded token, whether it came from the draft (True) or the
     target (False), so that the decoder can count the draft's share of the returned tokens.
@@ -46,6 +48,7 @@ class Stats:
         self.target_tokens = 0
         self.fallback_steps = 0
         self.speculations = self.speculations_kept = 0
+        self.lookahead_blocks = 0
         self.origins: list = []
 
     def as_dict(self) -> dict:
@@ -54,7 +57,7 @@ class Stats:
                 "target_tokens": self.target_tokens, "rounds": self.rounds,
                 "accepted_per_round": self.accepted / self.rounds if self.rounds else 0.0,
                 "fallback_steps": self.fallback_steps, "speculations": self.speculations,
-                "speculations_kept": self.speculations_kept}
+                "speculations_kept": self.speculations_kept, "lookahead_blocks": self.lookahead_blocks}
 
 
 @dataclass
@@ -122,6 +125,7 @@ class SpecRow(RowProgram):
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
+        self.ahead = None  # (block, host) of the next block after its first step, taken by a lookahead round
         self.stats = Stats()
 
     def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
@@ -137,9 +141,15 @@ class SpecRow(RowProgram):
     # -- a block: rounds, or fallback steps ---------------------------------------------------
     def new_block(self, tail: list) -> BlockState:
         self.origin = [None] * self.cfg.block_length  # per position: True = from the draft, False = the target's
-        if self.dec.self_draft:
-            self.verifier.draft.drop()  # the last block's logits propose nothing for this one
-        return super().new_block(tail)
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            if self.dec.self_draft:
+                self.verifier.draft.drop()  # the last block's logits propose nothing for this one
+            return super().new_block(tail)
+        # the last round took this block's first step (a lookahead round: its logits are kept)
+        block, host = ahead
+        self.mark([self.mask_id] * len(host), host)
+        return BlockState(block, host, self.layouts.start("target"), 0, 1)
 
     def advance(self, blk: BlockState):
         """One round of the block, or a target step once it falls back (the paper's
@@ -155,6 +165,9 @@ class SpecRow(RowProgram):
         another device it overlaps the target's forward), read the verdict. Self-speculation
         proposes from the target's last verify logits instead, with no forward."""
         draft = self.take(blk)
+        # self-speculation may take the next block's first step in this round (a lookahead round)
+        lookahead = self.dec.self_draft and self.mode == "exact" and not blk.first and \
+            len(self.generated) + self.cfg.block_length < self.cfg.max_new_tokens
         if draft is None and self.dec.self_draft and self.mode == "paper":
             draft = self.verifier.draft.chain(blk.block, blk.step, blk.host.count(self.mask_id), self.key(blk.start),
                                               Draft, not self.cfg.sampling.greedy)
@@ -163,12 +176,12 @@ class SpecRow(RowProgram):
                 return
         elif draft is None and self.dec.self_draft:
             draft = self.verifier.draft.propose(blk.block, blk.step, blk.host.count(self.mask_id),
-                                                self.key(blk.start))
+                                                self.key(blk.start), lookahead)
         elif draft is None:
             masks = blk.host.count(self.mask_id)
             draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index))
             draft = draft.to(self.row.devices["target"])
-        rnd = Round(blk.block, blk.host, blk.step, blk.start, draft, self.round_index)
+        rnd = Round(blk.block, blk.host, blk.step, blk.start, draft, self.round_index, lookahead=lookahead)
         self.stats.rounds += 1
         logits = yield from self.verifier.verify(self.layouts, rnd)
         if self.optimistic:  # before the decision is read
@@ -209,6 +222,8 @@ class SpecRow(RowProgram):
         speculation committed it already. Folded commits are not combined with optimistic
         drafting (its rollback assumes explicit draft commits)."""
         fold = self.cfg.fold_commit and not self.optimistic
+        if self.ahead is not None:
+            return  # a lookahead round committed it (self-speculation: no draft cache)
         fwd = self.layouts.commit("target", blk.block, fold=fold)
         if fwd is not None:
             yield fwd
@@ -269,12 +284,20 @@ class SpecRow(RowProgram):
             tree = rnd.layout[0]
             known = not isinstance(tree.proposed, torch.Tensor)
             counts = [taken, acc, verdict.node] + ([] if known else [tree.proposed])
-            host = self.read([new, verdict.valid, torch.stack(counts).to(new.dtype)], blk)
-            block_host, valid, taken, acc = host[:L], host[L:2 * L], host[2 * L], host[2 * L + 1]
-            self.stats.proposed += tree.proposed if known else host[2 * L + 3]
+            ahead = [] if verdict.next is None else [verdict.next]
+            host = self.read([new, verdict.valid, *ahead, torch.stack(counts).to(new.dtype)], blk)
+            block_host, valid = host[:L], host[L:2 * L]
+            nxt, host = (host[2 * L:3 * L], host[3 * L:]) if ahead else (None, host[2 * L:])
+            taken, acc, node = host[0], host[1], host[2]
+            self.stats.proposed += tree.proposed if known else host[3]
             accepted = {i for i in range(L) if valid[i] != rnd.host[i]}
             if self.dec.self_draft:
-                self.verifier.draft.observe(tree, host[2 * L + 2])
+                self.verifier.draft.observe(tree, node)
+            if ahead and node == verdict.finished:  # finished as proposed: committed, the next block begun
+                self.ahead = (verdict.next, nxt)
+                self.stats.lookahead_blocks += 1
+            elif ahead:  # the proposed finished block was written to the cache: roll it back
+                self.row.truncate("target", self.row.cached["target"] - L)
         else:
             draft = rnd.draft
             host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)

@@ -45,7 +45,9 @@ class Round:
     absolute position (noise keys); ``draft``: the proposal
     (:class:`~simsd.speculative.spec_row.Draft`, on the target's device); ``index``: the row's
     rounds before this one (paper mode's noise keys). ``layout``: what :meth:`Verifier.request`
-    computed for :meth:`Verifier.judge`."""
+    computed for :meth:`Verifier.judge`. ``lookahead``: the next block will be decoded (a
+    self-speculative tree may then take its first step in this round,
+    :class:`~simsd.speculative.self_draft.SelfExactVerifier`)."""
     block: torch.Tensor
     host: list
     step: int
@@ -53,18 +55,24 @@ class Round:
     draft: object
     index: int
     layout: object = None
+    lookahead: bool = False
 
 
 class Verdict(NamedTuple):
     """A round's decision on the device (0-d tensors but the blocks): the new ``block (L,)``,
     the block steps ``taken`` and the ``accepted`` draft tokens; exact verification also gives
     ``valid (L,)``, the deepest valid proposed state (the accepted tokens are where it differs
-    from the round's block) and ``node``, its node in the round's proposal tree."""
+    from the round's block) and ``node``, its node in the round's proposal tree; a lookahead
+    round (:class:`~simsd.speculative.self_draft.SelfExactVerifier`) gives ``next (L,)``, the
+    next block after its first step under the proposed finished block (``finished``: that
+    block's node; it stands when ``node`` is it)."""
     block: torch.Tensor
     taken: torch.Tensor
     accepted: torch.Tensor
     valid: torch.Tensor | None = None
     node: torch.Tensor | None = None
+    next: torch.Tensor | None = None
+    finished: int | None = None
 
 
 class Verifier:

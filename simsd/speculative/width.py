@@ -80,18 +80,21 @@ class WidthPolicy:
         steps = 1.0 + sum(p ** (d - 1) * s for d in range(1, depth + 1))
         return steps - (p ** (depth - 1) * s if fills and depth else 0.0)
 
-    def shape(self, masks: int, per_step: list, rows: int = 1) -> tuple:
+    def shape(self, masks: int, per_step: list, rows: int = 1, lookahead: bool = False) -> tuple:
         """``(depth, alternatives)`` of the next round with ``masks`` MASK left (``per_step``: the
         tokens each of the next steps reveals, from the schedule; ``rows``: the rows sharing the
-        forward, for the cost share)."""
+        forward, for the cost share; ``lookahead``: a chain that finishes the block also carries
+        its commit and the next block's first step: two more copies, and the target's step after
+        the finished block is the next block's)."""
         best, best_value = (0, 0), None
         cap = None if self.width == "auto" else int(self.width)
         for depth in range(0, min(self.gamma, masks) + 1):
             for a in range(0, MAX_ALTERNATIVES + 1 if depth else 1):
-                copies = tree_copies(depth, a, masks, per_step)
+                fills = sum(per_step[:depth]) >= masks
+                copies = tree_copies(depth, a, masks, per_step) + (2 if fills and lookahead else 0)
                 if cap is not None and copies > cap:
                     continue
-                steps = self.expected_steps(depth, a, sum(per_step[:depth]) >= masks)
+                steps = self.expected_steps(depth, a, fills and not lookahead)
                 value = steps if cap is not None else steps / self.seconds(copies, rows)
                 if best_value is None or value > best_value * (1 + 1e-9):
                     best, best_value = (depth, a), value

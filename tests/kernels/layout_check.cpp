@@ -288,7 +288,8 @@ static void check_pipeline(int S) {
 
 // ---- tile skipping is conservative against the mask rule -----------------------------------------
 static void check_maybe_visible() {
-  const int kinds[] = {0, 1, 2, 3}, taus[] = {1, 2, 3, 1 << 30}, grps[] = {-1, 0, 1, 2, 3, 4};
+  // taus 0 and 1..4: exact mode's subtree ends (0: a copy without descendants)
+  const int kinds[] = {0, 1, 2, 3}, taus[] = {0, 1, 2, 3, 4, 1 << 30}, grps[] = {-1, 0, 1, 2, 3, 4};
   for (int mode = 0; mode <= 3; ++mode)
     for (int qmin = -1; qmin <= 4; ++qmin)
       for (int qmax = qmin; qmax <= 4; ++qmax)
@@ -299,9 +300,9 @@ static void check_maybe_visible() {
                 for (int tk : taus)
                   for (int gk : grps)
                     if (mask_allowed(mode, kq, tq, gq, kk, tk, gk))
-                      CHECK(maybe_visible(mode, qmin, qmax, gk),
-                            "mode %d: key grp %d visible to query grp %d but skipped for range [%d, %d]", mode, gk,
-                            gq, qmin, qmax);
+                      CHECK(maybe_visible(mode, qmin, qmax, gk, tk),
+                            "mode %d: key grp %d (tau %d) visible to query grp %d but skipped for range [%d, %d]",
+                            mode, gk, tk, gq, qmin, qmax);
 }
 
 static void print_splits() {

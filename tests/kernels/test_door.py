@@ -113,8 +113,9 @@ def test_torch_paper_is_one_masked_call_and_exact_one_call_per_copy(monkeypatch)
     calls.clear()
     exact, _ = case_labels(MaskMode.EXACT, 1, 10, gen)  # a shared prefix of 2, then copies of 4 tokens
     _prepare([q, k, v, kc, vc, lens, exact, pos], "exact", "torch").forward(q, k, v, kc, vc)
-    # the prefix over the cache and itself; each copy over the cache, the prefix and itself; no mask
-    assert [(c[0][2], c[1][2], c[2]) for c in calls] == [(2, 22, False), (4, 26, False), (4, 26, False)]
+    # the prefix over the cache and itself; each copy over the cache, the prefix, its ancestor copy 0
+    # (a tree's finished block) and itself; no mask
+    assert [(c[0][2], c[1][2], c[2]) for c in calls] == [(2, 22, False), (4, 26, False), (4, 30, False)]
 
 
 def test_torch_plan_is_made_once_per_forward(monkeypatch):

@@ -72,6 +72,19 @@ EXACT_EXPECTED = rows("""
                1 1  0 0  0 0  0 0  1    # pad: seen by no real token
 """)
 
+# an exact verification tree: [shared prefix (grp -1) | copy 0 | a proposed finished block F x2 (grp 1,
+# its subtree ends at grp 2) | the next block's copy N x2 (grp 2: F is its ancestor) | pad]
+EXACT_TREE_LABELS = [(K, 0, -1), (K, 0, 0), (K, 2, 1), (K, 2, 1), (K, 0, 2), (K, 0, 2), PAD_LABEL["exact"]]
+EXACT_TREE_EXPECTED = rows("""
+               1  0  0 0  0 0  0    # the shared prefix sees itself only
+               1  1  0 0  0 0  0    # copy 0: the prefix and itself
+               1  0  1 1  0 0  0    # F: the prefix and itself, not its descendant N
+               1  0  1 1  0 0  0
+               1  0  1 1  1 1  0    # N: the prefix, its ancestor F (as the cache would hold it), itself
+               1  0  1 1  1 1  0
+               1  0  0 0  0 0  1    # pad: seen by no real token
+""")
+
 # block-causal prefill: blocks 0, 0, 1, 1, 2 and the pad
 CAUSAL_LABELS = [(K, 0, 0), (K, 0, 0), (K, 0, 1), (K, 0, 1), (K, 0, 2), PAD_LABEL["block_causal"]]
 CAUSAL_EXPECTED = rows("""
@@ -89,6 +102,7 @@ BIDIR_EXPECTED = torch.ones(4, 4, dtype=torch.bool)
 CASES = {
     "paper": (MaskMode.PAPER, PAPER_LABELS, PAPER_EXPECTED),
     "exact": (MaskMode.EXACT, EXACT_LABELS, EXACT_EXPECTED),
+    "exact_tree": (MaskMode.EXACT, EXACT_TREE_LABELS, EXACT_TREE_EXPECTED),
     "block_causal": (MaskMode.BLOCK_CAUSAL, CAUSAL_LABELS, CAUSAL_EXPECTED),
     "bidirectional": (MaskMode.BIDIRECTIONAL, BIDIR_LABELS, BIDIR_EXPECTED),
 }

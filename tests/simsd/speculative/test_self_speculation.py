@@ -44,7 +44,7 @@ def test_self_speculation_equals_vanilla(target, strategy, T):
     """Token-identical to vanilla decoding with the same seed, with the width policy's trees and
     with full-depth chains (gamma proposed steps every round, whatever they are worth), where
     proposals are accepted and rejected somewhere (both verdict paths run); no draft forward."""
-    accepted = proposed = 0
+    accepted = proposed = lookaheads = 0
     for i, prompt in enumerate(PROMPTS):
         cfg = cfg_for(strategy, T, seed=i)
         want = vanilla_ids(target, prompt, cfg)
@@ -54,9 +54,11 @@ def test_self_speculation_equals_vanilla(target, strategy, T):
         chains.verifier_class = with_alternatives(0)
         full = chains.generate(prompt)
         assert full.token_ids == want, i
-        for r in (got, full):  # every target forward is a round or a commit (each block but the last)
-            assert r.stats["draft_forwards"] == 0
-            assert r.stats["target_forwards"] == r.stats["rounds"] + r.stats["blocks"] - 1
+        for r in (got, full):  # every target forward is a round or a commit (each block but the last,
+            assert r.stats["draft_forwards"] == 0  # unless a lookahead round committed it)
+            st = r.stats
+            assert st["target_forwards"] == st["rounds"] + st["blocks"] - 1 - st["lookahead_blocks"]
+        lookaheads += got.stats["lookahead_blocks"]
         accepted += full.stats["accepted"]
         proposed += full.stats["proposed"]
     assert 0 < accepted < proposed, (accepted, proposed)
@@ -277,3 +279,22 @@ def test_paper_mode_verifies_the_targets_previous_predictions(target, T):
     for r in alone:
         assert r.stats["draft_forwards"] == 0 and len(r.token_ids) == cfg.max_new_tokens
         assert r.stats["accepted"] + r.stats["target_tokens"] == r.stats["new_tokens"] + r.stats["cut_tokens"]
+
+
+def test_lookahead_commits_or_rolls_back(target, monkeypatch):
+    """A lookahead round writes its proposed finished block and takes the next block's first
+    step: kept when the block finished so (``lookahead_blocks``), rolled back otherwise; both
+    happen here, greedy and sampled, folded commits or not, and the tokens stay vanilla's."""
+    from simsd.engine.batching import Row
+    rollbacks = []
+    real = Row.truncate
+    monkeypatch.setattr(Row, "truncate", lambda self, model, n: (rollbacks.append(model), real(self, model, n))[1])
+    kept = 0
+    for fold in (False, True):
+        for T in (0.0, 1.0):
+            cfg = cfg_for("static", T, seed=1, fold_commit=fold, max_new_tokens=32)
+            got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec())
+            for i, p in enumerate(PROMPTS):
+                assert got.results[i].token_ids == vanilla_ids(target, p, dataclasses.replace(cfg, seed=1 + i))
+            kept += sum(r.stats["lookahead_blocks"] for r in got.results)
+    assert kept > 0 and rollbacks and set(rollbacks) == {"target"}
