@@ -20,7 +20,7 @@ from pathlib import Path
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams, check_request
 from ..config.serving import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT
-from ..config.speculative import SELF_DRAFT
+from ..config.speculative import SELF_DRAFT, is_self_draft
 from ..config.vocabulary import ParamError, Setting, check_modes, field_name, opt, settings_of
 from .errors import SimsdWarning
 from .run_modes import RUN_MODES, base_modes, needs_draft_model
@@ -292,9 +292,12 @@ def check_options(args, modes: list) -> None:
     for name, (_, factor) in UNITS.items():
         if engine.get(name) is not None:
             engine[name] *= factor
-    if args.command in ("bench", "eval") and engine.get("draft") is None and "exact-self" in labels and \
-            not needs_draft_model(labels, None):
-        engine["draft"] = SELF_DRAFT  # no column runs a draft model: none is read or loaded
+    args.self_width = "auto"  # the width of an exact-self column beside columns with a draft model
+    if args.command in ("bench", "eval") and "exact-self" in labels and not is_self_draft(engine.get("draft")):
+        if not needs_draft_model(labels, engine.get("draft")) and engine.get("draft") is None:
+            engine["draft"] = SELF_DRAFT  # no column runs a draft model: none is read or loaded
+        elif engine.get("speculation_width") is not None:
+            args.self_width = SETTINGS["speculation_width"].check("speculation_width", engine.pop("speculation_width"))
     args.engine = EngineArgs(mode=mode, **engine)
     # the request's rules, as the API and the server run them (eval's paper-release column is
     # paper mode's release variant); what has no effect is said, as a warning

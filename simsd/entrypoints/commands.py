@@ -241,7 +241,9 @@ def build_llms(run: Run, labels: list, loaded: dict | None = None) -> dict:
     out = {}
     for label in labels:
         rm = RUN_MODES[label]
-        own = {} if rm.draft is None else {"draft": rm.draft, "draft_device": None, "optimistic": None}
+        own = {} if rm.draft is None else {"draft": rm.draft, "draft_device": None, "optimistic": None,
+                                           "speculation_width": getattr(run.args, "self_width", "auto")
+                                           if not is_self_draft(run.config.draft) else run.config.speculation_width}
         config = dataclasses.replace(run.config, paper_variant=rm.paper_variant or run.config.paper_variant, **own)
         out[label] = build_llm(dataclasses.replace(run, config=config), rm.mode, loaded)
     return out
