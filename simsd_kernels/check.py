@@ -4,13 +4,14 @@ Every available backend (and ``auto``) runs a set of configurations on the prese
 dtype x head_dim (64, 128 and 96, which the fused kernels do not support: an explicit backend
 must refuse it with a ``ValueError``, ``auto`` must fall back to one that runs it) x mask mode x
 cache (``empty``: lengths 0/0; ``short``: 37/5; ``split``: 700/300 in a 768-slot cache, past one
-split-KV chunk on a GPU; ``long``: 100/3 with 70 new tokens, so that every GQA group fills the
-fused kernels' 64-row query tile and the new keys span two 64-key tiles) x GQA group (1, 4) -- on
-a small case (2 rows, 9 new tokens unless the cache says otherwise, 2 kv heads, unread cache
-slots holding NaN) against the float64 reference on the same device. The groups and caches
-together run each query tile height (16, 32 and 64 rows) of the fused kernels for every dtype and
-head dim: a tile that cannot launch (the CUDA kernel's 64-row tile at head dim 64 once could not,
-bench/results/device_h200) fails its rows. On
+split-KV chunk on a GPU; ``long``: 100/3 with 70 new tokens, a 64-row query tile (under the
+shape-invariant plan where the backend has one), the new keys spanning two 64-key tiles) x GQA
+group (1, 4) -- on a small case (2 rows, 9 new tokens unless the cache says otherwise, 2 kv heads,
+unread cache slots holding NaN) against the float64 reference on the same device. The groups and
+caches together run each query tile height (16, 32 and 64 rows) of the CUDA kernel for every
+dtype and head dim, and each of the Triton kernel's but its 32-row tile at head dim 64 (planned
+only past 4k cache slots at batch 4 and more): a tile that cannot launch (the CUDA kernel's 64-row
+tile at head dim 64 once could not, bench/results/device_h200) fails its rows. On
 the CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` is set when Triton
 has not been imported yet).
 
@@ -239,7 +240,10 @@ def run_task(task, device_str: str, reps: int | None) -> list:
                 clean, poisoned = attention_case(device, dtype, head_dim, group, mode, lens, capacity,
                                                 Lq=LONG_LQ if long else LQ)
                 scale = head_dim ** -0.5
-                call = lambda: attend_once(impl, poisoned, mode, scale)  # noqa: E731  (the door opened, attend)
+                # the long case under the shape-invariant plan (exact mode's --invariant path): its
+                # fixed 64-row query tile, which the other cases' plans need not choose
+                plan = {"shape_invariant": True} if long and getattr(impl, "plan_options", False) else {}
+                call = lambda: attend_once(impl, poisoned, mode, scale, **plan)  # noqa: E731  (the door, attend)
                 if not supported:
                     try:
                         call()

@@ -210,3 +210,25 @@ def test_device_script_runs_the_full_matrix():
     assert {name for name, _ in arrays} == {"CHECK_TRITON", "CHECK_REST"} and len(arrays) == 4  # dry run and GPU
     for name, body in arrays:
         assert check.is_full(_args(shlex.split(body))), name
+
+
+def test_the_full_matrix_runs_every_query_tile_height():
+    """The H200 run found the CUDA kernel's 64-row tile at head_dim 64 unable to launch while `simsd
+    check --full` passed: no case of the matrix planned that tile. Now the groups and caches plan
+    each tile height (16, 32, 64 rows) of the CUDA kernel for every head dim and element size, and
+    every one of the Triton kernel's but its 32-row tile at head dim 64, which its planner picks only
+    past 4k cache slots at batch 4 and more (compiled for sm_90 by test_sm90_compile)."""
+    from simsd_kernels import selfcheck, split_plan
+    for figures, name in ((split_plan.CUDA_FIGURES, "cuda"), (split_plan.TRITON_FIGURES, "triton")):
+        for head_dim in (64, 128):
+            for elt in (2, 4):
+                tiles = set()
+                for g in check.GROUPS:
+                    for lens, capacity, long in check.CACHES.values():
+                        q_len = selfcheck.LONG_LQ if long else selfcheck.LQ
+                        invariant = long and name == "cuda"  # run_task's plan: plan_options backends only
+                        plan = split_plan.plan_for_shape(len(lens), q_len, 2 * g, 2, head_dim, capacity, elt, None,
+                                                         figures=figures, invariant=invariant)
+                        tiles.add(plan.block_m)
+                want = {16, 64} if (name, head_dim) == ("triton", 64) else {16, 32, 64}
+                assert tiles == want, (name, head_dim, elt, tiles)
