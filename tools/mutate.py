@@ -78,6 +78,10 @@ SPLIT = "tests/kernels/test_split_plan.py"
 CUDA_LAYOUT = "tests/kernels/test_cuda_layout.py"
 TRITON_TILES = "tests/kernels/test_triton_tiles.py"
 SELFCHECK = "tests/kernels/test_backend_selfcheck.py"
+SELF = "tests/simsd/speculative/test_self_speculation.py"
+WIDTH = "tests/simsd/speculative/test_width.py"
+TREE = "tests/simsd/speculative/test_tree.py"
+SD = "simsd/speculative/self_draft.py"
 GRAPH_CHECK = "tests/simsd/engine/test_graph_check.py"
 API = "tests/simsd/entrypoints/test_api.py"
 OPTIONS = "tests/simsd/entrypoints/test_options.py"
@@ -139,8 +143,9 @@ NZ, SP, GR = "simsd/decoding/noise.py", "simsd_kernels/split_plan.py", "simsd/en
 
 MUTANTS = [
     # 1. exact == vanilla with several tokens per step: verdicts and the schedule -------------------
-    m("verdict", VER, "taken = (n_ok + 1).clamp(max=n + int(bonus))", "taken = n_ok.clamp(max=n + int(bonus))",
-      EXACT_REF, note="issue 13 item 1: steps taken n_ok + 1 -> n_ok"),
+    m("verdict", VER, "taken = depth.index_select(0, valid.view(1))[0] + copies.index_select(0, valid.view(1))[0]",
+      "taken = depth.index_select(0, valid.view(1))[0]", EXACT_REF,
+      note="issue 13 item 1: the steps taken miss the valid node's own target step"),
     m("schedule", "simsd/decoding/config.py", "return self.schedule[min(step, len(self.schedule) - 1)]",
       "return self.schedule[min(step + 1, len(self.schedule) - 1)]", REF, EXACT_REF,
       note="issue 13 item 1: schedule lookup shifted by one"),
@@ -150,14 +155,14 @@ MUTANTS = [
     m("schedule", STRATS, "return [base + (1 if i < rem else 0) for i in range(steps)]",
       "return [base + (1 if i >= steps - rem else 0) for i in range(steps)]", REF, STRAT,
       note="remainder added to the last steps"),
-    m("verdict", VFY, "fwd.step = Step(verified, rnd.step, self.cfg, self.mask_id, self.key(rnd.start))",
-      "fwd.step = Step(verified, rnd.step + 1, self.cfg, self.mask_id, self.key(rnd.start))", EXACT_REF,
+    m("verdict", VFY, "fwd.step = Step(copies, [rnd.step + tree.depth[j] for j in tree.copy_nodes()]",
+      "fwd.step = Step(copies, [rnd.step + 1 + tree.depth[j] for j in tree.copy_nodes()]", EXACT_REF,
       note="the target's own decision at copy c taken at the wrong step of the schedule"),
-    m("verdict", VER, "same = (mine[:n] == chain[1:]).all(-1)", "same = (mine[:n] == chain[1:]).any(-1)", EXACT_REF,
+    m("verdict", VER, "(stepped.index_select(0, parent) == states[1:]).all(-1)",
+      "(stepped.index_select(0, parent) == states[1:]).any(-1)", EXACT_REF,
       note="a draft step accepted when any position agrees"),
-    m("verdict", VER, "new = candidates.index_select(0, n_ok.view(1))[0]",
-      "new = candidates.index_select(0, n_ok.clamp(max=n - 1).view(1))[0]", EXACT_REF,
-      note="the bonus copy's step never committed"),
+    m("verdict", VER, "new = stepped.index_select(0, valid.view(1))[0]", "new = valid_state", EXACT_REF,
+      note="the valid node's own target step never committed (its state instead)"),
     m("verdict", VER, "return best == drafted, best", "return best == drafted, drafted", SPEC, EXACT_REF,
       note="greedy: the rejected draft token kept instead of the target's argmax"),
     m("verdict", VER, "order = torch.sort(tau, stable=True).indices",
@@ -212,9 +217,9 @@ MUTANTS = [
       "ok = (pd_x > 0) & (u.double() * pt_x.double() < pd_x.double())", REJECT, note="accept with min(1, p_d / p_t)"),
     m("rejection", VER, "residual = (p_t - p_d).clamp_min(0)", "residual = p_t.clone()", REJECT,
       note="a rejected token resampled from p_t instead of the residual"),
-    m("verdict", VFY, "fwd = layouts.exact(\"target\", *exact_layout(verified, rnd.start))",
-      "fwd = layouts.exact(\"target\", *exact_layout(torch.cat([chain[:-1], chain[-2:-1]]) if d.remaining "
-      "else verified, rnd.start))", EXACT_REF, REJECT,
+    m("verdict", VFY, "copies = tree.states.index_select(0, shape[0])\n        fwd = layouts.exact(",
+      "copies = tree.states.index_select(0, torch.cat([shape[0][:-1], shape[0][-2:-1]]))\n"
+      "        fwd = layouts.exact(", EXACT_REF, REJECT,
       note="the bonus step taken on the last draft copy's logits (that copy's tokens in the bonus slot)"),
     # 5. stop ids ---------------------------------------------------------------------------------------
     m("stop ids", SR, "dec.t.stop_ids if stop_ids is None else stop_ids, seed)",
@@ -250,7 +255,7 @@ MUTANTS = [
     multi("mask rule (all mirrors)", [
         (MR, "return (grp_k == grp_q) | (grp_k == SHARED_GRP)", "return (grp_k == grp_q) | (grp_q == SHARED_GRP)"),
         (TR, "res = (grp_k == grp_q) | (grp_k == -1)", "res = (grp_k == grp_q) | (grp_q == -1)"),
-        (CR, "return gk == gq || gk == kSharedGrp;", "return gk == gq || gq == kSharedGrp;"),
+        (CR, "return gk == gq || gk == kSharedGrp ||", "return gk == gq || gq == kSharedGrp ||"),
     ], MASKS, MIRROR, FLEX, note="exact: the shared prefix sees every copy, copies do not see it"),
     m("mask rule (one mirror)", TR, "res = (grp_k == grp_q) | (grp_k == -1)", "res = grp_k == grp_q", MASKS,
       note="Triton only: the shared prefix invisible"),
@@ -287,8 +292,8 @@ MUTANTS = [
     m("verdict", VER, "taken = tau.masked_fill(before, TAU_INF).min().clamp(max=n)",
       "taken = torch.where(rejected, tau.masked_fill(before, TAU_INF).min(), n - 1)", PAPER_REF,
       note="paper: the steps an accepted round used, one short"),
-    m("verdict", VER, "candidates = mine if bonus else torch.cat([mine, chain[n:]])",
-      "candidates = torch.cat([mine[:n], chain[n:]])", EXACT_REF,
+    m("verdict", VER, "stepped = states.index_copy(0, copy_index, mine)",
+      "stepped = states.index_copy(0, copy_index[:-1], mine[:-1])", EXACT_REF,
       note="exact: the bonus copy's step replaced by the draft's final state"),
     m("verdict", VFY, "at = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)",
       "at = without_mask_token_(logits.index_select(0, (rnd.layout - rnd.host.count(self.mask_id)).clamp_min(0)), "
@@ -310,8 +315,8 @@ MUTANTS = [
     m("layout", VER, "positions = list(range(start, start + L)) * n",
       "positions = list(range(start + 1, start + L + 1)) * n", EXACT_REF,
       note="exact: copies one position late"),
-    m("cache commit", VFY, "fwd = layouts.exact(\"target\", *exact_layout(verified, rnd.start))",
-      "fwd = layouts.exact(\"target\", *exact_layout(verified, layouts.row.cached[\"target\"]))", EXACT_REF,
+    m("cache commit", VFY, "fwd = layouts.exact(\"target\", *exact_layout(copies, rnd.start))",
+      "fwd = layouts.exact(\"target\", *exact_layout(copies, layouts.row.cached[\"target\"]))", EXACT_REF,
       note="exact with a folded commit: copies placed before the pending block"),
     # 8-9. what the user runs; hangs ------------------------------------------------------------------------
     m("user path", "simsd/assets/__init__.py", 'DEFAULT_DRAFT = ASSETS / "tiny-sdar-draft"',
@@ -347,7 +352,7 @@ MUTANTS = [
       note="--steps equal to the block length refused"),
     m("hang", STEP, "logits = without_mask_token_(logits, mask_id)", "logits = logits",
       PROGRESS, VANILLA, note="issue 13 item 9: MASK can be 'revealed' (no progress)"),
-    m("hang", VER, "new = candidates.index_select(0, n_ok.view(1))[0]", "new = chain[0]", PROGRESS,
+    m("hang", VER, "new = stepped.index_select(0, valid.view(1))[0]", "new = states[0]", PROGRESS,
       note="an exact round that commits nothing"),
     m("hang", STRATS, "n = ((ranked.cumsum(-1) <= threshold).sum(-1, keepdim=True)).clamp_min(1)",
       "n = ((ranked.cumsum(-1) <= threshold).sum(-1, keepdim=True)).clamp_min(0)", STRAT, REF, PROGRESS,
@@ -362,8 +367,8 @@ MUTANTS = [
     m("counters", VER, "    return new, rejected, taken, r\n", "    return new, rejected, taken, r + rejected.long()\n",
       COUNTERS,
       note="paper: accepted off by one (the corrected proposal counted)"),
-    m("counters", VER, "return new, taken, (tau <= n_ok).sum()", "return new, taken, (tau <= n_ok + 1).sum()",
-      VERDICT, COUNTERS, note="exact: the rejected step's tokens counted as accepted"),
+    m("counters", VER, "return new, taken, (valid_state != states[0]).sum()",
+      "return new, taken, (new != states[0]).sum()", VERDICT, COUNTERS, note="exact: the rejected step's tokens counted as accepted"),
     m("counters", SR, "self.stats.target_tokens += i not in from_draft", "self.stats.target_tokens += i in from_draft",
       COUNTERS, note="target_tokens counts the draft's tokens (target_tokens / from_draft swapped)"),
     m("counters", SR, "from_draft = sum(1 for o in self.stats.origins[:n] if o)",
@@ -375,8 +380,7 @@ MUTANTS = [
     m("counters", SR, '"draft_share": from_draft / n if n else 0.0,',
       '"draft_share": from_draft / len(self.stats.origins) if n else 0.0,', COUNTERS,
       note="draft_share over the decoded tokens, not the returned ones"),
-    m("counters", SR, "self.mark(rnd.host, block_host, set(proposals[:acc]))",
-      "self.mark(rnd.host, block_host, set(proposals[:acc + 1]))", COUNTERS,
+    m("counters", SR, "accepted = set(proposals[:acc])", "accepted = set(proposals[:acc + 1])", COUNTERS,
       note="the target's correction counted as the draft's"),
     m("counters", SR, "self.stats.origins.extend(self.origin[blk.first:])", "self.stats.origins.extend(self.origin)",
       COUNTERS, note="origins include the prompt tail's positions (from_draft shifted)"),
@@ -402,8 +406,8 @@ MUTANTS = [
       "rng = (u, step_noise([self.key(rnd.start, 1, rnd.index)], 0, L, V, at.device)[0])", REJECT,
       note="paper: the residual draw reuses the draft's sampling stream (PAPER_DRAFT = 1)"),
     # exact verdicts on hand-made cases ---------------------------------------------------------------
-    m("verdict", VER, "same = (mine[:n] == chain[1:]).all(-1)",
-      "same = (mine[:n].sort(-1).values == chain[1:].sort(-1).values).all(-1)", VERDICT,
+    m("verdict", VER, "(stepped.index_select(0, parent) == states[1:]).all(-1)",
+      "(stepped.index_select(0, parent).sort(-1).values == states[1:].sort(-1).values).all(-1)", VERDICT,
       EXACT_REF, note="exact: a draft step accepted on its tokens only (not their positions)"),
     m("verdict", STEP, "noise = step_noise(keys, index, L, batch.shape[2], batch.device)",
       "noise = step_noise(keys, [steps[j].index for j in rows for _ in range(sizes[j])], L, batch.shape[2], "
@@ -500,8 +504,9 @@ MUTANTS = [
       SERVER, note="/metrics: target forwards per token over prompt and generated tokens"),
     m("api counters", "simsd/entrypoints/metrics.py", "self.tpot.observe((seconds - ttft) / (n - 1))",
       "self.tpot.observe((seconds - ttft) / n)", SERVER, note="/metrics: time per output token over n, not n - 1"),
-    m("batch retry", "simsd/engine/scheduler.py", "row.cached[name], row.forwards[name] = cached, forwards",
-      "row.cached[name] = cached", SCHED,
+    m("batch retry", "simsd/engine/scheduler.py",
+      "row.cached[name], row.forwards[name], row.query_tokens[name] = cached, forwards, tokens",
+      "row.cached[name], row.query_tokens[name] = cached, tokens", SCHED,
       note="after a failed batched forward the innocent rows' forward counters keep the failed forward"),
     m("admission", "simsd/engine/scheduler.py", "if req.capacity > self.engine.capacity:",
       "if req.capacity >= self.engine.capacity:", SCHED, API,
@@ -568,8 +573,9 @@ MUTANTS = [
       "if params.gamma is not None and config.max_gamma is not None and params.gamma > config.max_gamma:",
       "if params.gamma is not None and config.max_gamma is not None and params.gamma >= config.max_gamma:",
       API_ENGINE, note="gamma equal to the LLM's max_gamma refused"),
-    m("batch retry", "simsd/engine/scheduler.py", "row.cached[name], row.forwards[name] = cached, forwards",
-      "row.forwards[name] = forwards", SCHED,
+    m("batch retry", "simsd/engine/scheduler.py",
+      "row.cached[name], row.forwards[name], row.query_tokens[name] = cached, forwards, tokens",
+      "row.forwards[name], row.query_tokens[name] = forwards, tokens", SCHED,
       note="after a failed step of a folded commit the innocent rows' cached lengths stay advanced"),
     m("graph self-check", GR, "diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0",
       "diff = (a.double() - b.double()).max().item() if a.numel() else 0.0", GRAPH_CHECK,
@@ -738,6 +744,36 @@ MUTANTS = [
       note="a model whose attention runs on the torch reference accepted for CUDA graphs"),
     m("one door", "simsd/engine/memory.py", "return not model.attention_backend_class().fused", "return False",
       MEMORY, note="the memory check counts no dense attention workspace for the torch reference"),
+    # issue 36, self-speculation, trees, lookahead, width -------------------------------------------------
+    m("self draft", VER, "reached = ~(path & ~ok[None, :]).any(-1)", "reached = ok", VERDICT, EXACT_REF,
+      note="a tree node valid when it is its parent's step, whatever its ancestors"),
+    multi("mask rule (all mirrors)", [
+        (MR, "((grp_k < grp_q) & (grp_q <= tau_k))", "((grp_k < grp_q) & (grp_q < tau_k))"),
+        (TR, "((grp_k < grp_q) & (grp_q <= tau_k))", "((grp_k < grp_q) & (grp_q < tau_k))"),
+        (CR, "(gk < gq && gq <= tk)", "(gk < gq && gq < tk)"),
+    ], MASKS, MIRROR, FLEX, note="a tree copy does not see its ancestor when it is the ancestor's last descendant"),
+    m("self draft", "simsd/speculative/tree.py", "second = scores.topk(2).indices[1]",
+      "second = scores.topk(2).indices[0]", TREE, note="the runner-up token alternative is the primary's token"),
+    m("lookahead", SR, 'self.row.truncate("target", self.row.cached["target"] - L)',
+      'self.row.truncate("target", self.row.cached["target"])', SELF,
+      note="a proposed finished block that was not committed stays in the cache"),
+    m("lookahead", SR, "if ahead and node == verdict.finished:", "if ahead:", SELF,
+      note="the next block begun from a lookahead whose finished block was rejected"),
+    m("lookahead", SD, "keys + [self.key(rnd.start + L)], keep_logits=True)",
+      "keys + [self.key(rnd.start)], keep_logits=True)", SELF,
+      note="the next block's first step drawn with this block's noise key"),
+    m("lookahead", SR, "self.stats.lookahead_blocks += 1", "self.stats.lookahead_blocks += 0", SELF,
+      note="lookahead_blocks never counts"),
+    m("width", "simsd/speculative/width.py", "if cap is not None and copies > cap:",
+      "if cap is not None and copies > cap + 1:", WIDTH, note="--speculation-width N lets N + 1 copies through"),
+    m("width", "simsd/speculative/width.py", "(2 if fills and lookahead else 0)", "0", WIDTH,
+      note="a lookahead's two extra copies left out of the width"),
+    m("width", "simsd/engine/costs.py", "b = max(0.0, sum(", "b = (sum(", WIDTH,
+      note="a forward's fitted cost per query token may be negative"),
+    m("device emulation", "tests/device_emulation.py", "if placed_in and name not in ALLOWED:",
+      "if False:", "tests/test_device_emulation.py", note="a host tensor meets a placed one unnoticed"),
+    m("device run", "bench/device_tests.py", "self.proc.returncode != BROKEN_CONTEXT and", "True and", DEVICE_RUN,
+      note="a shard stopped for a broken CUDA context blames a crash as well"),
 ]
 
 

@@ -44,6 +44,16 @@ def test_a_cap_is_respected_and_filled():
     assert WidthPolicy(1, 4, 4).shape(4, ONE) == (0, 0)  # one copy: the round's own step only
 
 
+def test_a_lookahead_counts_its_two_copies_within_the_cap():
+    # 2 MASK: a chain of two steps finishes the block; with the lookahead it also carries the
+    # finished block (the commit) and the next block: root + depth 1 + those two = 4 copies
+    for cap in (2, 3, 4, 5):
+        depth, alts = WidthPolicy(cap, 4, 4).shape(2, ONE, lookahead=True)
+        fills = depth >= 2
+        assert tree_copies(depth, alts, 2, ONE) + (2 if fills else 0) <= cap, (cap, depth, alts)
+    assert WidthPolicy(4, 4, 4).shape(2, ONE, lookahead=True) == (2, 0)
+
+
 def test_auto_is_wide_when_width_is_free_and_narrow_when_it_is_not():
     flat = WidthPolicy("auto", 4, 4, Fixed(0.006, 0.0))  # a GPU: the weights are read once whatever the width
     assert flat.shape(4, ONE) == (3, 2)
