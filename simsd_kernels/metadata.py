@@ -54,15 +54,8 @@ def validate_forward_inputs(cache_seqlens, labels, positions, B: int | None = No
         B, Lq = labels.shape[:2]
     if labels.shape != (B, Lq, 3):
         raise ValueError(f"labels must be (B={B}, Lq={Lq}, 3), got {tuple(labels.shape)}")
-    _check("positions", positions, 2, torch.int64)
-    if positions.shape != (B, Lq):
-        raise ValueError(f"positions must be (B={B}, Lq={Lq}), got {tuple(positions.shape)}")
-    _check("cache_seqlens", cache_seqlens, 1, torch.int32)
-    if cache_seqlens.shape[0] != B:
-        raise ValueError(f"cache_seqlens must be (B={B},), got {tuple(cache_seqlens.shape)}")
-    devices = {t.device for t in (cache_seqlens, labels, positions)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    _check_positions_and_lens(positions, cache_seqlens, B, Lq, "Lq")
+    _one_device(cache_seqlens, labels, positions)
 
 
 def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions):
@@ -82,9 +75,7 @@ def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, po
     validate_forward_inputs(cache_seqlens, labels, positions, B, Lq)
     if D % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
-    devices = {t.device for t in (q, k, v, k_cache, v_cache, cache_seqlens, labels, positions)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    _one_device(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions)
 
 
 def validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens: int):
@@ -97,17 +88,27 @@ def validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_t
     if v.shape != k.shape:
         raise ValueError(f"v must be shaped as k (B={B}, L={L}, Hkv={Hkv}, D={D}), got {tuple(v.shape)}")
     _check_caches(k_cache, v_cache, B, Hkv, D, k.dtype)
-    _check("positions", positions, 2, torch.int64)
-    if positions.shape != (B, L):
-        raise ValueError(f"positions must be (B={B}, L={L}), got {tuple(positions.shape)}")
-    _check("cache_seqlens", cache_seqlens, 1, torch.int32)
-    if cache_seqlens.shape[0] != B:
-        raise ValueError(f"cache_seqlens must be (B={B},), got {tuple(cache_seqlens.shape)}")
+    _check_positions_and_lens(positions, cache_seqlens, B, L, "L")
     if not 0 <= num_tokens <= L:
         raise ValueError(f"num_tokens must be in [0, {L}], got {num_tokens}")
     if D % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
-    devices = {t.device for t in (k, v, positions, k_cache, v_cache, cache_seqlens)}
+    _one_device(k, v, positions, k_cache, v_cache, cache_seqlens)
+
+
+def _check_positions_and_lens(positions, cache_seqlens, B: int, L: int, length: str) -> None:
+    """``positions (B, L)`` int64 and ``cache_seqlens (B,)`` int32, else a ``ValueError`` naming
+    the argument (``length``: what the caller calls ``L``)."""
+    _check("positions", positions, 2, torch.int64)
+    if positions.shape != (B, L):
+        raise ValueError(f"positions must be (B={B}, {length}={L}), got {tuple(positions.shape)}")
+    _check("cache_seqlens", cache_seqlens, 1, torch.int32)
+    if cache_seqlens.shape[0] != B:
+        raise ValueError(f"cache_seqlens must be (B={B},), got {tuple(cache_seqlens.shape)}")
+
+
+def _one_device(*tensors) -> None:
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 

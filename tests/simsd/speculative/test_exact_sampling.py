@@ -87,25 +87,26 @@ def test_self_draft_accepts_every_step_under_sampling(models, strategy):
             assert got.stats["rounds"] > got.stats["blocks"]  # rounds that start mid-block ran
 
 
+#: a decoding path of the speculative loop: ``(DecodeConfig fields, SpecConfig fields)``
+PATH_VARIANTS = {
+    "gamma1": ({}, {"gamma": 1}),  # one proposal a round
+    "gamma2": ({}, {"gamma": 2}),  # rounds that start mid-block
+    "fallback": ({}, {"gamma": 3, "on_reject": "fallback"}),  # the target finishing a block
+    "fold": ({"fold_commit": True}, {}),
+    "optimistic": ({}, {"optimistic": True}),
+    "b8_steps4": ({"block_length": 8, "steps": 4, "max_new_tokens": 24}, {}),  # multi-token steps
+    "draft_strategy": ({}, {"draft_strategy": "sequential"}),
+    "moe": ({}, {}),  # the path of a mixture-of-experts target (the test loads it)
+}
+
+
 @pytest.mark.parametrize("variant", ["gamma2", "fallback", "fold", "optimistic", "b8_steps4", "draft_strategy"])
 def test_exact_sampling_paths(arch_models, variant):
     """Rounds that start mid-block (gamma 2), the target finishing a block (fallback), folded
     commits, optimistic drafting, multi-token steps (B = 8 in 4 steps) and a draft with its own
     strategy: still vanilla's tokens (dense and MoE models)."""
     target, draft = arch_models["target"], arch_models["near"]
-    kw, spec = {}, {}
-    if variant == "gamma2":
-        spec["gamma"] = 2
-    elif variant == "fallback":
-        spec.update(gamma=3, on_reject="fallback")
-    elif variant == "fold":
-        kw["fold_commit"] = True
-    elif variant == "optimistic":
-        spec["optimistic"] = True
-    elif variant == "b8_steps4":
-        kw.update(block_length=8, steps=4, max_new_tokens=24)
-    else:
-        spec["draft_strategy"] = "sequential"
+    kw, spec = PATH_VARIANTS[variant]
     for i, prompt in enumerate(PROMPTS):
         cfg = cfg_for("static", 1.0, seed=10 + i, **kw)
         got = speculative_generate(target, draft, prompt, cfg, SpecConfig(mode="exact", **spec))

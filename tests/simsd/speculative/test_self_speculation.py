@@ -14,7 +14,14 @@ from simsd import DecodeConfig, SamplingParams
 from simsd.config.vocabulary import ParamError
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.speculative import SpecConfig, SpeculativeDecoder, speculative_generate, speculative_generate_batch
-from tests.simsd.speculative.test_exact_sampling import PROMPTS, THRESHOLD, bundled_pair, ckpt, vanilla_ids
+from tests.simsd.speculative.test_exact_sampling import (
+    PATH_VARIANTS,
+    PROMPTS,
+    THRESHOLD,
+    bundled_pair,
+    ckpt,
+    vanilla_ids,
+)
 
 STRATEGIES = ["static", "sequential", "dynamic", "entropy"]
 #: a fixed width: the trees then depend on the tokens and the acceptance seen only, never on how
@@ -80,17 +87,7 @@ def test_self_speculation_paths(target, variant):
     """Rounds that start mid-block (gamma 2: at most two proposed steps), one proposal a round
     (gamma 1), the target finishing a block (fallback), folded commits, multi-token steps (B = 8
     in 4 steps) and a mixture-of-experts target: still vanilla's tokens."""
-    kw, extra = {}, {}
-    if variant == "gamma2":
-        extra["gamma"] = 2
-    elif variant == "gamma1":
-        extra["gamma"] = 1
-    elif variant == "fallback":
-        extra.update(gamma=3, on_reject="fallback")
-    elif variant == "fold":
-        kw["fold_commit"] = True
-    elif variant == "b8_steps4":
-        kw.update(block_length=8, steps=4, max_new_tokens=24)
+    kw, extra = PATH_VARIANTS[variant]
     if variant == "moe":
         from tests.simsd.speculative.test_moe_modes import MOE
         target = ckpt("moe-target", moe=MOE)
