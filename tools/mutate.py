@@ -84,7 +84,7 @@ OPTIONS = "tests/simsd/entrypoints/test_options.py"
 PROMPTS = "tests/simsd/entrypoints/test_prompts.py"
 DETOK = "tests/simsd/entrypoints/test_detokenize.py"
 SCHED = "tests/simsd/engine/test_scheduler.py"
-SERVER = "tests/simsd/entrypoints/test_server.py"
+SERVER = "tests/simsd/entrypoints/openai/test_server.py"
 TP = "tests/simsd/engine/test_tp.py"
 MEMORY = "tests/simsd/engine/test_memory.py"
 SERVE_CLI = "tests/simsd/entrypoints/test_serve_cli.py"
@@ -129,7 +129,9 @@ SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
 LAY = "simsd/decoding/layouts.py"
-PROTO, REQ = "simsd/entrypoints/protocol.py", "simsd/config/request.py"
+PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
+SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
+OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
 #: the request fields a server request gives (protocol.py), and the same with one of them dropped
 GIVEN = "given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}"
 ignoring = lambda field: GIVEN[:-1] + f' and name != "{field}"' + "}"  # noqa: E731
@@ -465,10 +467,10 @@ MUTANTS = [
       note="issue 23: a stop string completed by the first character of a token is not found"),
     m("batch retry", "simsd/engine/scheduler.py", "self.engine.caches[name].seqlens[i] = cached", "pass", SCHED,
       note="issue 23: after a failed commit forward the innocent rows' cache lengths are not rolled back"),
-    m("api counters", "simsd/entrypoints/server.py", 'extra = {"usage": _usage(outs)} if not left else {}',
-      'extra = {"usage": _usage([payload])} if not left else {}', SERVER,
+    m("api counters", SERVING, 'extra = {"usage": usage(outs)} if not left else {}',
+      'extra = {"usage": usage([payload])} if not left else {}', SERVER,
       note="issue 23: a stream of several prompts reports the usage of its last choice only"),
-    m("protocol", "simsd/entrypoints/protocol.py",
+    m("protocol", PROTO,
       "return super().sampling_params(defaults, self.max_completion_tokens)",
       "return super().sampling_params(defaults)", SERVER, note="issue 23: chat max_completion_tokens ignored"),
     m("prompt bounds", "simsd/entrypoints/request_builder.py", "if P + max_tokens > L:", "if P + max_tokens >= L:", API,
@@ -480,11 +482,11 @@ MUTANTS = [
     m("tp check", "simsd/engine/tp.py", '("intermediate_size", c.intermediate_size)]', "]", TP,
       note="issue 23: --tp 2 on an odd intermediate_size not refused (a channel dropped)"),
     # the same kinds elsewhere (issue 23: boundary values, commit paths, multi-prompt figures, signs) ------
-    m("api counters", "simsd/entrypoints/server.py", 'c = sum(len(o.token_ids) for o in outs)',
+    m("api counters", SERVING, 'c = sum(len(o.token_ids) for o in outs)',
       'c = sum(len(o.token_ids) for o in outs[-1:])', SERVER,
       note="usage of several prompts: the completion tokens of the last choice only"),
-    m("api counters", "simsd/entrypoints/server.py", '"choices": choices, "usage": _usage(outs)}',
-      '"choices": choices, "usage": _usage(outs[:1])}', SERVER,
+    m("api counters", SERVING, '"choices": choices, "usage": usage(outs)}',
+      '"choices": choices, "usage": usage(outs[:1])}', SERVER,
       note="a completion of several prompts (not streamed) reports the usage of its first choice"),
     m("api counters", "simsd/entrypoints/driver.py", 't["prompt_tokens"] += len(handle.prompt_token_ids)',
       't["prompt_tokens"] += len(handle.stream.token_ids)', API, SERVER,
@@ -494,11 +496,11 @@ MUTANTS = [
     m("api counters", "simsd/entrypoints/driver.py", 't["draft_forwards"] += prog.row.forwards.get("draft", 0)',
       't["draft_forwards"] += prog.row.forwards.get("target", 0)', API, SERVER,
       note="metrics: draft forwards counted as the target's"),
-    m("api counters", "simsd/entrypoints/metrics.py",
+    m("api counters", "simsd/entrypoints/openai/metrics.py",
       'value=m["target_forwards"] / m["generation_tokens"] if m["generation_tokens"] else nan)',
       'value=m["target_forwards"] / (m["generation_tokens"] + m["prompt_tokens"]) if m["generation_tokens"] else nan)',
       SERVER, note="/metrics: target forwards per token over prompt and generated tokens"),
-    m("api counters", "simsd/entrypoints/metrics.py", "self.tpot.observe((seconds - ttft) / (n - 1))",
+    m("api counters", "simsd/entrypoints/openai/metrics.py", "self.tpot.observe((seconds - ttft) / (n - 1))",
       "self.tpot.observe((seconds - ttft) / n)", SERVER, note="/metrics: time per output token over n, not n - 1"),
     m("batch retry", "simsd/engine/scheduler.py", "row.cached[name], row.forwards[name] = cached, forwards",
       "row.cached[name] = cached", SCHED,
@@ -632,16 +634,16 @@ MUTANTS = [
       "qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)[::-1]", FWD_CTX, DOOR,
       note="the jointly rotated q and k swapped"),
     # issue 26, the server facing a network ----------------------------------------------------------
-    m("server", "simsd/entrypoints/server.py",
-      'if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):',
-      'if scheme.lower() != "bearer" and not hmac.compare_digest(token.strip().encode(), want):', SERVER,
+    m("server", MIDDLEWARE,
+      'if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.want):',
+      'if scheme.lower() != "bearer" and not hmac.compare_digest(token.strip().encode(), self.want):', SERVER,
       note="any Bearer token accepted"),
-    m("server", "simsd/entrypoints/server.py", "if total > self.limit:", "if total > 4 * self.limit:", SERVER,
+    m("server", MIDDLEWARE, "if total > self.limit:", "if total > 4 * self.limit:", SERVER,
       note="a chunked body read past the limit"),
-    m("server", "simsd/entrypoints/server.py", "if len(prompts) > s.max_rows + s.max_waiting:",
+    m("server", OSTATE, "if len(prompts) > s.max_rows + s.max_waiting:",
       "if len(prompts) > s.max_rows + 2 * s.max_waiting:", SERVER,
       note="a request that can never be queued gets 503, not 400"),
-    m("server", "simsd/entrypoints/server.py", 'state.metrics.rejected.labels("queue_full").inc()',
+    m("server", OERRORS, 'state.metrics.rejected.labels("queue_full").inc()',
       'state.metrics.rejected.labels("shutting_down").inc()', SERVER, note="queue-full refusals counted as shutdown"),
     m("server", "simsd/entrypoints/request_builder.py",
       "if fit_max_tokens and 0 < room < params.max_tokens:",
@@ -651,7 +653,7 @@ MUTANTS = [
       "return data", SERVER, note="an explicit null refused instead of the default"),
     m("server", PROTO, "if self.name is not None:  # the chat template sees it, as simsd's API passes it",
       "if False:", SERVER, note="a message's name dropped"),
-    m("server", "simsd/entrypoints/server.py", "await asyncio.wait_for(self._idle.wait(), timeout)",
+    m("server", OSTATE, "await asyncio.wait_for(self._idle.wait(), timeout)",
       "await asyncio.wait_for(self._idle.wait(), timeout + 60)", SHUTDOWN,
       note="the drain's deadline 60 s late"),
     m("server", "simsd/entrypoints/encoding.py", 'return most * (NFC_SHRINK if norm == "NFC" else 1)',

@@ -1,10 +1,10 @@
-"""``simsd serve``: the OpenAI-compatible server (:mod:`simsd.entrypoints.server`) under uvicorn.
+"""``simsd serve``: the OpenAI-compatible server (:mod:`simsd.entrypoints.openai`) under uvicorn.
 
 Server-wide settings come from the command line (models, mode, block length, engine size);
 the request defaults too (``--max-tokens``, ``--temperature``, ``--strategy`` ...: the fields
 of a request, under the same names), which each request may override with its own fields.
 ``--api-key`` (or ``SIMSD_API_KEY``), ``--allowed-origins`` and ``--disable-docs`` say what a
-network client may reach (:func:`simsd.entrypoints.server.build_app`).
+network client may reach (:func:`simsd.entrypoints.openai.api_server.build_app`).
 
 Shutdown, on SIGTERM or SIGINT (Ctrl-C): the listener stays open and answers new requests with
 a 503 while the requests in flight finish, for ``--shutdown-timeout`` seconds at most; then,
@@ -74,10 +74,10 @@ def listen_socket(host: str, port: int):
 def app_of(args, llm):
     """The server app of ``simsd serve``'s HTTP options for ``llm``: ``--api-key`` (else the
     ``SIMSD_API_KEY`` environment variable), ``--allowed-origins`` (comma-separated),
-    ``--disable-docs``, ``--max-request-bytes`` (:func:`simsd.entrypoints.server.build_app`)."""
+    ``--disable-docs``, ``--max-request-bytes`` (:func:`simsd.entrypoints.openai.api_server.build_app`)."""
     import os
 
-    from .server import build_app
+    from .openai.api_server import build_app
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     return build_app(llm, args.served_model_name, api_key=args.api_key or os.environ.get("SIMSD_API_KEY") or None,
                      allowed_origins=origins, docs=not args.disable_docs, max_request_bytes=args.max_request_bytes)
@@ -102,7 +102,7 @@ def run_serve(args) -> int:
 
     class Server(uvicorn.Server):
         """uvicorn's server; its exit hook (``handle_exit``, called by the signal handler) runs
-        the drain (:meth:`simsd.entrypoints.server.ServerState.drain`) before ``should_exit``
+        the drain (:meth:`simsd.entrypoints.openai.state.ServerState.drain`) before ``should_exit``
         lets uvicorn shut down."""
         loop = None
         signals = 0

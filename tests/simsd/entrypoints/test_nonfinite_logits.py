@@ -117,7 +117,7 @@ def test_the_command_line_exits_1_naming_the_model_dtype_and_step(capsys, role):
 def test_the_server_answers_an_error_for_the_request(capsys):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from simsd.entrypoints.server import build_app
+    from simsd.entrypoints.openai.api_server import build_app
     from tests.simsd.entrypoints.serving import running_server
     llm = LLM(float16_overflow_checkpoint(), mode="vanilla", dtype="float16", device="cpu", batch_size=1)
     with running_server(build_app(llm, shutdown_llm=True)) as url, httpx.Client(base_url=url, timeout=120) as h:

@@ -228,7 +228,7 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
 
 def test_serve_http_options_reach_the_app(monkeypatch):
     """--api-key (else SIMSD_API_KEY), --allowed-origins and --disable-docs configure the app
-    ``simsd serve`` runs (their behaviour: tests/simsd/entrypoints/test_server.py)."""
+    ``simsd serve`` runs (their behaviour: tests/simsd/entrypoints/openai/test_server.py)."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 

@@ -10,7 +10,7 @@ from simsd.entrypoints.cli import main
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from simsd.entrypoints.server import build_app  # noqa: E402
+from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
 from tests.simsd.entrypoints.serving import running_server  # noqa: E402
 
 #: (mode, engine settings, command-line flags, request fields, the setting named, words of the message)

@@ -18,9 +18,9 @@ from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from ..config.request import SamplingParams
-from ..config.vocabulary import settings_of
-from .errors import ParamError
+from ...config.request import SamplingParams
+from ...config.vocabulary import settings_of
+from ..errors import ParamError
 
 
 class _Body(BaseModel):

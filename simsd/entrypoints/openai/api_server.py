@@ -1,0 +1,53 @@
+"""The server's app (:func:`build_app`): its state, middleware, exception handlers, routes and
+lifespan."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from ...config.serving import MAX_REQUEST_BYTES
+from ..api import LLM
+from .errors import EXCEPTION_HANDLERS
+from .middleware import APIKeyAuth, BodyLimit
+from .router import router
+from .state import ServerState
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """The app's lifespan: at its end (SIGTERM under uvicorn, after uvicorn has let the open
+    requests finish) refuse new requests and, with ``shutdown_llm``, drain and stop the LLM."""
+    yield
+    state = app.state.simsd
+    state.draining = True
+    if state.shutdown_llm:
+        await run_in_threadpool(state.llm.shutdown, True)
+
+
+def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True, *, api_key: str | None = None,
+              allowed_origins=(), docs: bool = True, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving ``llm`` as ``model_name`` (default: the target directory's name).
+    ``shutdown_llm``: drain and stop the LLM when the app shuts down (SIGTERM under uvicorn:
+    uvicorn first lets the open requests finish).
+
+    ``api_key``: every ``/v1/*`` request needs ``Authorization: Bearer <api_key>``
+    (:class:`~simsd.entrypoints.openai.middleware.APIKeyAuth`); ``/health`` and ``/metrics`` stay
+    open (for probes; put them behind the proxy's rules if needed). ``allowed_origins``: the
+    browser origins CORS allows (``["*"]``: any; empty: none, preflights are then 405).
+    ``docs`` False: no ``/docs``, ``/redoc``, ``/openapi.json``. ``max_request_bytes``: the body
+    limit (:class:`~simsd.entrypoints.openai.middleware.BodyLimit`).
+    """
+    app = FastAPI(title="simsd", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS,
+                  **({} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
+    app.state.simsd = ServerState(llm, model_name or llm.target.path.name, shutdown_llm)
+    if api_key is not None:
+        app.add_middleware(APIKeyAuth, api_key=api_key)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if allowed_origins:  # added last: the outermost layer, so preflights and 401s carry the CORS headers
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.include_router(router)
+    return app
