@@ -11,7 +11,7 @@ from ...config.serving import MAX_REQUEST_BYTES
 from ..api import LLM
 from .errors import EXCEPTION_HANDLERS
 from .middleware import APIKeyAuth, BodyLimit
-from .router import router
+from .router import BODIES, router
 from .state import ServerState
 
 
@@ -50,4 +50,19 @@ def build_app(llm: LLM, model_name: str | None = None, shutdown_llm: bool = True
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.include_router(router)
+    app.openapi = openapi_with_bodies(app.openapi)
     return app
+
+
+def openapi_with_bodies(generate):
+    """FastAPI's OpenAPI schema function ``generate`` with the request bodies the handlers read
+    themselves (:data:`~simsd.entrypoints.openai.router.BODIES`) added to its components."""
+    def openapi() -> dict:
+        schema = generate()  # (FastAPI keeps it: the same dict on every call)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODIES:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        return schema
+    return openapi

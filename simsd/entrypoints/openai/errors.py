@@ -3,8 +3,8 @@
 exception into its status (:data:`EXCEPTION_HANDLERS`, given to the app by
 :func:`~simsd.entrypoints.openai.api_server.build_app`):
 
-* ``RequestValidationError``: 400 naming the first error's field (``param``: its dotted path);
-* :class:`ParamError`: 400, ``param`` the setting;
+* :class:`ParamError`: 400, ``param`` the setting or field (a bad body's first error:
+  :func:`~simsd.entrypoints.openai.protocol.parse_request`);
 * ``QueueFull``: 503 ``server_busy`` with ``Retry-After``
   (:meth:`~simsd.entrypoints.openai.state.ServerState.retry_after`);
 * ``SchedulerClosed``: 503 ``server_busy``, the server is shutting down;
@@ -15,7 +15,6 @@ exception into its status (:data:`EXCEPTION_HANDLERS`, given to the app by
 """
 from __future__ import annotations
 
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,22 +37,6 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
                    headers: dict | None = None, code: str | None = None) -> JSONResponse:
     """OpenAI's error body (:func:`error_body`) with ``status``."""
     return JSONResponse(error_body(message, param, type_, code), status_code=status, headers=headers)
-
-
-def is_type_tag(part: str) -> bool:
-    """Whether a pydantic error location part names a union member's type, not a field."""
-    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
-
-
-async def on_validation(request, exc: RequestValidationError):
-    err = exc.errors()[0]
-    # union members show up in the location as their type (``str``, ``list[int]``): not a field
-    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not is_type_tag(str(x))]
-    if err.get("type") == "json_invalid":
-        return error_response(400, f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-    param = ".".join(loc) or None
-    msg = err.get("msg", "bad request").removeprefix("Value error, ")
-    return error_response(400, f"{param}: {msg}" if param else msg, param)
 
 
 async def on_param(request, exc: ParamError):
@@ -89,6 +72,6 @@ async def on_other(request, exc: Exception):
 
 
 #: the app's exception handlers (FastAPI's ``exception_handlers``)
-EXCEPTION_HANDLERS = {RequestValidationError: on_validation, ParamError: on_param, QueueFull: on_queue_full,
-                      SchedulerClosed: on_closed, ServerStopped: on_stopped, RequestError: on_request_error,
-                      StarletteHTTPException: on_http, Exception: on_other}
+EXCEPTION_HANDLERS = {ParamError: on_param, QueueFull: on_queue_full, SchedulerClosed: on_closed,
+                      ServerStopped: on_stopped, RequestError: on_request_error, StarletteHTTPException: on_http,
+                      Exception: on_other}

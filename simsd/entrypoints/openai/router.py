@@ -45,11 +45,24 @@ async def metrics(request: Request):
     return Response(body, media_type=ctype)
 
 
-@router.post("/v1/completions")
-async def completions(request: Request, body: CompletionRequest):
-    return await serve(request, body, body.prompts(), chat=False)
+def request_body(model) -> dict:
+    """The OpenAPI ``requestBody`` of a handler that reads ``model`` itself (the schema: in the
+    components, :func:`~simsd.entrypoints.openai.api_server.openapi_with_bodies`)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest):
-    return await serve(request, body, [body.chat()], chat=True)
+#: the request bodies the handlers read themselves, for the OpenAPI schema
+BODIES = (CompletionRequest, ChatCompletionRequest)
+
+
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+async def completions(request: Request):
+    """OpenAI's Completions: a text, token ids, or a list of either (one choice each)."""
+    return await serve(request, CompletionRequest, chat=False)
+
+
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+async def chat_completions(request: Request):
+    """OpenAI's Chat Completions: messages through the checkpoint's chat template."""
+    return await serve(request, ChatCompletionRequest, chat=True)

@@ -1,6 +1,8 @@
 """Serving one completion or chat request (vLLM's ``serving_completion`` / ``serving_chat``):
-:func:`serve` submits its prompts (:class:`~simsd.entrypoints.openai.state.Call`) and answers
-with the whole response (:func:`collect`) or with server-sent events (:func:`stream`).
+:func:`serve` reads and validates its body in a worker thread
+(:func:`~simsd.entrypoints.openai.protocol.parse_request`), submits its prompts
+(:class:`~simsd.entrypoints.openai.state.Call`) and answers with the whole response
+(:func:`collect`) or with server-sent events (:func:`stream`).
 
 A response's choices carry a ``simsd`` extension object each (:func:`extension`: ``seed``,
 ``stop_reason``, ``stats``) and the usage counts every choice (:func:`usage`).
@@ -14,11 +16,13 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ...engine.scheduler import SchedulerClosed
 from ..errors import ParamError
 from ..outputs import json_safe, request_failure
 from .errors import ServerStopped, error_body
+from .protocol import parse_request
 from .state import Call, ServerState
 
 
@@ -31,16 +35,24 @@ def check_model(state: ServerState, body) -> None:
         raise ParamError("model", f"model {body.model!r} is not served here (served: {state.model_name!r})")
 
 
-async def serve(request: Request, body, prompts: list, chat: bool):
-    """Answer a validated completion (``chat`` False) or chat request ``body`` whose prompts are
-    ``prompts`` (one choice each): an OpenAI response body, a ``StreamingResponse`` of
-    server-sent events for ``stream: true``, or an empty 499 when the client left first.
+def parsed(model, raw: bytes) -> tuple:
+    """``(body, prompts)``: ``raw`` validated as ``model`` and its prompts, one per choice."""
+    body = parse_request(model, raw)
+    return body, body.prompts()
+
+
+async def serve(request: Request, model, chat: bool):
+    """Answer a completion (``chat`` False, ``model`` the request's class) or chat request: an
+    OpenAI response body, a ``StreamingResponse`` of server-sent events for ``stream: true``, or
+    an empty 499 when the client left first. The body is parsed and validated in a worker
+    thread: a large one never holds up other clients' streams or ``/health``.
 
     Raises:
         ParamError, QueueFull, SchedulerClosed, ServerStopped, RequestError: answered by the
             app's exception handlers (:mod:`simsd.entrypoints.openai.errors`).
     """
     state = request.app.state.simsd
+    body, prompts = await run_in_threadpool(parsed, model, await request.body())
     check_model(state, body)
     params = body.sampling_params(state.llm.default_params)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

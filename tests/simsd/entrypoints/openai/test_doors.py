@@ -1,0 +1,129 @@
+"""The server's last open doors (issue 34, items 8-12), in-process on 127.0.0.1 (bundled pair,
+float32, CPU): a body is parsed and validated off the event loop with bounded work; CORS lets
+the OpenAI browser SDK's headers through; a queued stream gets keep-alive comments; a stuck
+engine turns /health 503; chat requests may continue the final message; a request that failed
+inside the engine is not retried. The HTTP connection's own bounds (header size, half-sent
+requests) are tested on a real ``simsd serve``: tests/simsd/entrypoints/test_serve_connection.py."""
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from simsd import LLM  # noqa: E402
+from simsd.entrypoints.openai import protocol, serving  # noqa: E402
+from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
+from tests.simsd.entrypoints.serving import running_server  # noqa: E402
+
+NAME = "tiny-sdar-target"
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(mode="exact", dtype="float32", device="cpu", batch_size=2)
+    yield llm
+    assert llm.shutdown(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    with running_server(build_app(llm, shutdown_llm=False)) as url:
+        yield url
+
+
+def test_a_body_is_parsed_and_validated_off_the_event_loop(url, monkeypatch):
+    """While one body is held inside its parsing (a scripted stall, no timing), /health and
+    another request are answered: the parsing and validation run in a worker thread."""
+    real, held, release = serving.parse_request, threading.Event(), threading.Event()
+
+    def parse(model, raw):
+        if b"stall here" in raw:
+            held.set()
+            assert release.wait(TIMEOUT)
+        return real(model, raw)
+    monkeypatch.setattr(serving, "parse_request", parse)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h, ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(h.post, "/v1/completions", json={"model": NAME, "prompt": "stall here", "max_tokens": 2})
+        assert held.wait(TIMEOUT)
+        try:
+            assert h.get("/health", timeout=30).status_code == 200  # would hang if the parsing held the loop
+            r = h.post("/v1/completions", json={"model": NAME, "prompt": [11, 12, 13], "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200
+        finally:
+            release.set()
+        assert stalled.result(TIMEOUT).status_code == 200
+
+
+@pytest.mark.parametrize("model,body,param", [
+    # issue 34's 5.5 MB body: 400,000 unknown fields
+    (protocol.CompletionRequest, {"model": NAME, "prompt": "hi", **{f"f{i}": 1 for i in range(400_000)}}, "f0"),
+    (protocol.CompletionRequest, {"model": NAME, "prompt": [[1]] + ["x"] * 1_000_000}, "prompt"),
+    (protocol.CompletionRequest, {"model": NAME, "prompt": "hi", "stop": [5] * 100_000}, "stop"),
+    (protocol.ChatCompletionRequest, {"model": NAME, "messages": [{"role": "robot", "content": "a"}] * 250_000},
+     "messages.0.role"),
+    (protocol.ChatCompletionRequest, {"model": NAME, "messages": [{"role": "user", "content": "a",
+                                                                    **{f"x{i}": 0 for i in range(100_000)}}]},
+     "messages.0.x0"),
+    (protocol.ChatCompletionRequest, {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a", "y": 1}] * 100_000}]}, "messages.0.content"),
+])
+def test_a_bad_body_builds_a_bounded_number_of_errors(model, body, param):
+    """Validation reports the first unknown field of an object and stops a list at its first
+    bad item, so a body of 100,000s of bad parts builds one error (one per union member at
+    most), not one per part (issue 34: building 400,000 errors to report the first took
+    seconds); the refusal names the first bad field."""
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    assert info.value.error_count() <= 4, info.value.error_count()
+    with pytest.raises(protocol.ParamError) as info:
+        protocol.parse_request(model, json.dumps(body).encode())
+    assert info.value.param == param, str(info.value)
+
+
+def test_a_body_of_400k_unknown_fields_is_a_400_naming_the_first(url):
+    body = {"model": NAME, "prompt": "hi", **{f"field{i}": i for i in range(400_000)}}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "field0: Extra inputs are not permitted", "type":
+                                     "invalid_request_error", "param": "field0", "code": None}
+        r = h.post("/v1/completions", content=b'{"model": "x", "prompt": ',
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == ("malformed JSON: Expecting value (line 1, "
+                                                                         "column 26)")
+
+
+def test_the_openapi_schema_describes_the_request_bodies(url):
+    """/openapi.json documents both request bodies (read by the handlers themselves), and every
+    reference in it resolves."""
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        doc = h.get("/openapi.json").json()
+
+    def resolve(ref: str) -> dict:
+        node = doc
+        for part in ref.removeprefix("#/").split("/"):
+            node = node[part]
+        return node
+
+    def refs(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                yield node["$ref"]
+            for v in node.values():
+                yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+    for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        body = doc["paths"][path]["post"]["requestBody"]
+        schema = resolve(body["content"]["application/json"]["schema"]["$ref"])
+        assert body["required"] and field in schema["properties"]
+    for ref in refs(doc):
+        assert isinstance(resolve(ref), dict), ref
+    assert set(resolve("#/components/schemas/ChatMessage")["properties"]) >= {"role", "content", "name"}
