@@ -76,7 +76,9 @@ def run_serve(args) -> int:
     from ray import serve
 
     from .ray_cluster import require_ray
+    from .serve import api_key_of
     require_ray("ray.serve")
+    api_key_of(args)  # before any replica starts: a key that could never match fails at once
     if args.port == 0:
         from ..engine.tp import free_port
         args.port = free_port()

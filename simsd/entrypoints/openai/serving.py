@@ -17,6 +17,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from ...engine.scheduler import SchedulerClosed
 from ..errors import ParamError
@@ -44,15 +45,20 @@ def parsed(model, raw: bytes) -> tuple:
 async def serve(request: Request, model, chat: bool):
     """Answer a completion (``chat`` False, ``model`` the request's class) or chat request: an
     OpenAI response body, a ``StreamingResponse`` of server-sent events for ``stream: true``, or
-    an empty 499 when the client left first. The body is parsed and validated in a worker
-    thread: a large one never holds up other clients' streams or ``/health``.
+    an empty 499 when the client left first (before its body arrived, or before the answer). The
+    body is parsed and validated in a worker thread: a large one never holds up other clients'
+    streams or ``/health``.
 
     Raises:
         ParamError, QueueFull, SchedulerClosed, ServerStopped, RequestError: answered by the
             app's exception handlers (:mod:`simsd.entrypoints.openai.errors`).
     """
     state = request.app.state.simsd
-    body, prompts = await run_in_threadpool(parsed, model, await request.body())
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # e.g. closed at the read deadline (simsd serve --request-read-timeout)
+        return Response(status_code=499)
+    body, prompts = await run_in_threadpool(parsed, model, raw)
     check_model(state, body)
     params = body.sampling_params(state.llm.default_params)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

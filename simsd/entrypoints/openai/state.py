@@ -9,6 +9,7 @@ from functools import partial
 
 from starlette.concurrency import run_in_threadpool
 
+from ...config.serving import ROUND_TIMEOUT, SSE_KEEPALIVE
 from ..api import LLM
 from ..errors import ParamError
 from .errors import ServerStopped
@@ -18,10 +19,14 @@ from .metrics import Metrics
 class ServerState:
     """What the endpoints share: the LLM, the served model name, the metrics, the drain flag and
     the calls in flight (:class:`Call`: from submission until each of their engine requests has
-    ended). ``shutdown_llm``: the app's shutdown drains and stops the LLM."""
+    ended). ``shutdown_llm``: the app's shutdown drains and stops the LLM; ``round_timeout``:
+    seconds a scheduler round may run before ``/health`` reports a stuck engine;
+    ``sse_keepalive``: seconds between the keep-alive comments of a stream with nothing to send."""
 
-    def __init__(self, llm: LLM, model_name: str, shutdown_llm: bool = True):
+    def __init__(self, llm: LLM, model_name: str, shutdown_llm: bool = True, round_timeout: float = ROUND_TIMEOUT,
+                 sse_keepalive: float = SSE_KEEPALIVE):
         self.llm, self.model_name, self.shutdown_llm = llm, model_name, shutdown_llm
+        self.round_timeout, self.sse_keepalive = round_timeout, sse_keepalive
         self.metrics = Metrics(llm)
         self.draining = False
         self.created = int(time.time())

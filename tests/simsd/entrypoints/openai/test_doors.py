@@ -127,3 +127,51 @@ def test_the_openapi_schema_describes_the_request_bodies(url):
     for ref in refs(doc):
         assert isinstance(resolve(ref), dict), ref
     assert set(resolve("#/components/schemas/ChatMessage")["properties"]) >= {"role", "content", "name"}
+
+
+def sdk_headers() -> list:
+    """The request headers the OpenAI SDK sends besides the CORS-safelisted ones (its own
+    ``x-stainless-*`` and ``openai-*`` among them; the browser sets ``User-Agent`` itself)."""
+    client = openai.OpenAI(api_key="k", organization="org", project="p", base_url="http://127.0.0.1:1/v1")
+    names = {k.lower() for k in client.default_headers} - {"user-agent"}
+    return sorted(names | {"authorization", "x-stainless-retry-count", "x-stainless-timeout"})
+
+
+def test_cors_lets_the_openai_browser_sdk_through(llm):
+    """An allowed origin's preflight with the OpenAI SDK's headers is 200 and allows each of them
+    (``allowed_headers`` ``*``, vLLM's default); with the headers restricted, the same preflight
+    is refused and one with only the listed headers passes; another origin is refused either way."""
+    names = sdk_headers()
+    assert "x-stainless-os" in names and "openai-organization" in names  # the premise
+    origin = "https://app.example.com"
+    pre = {"Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": ",".join(names)}
+    with running_server(build_app(llm, shutdown_llm=False, api_key="k", allowed_origins=[origin])) as url, \
+            httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == origin
+        assert set(names) <= {x.strip().lower() for x in r.headers["access-control-allow-headers"].split(",")}
+        assert h.options("/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"}).status_code == 400
+    app = build_app(llm, shutdown_llm=False, allowed_origins=[origin],
+                    allowed_headers=["Authorization", "Content-Type"], allowed_methods=["POST"])
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        assert h.options("/v1/chat/completions", headers=pre).status_code == 400
+        plain = {**pre, "Access-Control-Request-Headers": "authorization,content-type"}
+        assert h.options("/v1/chat/completions", headers=plain).status_code == 200
+        assert h.options("/v1/chat/completions", headers={**plain, "Access-Control-Request-Method": "GET"}
+                         ).status_code == 400
+
+
+@pytest.mark.parametrize("key,words", [
+    ("clé", "character 2 is 'é'"),
+    ("s3cret\n", "character 6 is '\\n'"),
+    (" s3cret", "must not begin or end with a space"),
+])
+def test_a_key_a_client_could_never_send_is_refused(llm, key, words):
+    """An API key must be printable ASCII without a space at either end: an HTTP header carries
+    ASCII (a client's UTF-8 bytes reach the server as Latin-1) and the token is stripped, so such
+    a key could never match (issue 34 item 11); ``simsd serve`` refuses it at start
+    (tests/simsd/entrypoints/test_serve_cli.py)."""
+    with pytest.raises(protocol.ParamError, match="api_key must") as info:
+        build_app(llm, shutdown_llm=False, api_key=key)
+    assert info.value.param == "api_key" and words in str(info.value)
