@@ -9,7 +9,9 @@ exception into its status (:data:`EXCEPTION_HANDLERS`, given to the app by
   (:meth:`~simsd.entrypoints.openai.state.ServerState.retry_after`);
 * ``SchedulerClosed``: 503 ``server_busy``, the server is shutting down;
 * :class:`ServerStopped`: 503 ``server_error``, code ``shutting_down``;
-* ``RequestError``: 500 ``server_error`` (the request failed inside the engine);
+* ``RequestError``: 500 ``server_error`` (the request failed inside the engine, e.g. on
+  non-finite logits: the same request would fail again, so ``x-should-retry: false``, which
+  OpenAI's clients honour);
 * an HTTP error (404, 405, 413 ...): its status, ``invalid_request_error``;
 * anything else: 500 ``server_error``, ``internal error: ...``.
 """
@@ -60,7 +62,7 @@ async def on_stopped(request, exc: ServerStopped):
 
 
 async def on_request_error(request, exc: RequestError):
-    return error_response(500, str(exc), type_="server_error")
+    return error_response(500, str(exc), type_="server_error", headers={"x-should-retry": "false"})
 
 
 async def on_http(request, exc: StarletteHTTPException):

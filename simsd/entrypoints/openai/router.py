@@ -7,6 +7,8 @@ reading the server's state from the app (``request.app.state.simsd``, a
 """
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -19,14 +21,20 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
-    """200 with the running and waiting request counts; 503 while shutting down or when the
-    scheduling thread has stopped."""
+    """200 with the running and waiting request counts; 503 while shutting down, when the
+    scheduling thread has stopped, or when its round in progress has run longer than the
+    server's ``round_timeout`` (a stuck engine: a load balancer stops sending to it)."""
     state = request.app.state.simsd
     llm = state.llm
     s = llm.scheduler
     if state.draining or s.closed or (llm.started and not s.alive):
         return error_response(503, "the server is shutting down" if state.draining or s.closed
                               else "the scheduler thread has stopped", type_="server_error")
+    started = s.round_started
+    if started is not None and time.monotonic() - started > state.round_timeout:
+        return error_response(503, f"the engine has not finished a round for {time.monotonic() - started:.0f} s "
+                                   f"(simsd serve --round-timeout {state.round_timeout:g}): it may be stuck",
+                              type_="server_error")
     return {"status": "ok", "running": s.num_running, "waiting": s.num_waiting}
 
 

@@ -140,8 +140,10 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
     """Server-sent events of a streaming call: a chunk per finished block with its text, a final
     chunk per choice (``finish_reason``, ``simsd``; the last one with the usage of all), with
     ``include_usage`` OpenAI's usage-only chunk, then ``data: [DONE]``; an error chunk and
-    ``[DONE]`` when a request fails or the server stops the call. Cancelling it (client gone)
-    cancels the requests."""
+    ``[DONE]`` when a request fails or the server stops the call. While nothing comes for
+    ``state.sse_keepalive`` seconds (a request waiting for a row, a slow round) a comment
+    ``: keep-alive`` goes out, which SSE clients skip, so that proxies do not take the stream for
+    dead. Cancelling it (client gone) cancels the requests."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices, **extra) -> str:
@@ -158,12 +160,18 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
 
     outs = [None] * len(call.handles)
     left = len(outs)
+    get = None
     try:
         if chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(outs))])
         while left:
-            i, kind, payload = await call.queue.get()
+            get = get or asyncio.ensure_future(call.queue.get())
+            done, _ = await asyncio.wait({get}, timeout=state.sse_keepalive)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            (i, kind, payload), get = get.result(), None
             if kind == "stopped":
                 yield f"data: {json.dumps(error_body(payload, type_='server_error', code='shutting_down'))}\n\n"
                 break
@@ -185,4 +193,6 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
             yield chunk([], usage=usage(outs))
         yield "data: [DONE]\n\n"
     finally:
+        if get is not None:
+            get.cancel()
         call.cancel()  # no-op for finished requests; a disconnect cancels the task here

@@ -14,10 +14,10 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from simsd import LLM  # noqa: E402
+from simsd import LLM, SamplingParams  # noqa: E402
 from simsd.entrypoints.openai import protocol, serving  # noqa: E402
 from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
-from tests.simsd.entrypoints.serving import running_server  # noqa: E402
+from tests.simsd.entrypoints.serving import running_server, single_text, wait_for  # noqa: E402
 
 NAME = "tiny-sdar-target"
 TIMEOUT = 120
@@ -175,3 +175,62 @@ def test_a_key_a_client_could_never_send_is_refused(llm, key, words):
     with pytest.raises(protocol.ParamError, match="api_key must") as info:
         build_app(llm, shutdown_llm=False, api_key=key)
     assert info.value.param == "api_key" and words in str(info.value)
+
+
+@pytest.fixture
+def one_row(llm):
+    """An LLM of one row over the module's models (a second request waits for the row)."""
+    small = LLM(llm.target, llm.draft, "exact", batch_size=1)
+    yield small
+    assert small.shutdown(drain=False, timeout=60)
+
+
+LONG = {"model": NAME, "prompt": [11, 12, 13], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+def test_a_queued_stream_gets_keep_alive_comments(llm, one_row):
+    """A stream that waits for a row gets ``: keep-alive`` comments (SSE clients skip them) instead
+    of silence after its headers; once it has the row its chunks follow and equal its single run."""
+    body = {"model": NAME, "prompt": [11, 12, 13, 14, 15], "max_tokens": 10, "stream": True}
+    with running_server(build_app(one_row, shutdown_llm=False, sse_keepalive=0.1)) as url, \
+            httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        with h.stream("POST", "/v1/completions", json=LONG) as long:
+            held = long.iter_lines()  # (kept: a dropped line iterator closes the connection)
+            assert next(line for line in held if line).startswith("data: ")  # it holds the row
+            with h.stream("POST", "/v1/completions", json=body) as queued:
+                lines = queued.iter_lines()
+                assert wait_for(lambda: one_row.scheduler.num_waiting == 1, TIMEOUT)
+                assert next(line for line in lines if line) == ": keep-alive"
+                long.close()  # the long stream's client goes: the queued request gets the row
+                rest = [line for line in lines if line]
+    data = [line[6:] for line in rest if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and all(line.startswith(("data: ", ": keep-alive")) for line in rest)
+    text = "".join(c["text"] for d in data[:-1] for c in json.loads(d)["choices"])
+    assert text == single_text(llm, [11, 12, 13, 14, 15], SamplingParams(max_tokens=10))[0]
+
+
+def test_a_stuck_engine_turns_health_503(one_row, monkeypatch):
+    """A round that runs past ``round_timeout`` (a forward held by a scripted stall) turns /health
+    503, naming the option; when the round ends /health is 200 again and the request is answered."""
+    engine, hang, release = one_row.scheduler.engine, threading.Event(), threading.Event()
+    real = engine.forward
+
+    def forward(*args, **kwargs):
+        if hang.is_set():
+            assert release.wait(TIMEOUT)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine, "forward", forward)
+    with running_server(build_app(one_row, shutdown_llm=False, round_timeout=1.0)) as url, \
+            httpx.Client(base_url=url, timeout=TIMEOUT) as h, ThreadPoolExecutor(1) as pool:
+        assert h.get("/health").status_code == 200
+        hang.set()
+        answer = pool.submit(h.post, "/v1/completions", json={"model": NAME, "prompt": [11, 12], "max_tokens": 4})
+        try:
+            assert wait_for(lambda: h.get("/health").status_code == 503, TIMEOUT)
+            err = h.get("/health").json()["error"]
+            assert "has not finished a round" in err["message"] and "--round-timeout 1)" in err["message"], err
+        finally:
+            hang.clear()
+            release.set()
+        assert answer.result(TIMEOUT).status_code == 200
+        assert wait_for(lambda: h.get("/health").status_code == 200, TIMEOUT)
