@@ -35,6 +35,7 @@ from pydantic import (
 
 from ...config.request import SamplingParams
 from ...config.vocabulary import settings_of
+from ..encoding import ChatPrompt
 from ..errors import ParamError
 
 
@@ -188,8 +189,13 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template."""
+    """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template, with
+    vLLM's ``add_generation_prompt`` (open a new assistant turn: the default) or
+    ``continue_final_message`` (continue the final message, e.g. a prefilled assistant reply;
+    :class:`~simsd.entrypoints.encoding.ChatPrompt`)."""
     messages: many(ChatMessage) = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -212,8 +218,12 @@ class ChatCompletionRequest(_Common):
         return [m.as_dict() for m in self.messages]
 
     def prompts(self) -> list:
-        """The prompts, one per choice: the messages."""
-        return [self.chat()]
+        """The prompts, one per choice: the messages and the template's options.
+
+        Raises:
+            ParamError: ``continue_final_message`` with ``add_generation_prompt``.
+        """
+        return [ChatPrompt(self.chat(), self.add_generation_prompt, self.continue_final_message)]
 
 
 def parse_request(model, raw: bytes):

@@ -234,3 +234,38 @@ def test_a_stuck_engine_turns_health_503(one_row, monkeypatch):
             release.set()
         assert answer.result(TIMEOUT).status_code == 200
         assert wait_for(lambda: h.get("/health").status_code == 200, TIMEOUT)
+
+
+CHAT = [{"role": "user", "content": "Write a function that reverses a list."},
+        {"role": "assistant", "content": "def reverse(xs):"}]
+
+
+def test_a_chat_request_may_continue_the_final_message(llm, url):
+    """``continue_final_message`` (vLLM's, through transformers' chat template) leaves a trailing
+    assistant message open and the answer continues it: the prompt is the template's rendering
+    with that option, token for token, and the answer is the Python API's for the same
+    :class:`ChatPrompt`; by default a trailing message is a finished turn and a new one opens;
+    both options at once are a 400 naming ``continue_final_message``."""
+    from simsd.entrypoints.encoding import ChatPrompt
+    tok = llm.tokenizer
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("def reverse(xs):")  # the premise: the final turn is left open
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    (want,) = llm.generate(ChatPrompt(CHAT, add_generation_prompt=False, continue_final_message=True),
+                           SamplingParams(max_tokens=12))
+    assert want.prompt_token_ids == ids
+    closed = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
+        r = h.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 12,
+                                                 "continue_final_message": True, "add_generation_prompt": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        assert r.json()["choices"][0]["message"]["content"] == want.text
+        r = h.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 2})
+        assert r.json()["usage"]["prompt_tokens"] == len(llm.prompt_ids(CHAT)) > len(ids)  # a new turn opens
+        r = h.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 2,
+                                                 "add_generation_prompt": False})
+        assert r.json()["usage"]["prompt_tokens"] == len(tok(closed, add_special_tokens=False)["input_ids"])
+        r = h.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+        assert "set add_generation_prompt to false" in r.json()["error"]["message"]
