@@ -106,6 +106,9 @@ FUSED_MOE = "tests/kernels/test_fused_moe.py"
 DEVICE_RUN = "tests/bench/test_device_run.py"
 DEVICE_LIB = "tests/bench/test_device_lib.py"
 CHECK = "tests/kernels/test_check.py"
+SURFACES = "tests/simsd/entrypoints/test_surfaces.py"
+DOORS = "tests/simsd/entrypoints/openai/test_doors.py"
+CONNECTED = "tests/simsd/entrypoints/test_serve_connection.py"
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ LAY = "simsd/decoding/layouts.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
 OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
+CONNECTION = "simsd/entrypoints/openai/connection.py"
 #: the request fields a server request gives (protocol.py), and the same with one of them dropped
 GIVEN = "given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}"
 ignoring = lambda field: GIVEN[:-1] + f' and name != "{field}"' + "}"  # noqa: E731
@@ -728,6 +732,47 @@ MUTANTS = [
     # issue 35 item 5, decoding rules in decoding/ -------------------------------------------------------
     m("one decoder", "simsd/speculative/decoder.py", "return SpecRow(self, plan or self.plan, row,",
       "return SpecRow(self, self.plan, row,", DRIVER, note="a request's plan ignored: rows run the decoder's gamma"),
+    # issue 34 items 7-12, the server's last open doors ------------------------------------------------
+    m("server doors", REQ, "if len(stop) > MAX_STOP_STRINGS:", "if len(stop) > 2 * MAX_STOP_STRINGS:", SURFACES,
+      note="17 stop strings taken"),
+    m("server doors", REQ, "if chars > MAX_STOP_CHARS:", "if chars > MAX_STOP_CHARS + 1:", SURFACES,
+      note="stop strings of 1025 characters in all taken"),
+    m("server doors", PROTO, "kept[k], unknown = v, True", "kept[k], unknown = v, False", DOORS,
+      note="every unknown field validated (400,000 errors built to report the first)"),
+    m("server doors", PROTO, "FAIL_FAST = _FailFast()", "FAIL_FAST = _FailFast(fail_fast=False)", DOORS,
+      note="a list validated past its first bad item"),
+    m("server doors", SERVING, "body, prompts = await run_in_threadpool(parsed, model, raw)",
+      "body, prompts = parsed(model, raw)", DOORS, note="a body parsed and validated on the event loop"),
+    m("server doors", "simsd/entrypoints/openai/api_server.py", 'allowed_origins=(), allowed_headers=("*",)',
+      'allowed_origins=(), allowed_headers=("Authorization", "Content-Type")', DOORS,
+      note="CORS allows only Authorization and Content-Type by default (the SDK's preflight refused)"),
+    m("server doors", CONNECTION, "if (end.end() if end else len(head)) <= limit:", "if end or len(head) <= limit:",
+      CONNECTED, note="a long head bounded only while incomplete (h11's own bound: one read passes it)"),
+    m("server doors", CONNECTION, "self.arm_read_deadline()  # (from its first byte after a keep-alive pause)",
+      "pass", CONNECTED, note="no read deadline for a request after a keep-alive pause"),
+    m("server doors", CONNECTION, "if self.conn.their_state is not h11.SEND_BODY:",
+      "if self.conn.their_state is not h11.SEND_BODY and False:", CONNECTED,
+      note="the read deadline cuts a stream whose request arrived whole"),
+    m("server doors", "simsd/config/serving.py",
+      'bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)',
+      'bad = next((i for i, c in enumerate(key) if not " " <= c <= "\\U0010ffff"), None)', DOORS, SERVE_CLI,
+      note="a non-ASCII API key accepted (it can never match)"),
+    m("server doors", "simsd/entrypoints/serve.py", "    api_key_of(args)  # before the models load", "    pass  #",
+      SERVE_CLI, note="the API key checked only after the models load"),
+    m("server doors", "simsd/entrypoints/cli.py", "if given and ray:", "if given and False:", SERVE_CLI,
+      note="--max-header-bytes and --request-read-timeout taken with --ray (Ray's proxy reads the requests)"),
+    m("server doors", SERVING, "done, _ = await asyncio.wait({get}, timeout=state.sse_keepalive)",
+      "done, _ = await asyncio.wait({get}, timeout=None)", DOORS, note="a queued stream gets no keep-alive"),
+    m("server doors", "simsd/engine/scheduler.py", "self.round_started = time.monotonic()", "self.round_started = None",
+      DOORS, note="/health 200 while a round hangs"),
+    m("server doors", OERRORS, 'headers={"x-should-retry": "false"}', "headers=None", NONFINITE,
+      note="a failed request's 500 retried by the openai client"),
+    m("server doors", PROTO,
+      "return [ChatPrompt(self.chat(), self.add_generation_prompt, self.continue_final_message)]",
+      "return [ChatPrompt(self.chat(), self.add_generation_prompt)]", DOORS,
+      note="continue_final_message ignored"),
+    m("server doors", "simsd/entrypoints/encoding.py", "if self.add_generation_prompt and self.continue_final_message:",
+      "if False:", DOORS, note="continue_final_message with add_generation_prompt not refused by name"),
 ]
 
 

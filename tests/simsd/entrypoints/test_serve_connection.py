@@ -70,6 +70,18 @@ def test_the_request_head_is_bounded_and_half_sent_requests_time_out():
                 s.sendall(start)
                 status, body = status_and_body(read_all(s))
             assert status == 408 and "--request-read-timeout" in json.loads(body)["error"]["message"], body
+        # the same after a keep-alive pause: a first request answered, the second's head never ends
+        with connect(url) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = b""
+            while b'"status":"ok"' not in first:  # the head and the body may come in two reads
+                chunk = s.recv(65536)
+                assert chunk, first
+                first += chunk
+            assert first.startswith(b"HTTP/1.1 200"), first
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            status, body = status_and_body(read_all(s))
+        assert status == 408 and "--request-read-timeout" in json.loads(body)["error"]["message"], body
         # a body that never ends: the connection is closed at the deadline, nothing answered
         with connect(url) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
