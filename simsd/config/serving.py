@@ -36,7 +36,7 @@ def check_api_key(key: str, where: str | None = None) -> str:
     """
     where = where or opt("api_key")
     if not key.strip():
-        raise ParamError("api_key", f"{where} must not be empty")
+        raise ParamError("api_key", f"{where} is empty (any 'Bearer' header would match): give a key, or none")
     bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
     if bad is not None:
         raise ParamError("api_key", f"{where} must be printable ASCII (a client sends it in an HTTP header, which "
