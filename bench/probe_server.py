@@ -1,7 +1,7 @@
 """Probes of ``simsd serve`` under the faults of issue 26, on loopback with the bundled pair.
 
     python bench/probe_server.py [--repo DIR] [--python EXE] [--sizes 1,4,20] [--in-flight 8]
-                                 [--max-tokens 300] [--requests 120] [--only large,signals,codes,load]
+                                 [--max-tokens 300] [--requests 120] [--only large,signals,codes,load,doors]
                                  [--out FILE]
 
 ``--repo``/``--python``: the checkout whose ``simsd serve`` is probed (default: this one, with
@@ -33,6 +33,16 @@ running); a slow reader (a stream read one chunk per 0.2 s) while a quick reques
 bad inputs (malformed JSON, wrong types, unknown fields and models, out-of-range values),
 each answered with a 4xx and OpenAI's error body, with no traceback on the server's stderr;
 the RSS before and after.
+(e) ``doors`` (issue 34's server items; not run by default): on a 2-row server (``--allowed-origins
+https://app.example``, ``--request-read-timeout 5`` where the option exists) while another client
+streams 1900 tokens: a request of 300 tokens with 20,000 stop strings against the same request
+without them (the stream's mean chunk interval during each, and their ratio), a body of 400,000
+unknown fields (its status and seconds, the stream's longest pause and the slowest ``/health``
+meanwhile); the OpenAI browser SDK's CORS preflight; a 1 MiB request header; an endless header
+line (MiB the server read before it cut the connection, of 64 sent, and its RSS growth); a
+half-sent request head after 10 s; ``continue_final_message``; on a 1-row server, a stream queued
+behind a 1900-token one (its first line after the headers and when it came); ``--api-key clé``
+(the process refuses it, or serves and answers the key's UTF-8 bytes with a 401).
 
 Times come from one run on whatever machine runs it: on a loaded machine read them as rough
 ratios. Rows go to ``--out`` (JSON) and a table to stdout.
@@ -409,6 +419,175 @@ def probe_load(repo, python, help_text, n: int) -> dict:
         srv.stop()
 
 
+def watch(srv, action) -> dict:
+    """``action()`` (returning a dict) while another client streams 1900 tokens and ``/health`` is
+    polled every 50 ms: its result, its seconds, the stream's longest pause and mean chunk
+    interval and the slowest ``/health`` in that window (``baseline_*``: the 3 s before it)."""
+    stream = {"stop": threading.Event()}
+    reader = threading.Thread(target=read_stream, args=(srv.url, long_body(1900, True), stream))
+    reader.start()
+    while not stream.get("times"):
+        time.sleep(0.01)
+    health, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                httpx.get(srv.url + "/health", timeout=600)
+            except httpx.HTTPError:
+                pass
+            health.append(time.monotonic() - t)
+            time.sleep(0.05)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(3)
+    start = time.monotonic()
+    base = [start - 3] + [t for t in stream["times"] if start - 3 < t < start] + [start]
+    health_base = list(health)
+    out = action()
+    end = time.monotonic()
+    time.sleep(0.5)
+    stop.set()
+    poller.join()
+    inside = [t for t in stream["times"] if start < t < end]
+    times = [start] + inside + [end]
+    stream["stop"].set()
+    reader.join(600)
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    return {**out, "seconds": round(end - start, 2),
+            "stream_max_pause_s": round(max(b - a for a, b in zip(times, times[1:])), 2),
+            "stream_mean_interval_s": round(sum(gaps) / len(gaps), 3) if gaps else None,
+            "health_max_s": round(max(health[len(health_base):]), 2),
+            "baseline_pause_s": round(max(b - a for a, b in zip(base, base[1:])), 2),
+            "baseline_health_s": round(max(health_base), 2)}
+
+
+def raw_exchange(url: str, data: bytes, wait: float = 600) -> str:
+    """Send ``data`` on a new connection and read until the server closes it: the response's
+    status, ``closed`` (closed without an answer) or ``open`` (still open after ``wait`` s)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        got = b""
+        try:
+            s.sendall(data)
+            while chunk := s.recv(65536):
+                got += chunk
+        except socket.timeout:
+            return "open" if not got else got.split(b" ")[1].decode()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    return got.split(b" ")[1].decode() if got.startswith(b"HTTP/") else "closed"
+
+
+def endless_header(url: str, srv) -> dict:
+    """MiB of an endless header line sent before the server cut the connection (of 64 at most),
+    and the server's RSS growth."""
+    rss0, sent = srv.rss_mb(), 0
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+            for _ in range(1024):
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            pass
+        time.sleep(1)
+        rss = srv.rss_mb()
+    return {"endless_header_sent_mib": round(sent / 2 ** 20, 1), "endless_header_rss_growth_mb": round(rss - rss0)}
+
+
+def probe_doors(repo, python, help_text) -> list:
+    rows = []
+    srv = Server(repo, python, {"--max-batch-size": 2, "--allowed-origins": "https://app.example",
+                                "--request-read-timeout": 5}, help_text)
+    try:
+        plain = {"model": MODEL, "prompt": [21, 22, 23], "max_tokens": 300, "ignore_eos": True}
+        stops = [f"a stop string, number {i:06d}" for i in range(20000)]
+
+        def ask(body):
+            def run():
+                out = {}
+                post(srv.url, body, out)
+                return {"status": out["outcome"]}
+            return run
+        without = watch(srv, ask(plain))
+        with_stops = watch(srv, ask({**plain, "stop": stops}))
+        slower = (with_stops["stream_mean_interval_s"] / without["stream_mean_interval_s"]
+                  if with_stops["stream_mean_interval_s"] and without["stream_mean_interval_s"] else None)
+        rows.append({"probe": "doors", "door": "stop strings", "dropped": srv.dropped, "stop_strings": len(stops),
+                     "body_kb": round(len(json.dumps({**plain, "stop": stops})) / 1000), "without": without,
+                     "with": with_stops, "stream_interval_ratio": None if slower is None else round(slower, 2)})
+        print(rows[-1], flush=True)
+        fields = json.dumps({"model": MODEL, "prompt": "hi", **{f"f{i}": 1 for i in range(400000)}}).encode()
+        rows.append({"probe": "doors", "door": "400k unknown fields", "body_mb": round(len(fields) / 1e6, 1),
+                     **watch(srv, ask(fields))})
+        print(rows[-1], flush=True)
+        names = "authorization,content-type,openai-organization,x-stainless-lang,x-stainless-os,x-stainless-arch"
+        row = {"probe": "doors", "door": "connection", "dropped": srv.dropped}
+        row["sdk_preflight"] = httpx.options(srv.url + "/v1/chat/completions", timeout=60, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": names}).status_code
+        row["header_1mib"] = raw_exchange(srv.url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 2 ** 20
+                                          + b"\r\n\r\n", wait=60)
+        row.update(endless_header(srv.url, srv))
+        row["half_sent_head_after_10s"] = raw_exchange(srv.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                                                       wait=10)
+        row["continue_final_message"] = httpx.post(srv.url + "/v1/chat/completions", timeout=600, json={
+            "model": MODEL, "max_tokens": 8, "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [{"role": "user", "content": "Reverse a list."},
+                         {"role": "assistant", "content": "def reverse(xs):"}]}).status_code
+        rows.append(row)
+        print(row, flush=True)
+    finally:
+        srv.stop()
+    srv = Server(repo, python, {"--max-batch-size": 1}, help_text)
+    try:
+        first = {"stop": threading.Event()}
+        holder = threading.Thread(target=read_stream, args=(srv.url, long_body(1900, True), first))
+        holder.start()
+        while not first.get("times"):
+            time.sleep(0.01)
+        with httpx.stream("POST", srv.url + "/v1/completions", json=long_body(8, True), timeout=600) as r:
+            t0 = time.monotonic()
+            line = next(x for x in r.iter_lines() if x)
+            row = {"probe": "doors", "door": "queued stream", "first_line": line[:12],
+                   "first_line_after_s": round(time.monotonic() - t0, 1)}
+        first["stop"].set()
+        holder.join(600)
+        rows.append(row)
+        print(row, flush=True)
+    finally:
+        srv.stop()
+    port = free_port()
+    proc = subprocess.Popen([python, "-m", "simsd.entrypoints.cli", "serve", "--port", str(port), "--api-key", "clé",
+                             "--log-level", "warning"], cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    row = {"probe": "doors", "door": "non-ASCII --api-key"}
+    try:
+        end = time.monotonic() + 300
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        if proc.poll() is not None:
+            row["start"] = f"exit {proc.returncode}: {proc.stderr.read().strip().splitlines()[-1]}"
+        else:
+            row["start"] = "served"
+            row["the_key_as_utf8"] = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60, headers={
+                "Authorization": "Bearer clé".encode()}).status_code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+    rows.append(row)
+    print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, default=HERE)
@@ -436,6 +615,8 @@ def main(argv=None) -> int:
         rows.append(probe_codes(a.repo, a.python, help_text))
     if "load" in only:
         rows.append(probe_load(a.repo, a.python, help_text, a.requests))
+    if "doors" in only:
+        rows += probe_doors(a.repo, a.python, help_text)
     if a.out:
         a.out.write_text(json.dumps({"git": git.strip(), "repo": str(a.repo), "rows": rows}, indent=1) + "\n")
     return 0

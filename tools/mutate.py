@@ -88,7 +88,7 @@ OPTIONS = "tests/simsd/entrypoints/test_options.py"
 PROMPTS = "tests/simsd/entrypoints/test_prompts.py"
 DETOK = "tests/simsd/entrypoints/test_detokenize.py"
 SCHED = "tests/simsd/engine/test_scheduler.py"
-SERVER = "tests/simsd/entrypoints/test_server.py"
+SERVER = "tests/simsd/entrypoints/openai/test_server.py"
 TP = "tests/simsd/engine/test_tp.py"
 MEMORY = "tests/simsd/engine/test_memory.py"
 SERVE_CLI = "tests/simsd/entrypoints/test_serve_cli.py"
@@ -110,6 +110,9 @@ FUSED_MOE = "tests/kernels/test_fused_moe.py"
 DEVICE_RUN = "tests/bench/test_device_run.py"
 DEVICE_LIB = "tests/bench/test_device_lib.py"
 CHECK = "tests/kernels/test_check.py"
+SURFACES = "tests/simsd/entrypoints/test_surfaces.py"
+DOORS = "tests/simsd/entrypoints/openai/test_doors.py"
+CONNECTED = "tests/simsd/entrypoints/test_serve_connection.py"
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,10 @@ SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
 LAY = "simsd/decoding/layouts.py"
-PROTO, REQ = "simsd/entrypoints/protocol.py", "simsd/config/request.py"
+PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
+SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
+OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
+CONNECTION = "simsd/entrypoints/openai/connection.py"
 #: the request fields a server request gives (protocol.py), and the same with one of them dropped
 GIVEN = "given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}"
 ignoring = lambda field: GIVEN[:-1] + f' and name != "{field}"' + "}"  # noqa: E731
@@ -470,10 +476,10 @@ MUTANTS = [
       note="issue 23: a stop string completed by the first character of a token is not found"),
     m("batch retry", "simsd/engine/scheduler.py", "self.engine.caches[name].seqlens[i] = cached", "pass", SCHED,
       note="issue 23: after a failed commit forward the innocent rows' cache lengths are not rolled back"),
-    m("api counters", "simsd/entrypoints/server.py", 'extra = {"usage": _usage(outs)} if not left else {}',
-      'extra = {"usage": _usage([payload])} if not left else {}', SERVER,
+    m("api counters", SERVING, 'extra = {"usage": usage(outs)} if not left else {}',
+      'extra = {"usage": usage([payload])} if not left else {}', SERVER,
       note="issue 23: a stream of several prompts reports the usage of its last choice only"),
-    m("protocol", "simsd/entrypoints/protocol.py",
+    m("protocol", PROTO,
       "return super().sampling_params(defaults, self.max_completion_tokens)",
       "return super().sampling_params(defaults)", SERVER, note="issue 23: chat max_completion_tokens ignored"),
     m("prompt bounds", "simsd/entrypoints/request_builder.py", "if P + max_tokens > L:", "if P + max_tokens >= L:", API,
@@ -485,11 +491,11 @@ MUTANTS = [
     m("tp check", "simsd/engine/tp.py", '("intermediate_size", c.intermediate_size)]', "]", TP,
       note="issue 23: --tp 2 on an odd intermediate_size not refused (a channel dropped)"),
     # the same kinds elsewhere (issue 23: boundary values, commit paths, multi-prompt figures, signs) ------
-    m("api counters", "simsd/entrypoints/server.py", 'c = sum(len(o.token_ids) for o in outs)',
+    m("api counters", SERVING, 'c = sum(len(o.token_ids) for o in outs)',
       'c = sum(len(o.token_ids) for o in outs[-1:])', SERVER,
       note="usage of several prompts: the completion tokens of the last choice only"),
-    m("api counters", "simsd/entrypoints/server.py", '"choices": choices, "usage": _usage(outs)}',
-      '"choices": choices, "usage": _usage(outs[:1])}', SERVER,
+    m("api counters", SERVING, '"choices": choices, "usage": usage(outs)}',
+      '"choices": choices, "usage": usage(outs[:1])}', SERVER,
       note="a completion of several prompts (not streamed) reports the usage of its first choice"),
     m("api counters", "simsd/entrypoints/driver.py", 't["prompt_tokens"] += len(handle.prompt_token_ids)',
       't["prompt_tokens"] += len(handle.stream.token_ids)', API, SERVER,
@@ -499,11 +505,11 @@ MUTANTS = [
     m("api counters", "simsd/entrypoints/driver.py", 't["draft_forwards"] += prog.row.forwards.get("draft", 0)',
       't["draft_forwards"] += prog.row.forwards.get("target", 0)', API, SERVER,
       note="metrics: draft forwards counted as the target's"),
-    m("api counters", "simsd/entrypoints/metrics.py",
+    m("api counters", "simsd/entrypoints/openai/metrics.py",
       'value=m["target_forwards"] / m["generation_tokens"] if m["generation_tokens"] else nan)',
       'value=m["target_forwards"] / (m["generation_tokens"] + m["prompt_tokens"]) if m["generation_tokens"] else nan)',
       SERVER, note="/metrics: target forwards per token over prompt and generated tokens"),
-    m("api counters", "simsd/entrypoints/metrics.py", "self.tpot.observe((seconds - ttft) / (n - 1))",
+    m("api counters", "simsd/entrypoints/openai/metrics.py", "self.tpot.observe((seconds - ttft) / (n - 1))",
       "self.tpot.observe((seconds - ttft) / n)", SERVER, note="/metrics: time per output token over n, not n - 1"),
     m("batch retry", "simsd/engine/scheduler.py",
       "row.cached[name], row.forwards[name], row.query_tokens[name] = cached, forwards, tokens",
@@ -639,26 +645,25 @@ MUTANTS = [
       "qr, kr = rotate(qk, self.cos, self.sin).split([Hq, Hkv], 2)[::-1]", FWD_CTX, DOOR,
       note="the jointly rotated q and k swapped"),
     # issue 26, the server facing a network ----------------------------------------------------------
-    m("server", "simsd/entrypoints/server.py",
-      'if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):',
-      'if scheme.lower() != "bearer" and not hmac.compare_digest(token.strip().encode(), want):', SERVER,
+    m("server", MIDDLEWARE,
+      'if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.want):',
+      'if scheme.lower() != "bearer" and not hmac.compare_digest(token.strip().encode(), self.want):', SERVER,
       note="any Bearer token accepted"),
-    m("server", "simsd/entrypoints/server.py", "if total > self.limit:", "if total > 4 * self.limit:", SERVER,
+    m("server", MIDDLEWARE, "if total > self.limit:", "if total > 4 * self.limit:", SERVER,
       note="a chunked body read past the limit"),
-    m("server", "simsd/entrypoints/server.py", "if len(prompts) > s.max_rows + s.max_waiting:",
+    m("server", OSTATE, "if len(prompts) > s.max_rows + s.max_waiting:",
       "if len(prompts) > s.max_rows + 2 * s.max_waiting:", SERVER,
       note="a request that can never be queued gets 503, not 400"),
-    m("server", "simsd/entrypoints/server.py", 'state.metrics.rejected.labels("queue_full").inc()',
+    m("server", OERRORS, 'state.metrics.rejected.labels("queue_full").inc()',
       'state.metrics.rejected.labels("shutting_down").inc()', SERVER, note="queue-full refusals counted as shutdown"),
     m("server", "simsd/entrypoints/request_builder.py",
       "if fit_max_tokens and 0 < room < params.max_tokens:",
       "if fit_max_tokens and 0 < room < params.max_tokens - 1:", SERVER,
       note="an omitted max_tokens fitted one position short of the refusal"),
-    m("server", PROTO, "return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}",
-      "return data", SERVER, note="an explicit null refused instead of the default"),
+    m("server", PROTO, "elif v is not None:", "else:", SERVER, note="an explicit null refused instead of the default"),
     m("server", PROTO, "if self.name is not None:  # the chat template sees it, as simsd's API passes it",
       "if False:", SERVER, note="a message's name dropped"),
-    m("server", "simsd/entrypoints/server.py", "await asyncio.wait_for(self._idle.wait(), timeout)",
+    m("server", OSTATE, "await asyncio.wait_for(self._idle.wait(), timeout)",
       "await asyncio.wait_for(self._idle.wait(), timeout + 60)", SHUTDOWN,
       note="the drain's deadline 60 s late"),
     m("server", "simsd/entrypoints/encoding.py", 'return most * (NFC_SHRINK if norm == "NFC" else 1)',
@@ -775,6 +780,47 @@ MUTANTS = [
       "if False:", "tests/test_device_emulation.py", note="a host tensor meets a placed one unnoticed"),
     m("device run", "bench/device_tests.py", "self.proc.returncode != BROKEN_CONTEXT and", "True and", DEVICE_RUN,
       note="a shard stopped for a broken CUDA context blames a crash as well"),
+    # issue 34 items 7-12, the server's last open doors ------------------------------------------------
+    m("server doors", REQ, "if len(stop) > MAX_STOP_STRINGS:", "if len(stop) > 2 * MAX_STOP_STRINGS:", SURFACES,
+      note="17 stop strings taken"),
+    m("server doors", REQ, "if chars > MAX_STOP_CHARS:", "if chars > MAX_STOP_CHARS + 1:", SURFACES,
+      note="stop strings of 1025 characters in all taken"),
+    m("server doors", PROTO, "kept[k], unknown = v, True", "kept[k], unknown = v, False", DOORS,
+      note="every unknown field validated (400,000 errors built to report the first)"),
+    m("server doors", PROTO, "FAIL_FAST = _FailFast()", "FAIL_FAST = _FailFast(fail_fast=False)", DOORS,
+      note="a list validated past its first bad item"),
+    m("server doors", SERVING, "body, prompts = await run_in_threadpool(parsed, model, raw)",
+      "body, prompts = parsed(model, raw)", DOORS, note="a body parsed and validated on the event loop"),
+    m("server doors", "simsd/entrypoints/openai/api_server.py", 'allowed_origins=(), allowed_headers=("*",)',
+      'allowed_origins=(), allowed_headers=("Authorization", "Content-Type")', DOORS,
+      note="CORS allows only Authorization and Content-Type by default (the SDK's preflight refused)"),
+    m("server doors", CONNECTION, "if (end.end() if end else len(head)) <= limit:", "if end or len(head) <= limit:",
+      CONNECTED, note="a long head bounded only while incomplete (h11's own bound: one read passes it)"),
+    m("server doors", CONNECTION, "self.arm_read_deadline()  # (from its first byte after a keep-alive pause)",
+      "pass", CONNECTED, note="no read deadline for a request after a keep-alive pause"),
+    m("server doors", CONNECTION, "if self.conn.their_state is not h11.SEND_BODY:",
+      "if self.conn.their_state is not h11.SEND_BODY and False:", CONNECTED,
+      note="the read deadline cuts a stream whose request arrived whole"),
+    m("server doors", "simsd/config/serving.py",
+      'bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)',
+      'bad = next((i for i, c in enumerate(key) if not " " <= c <= "\\U0010ffff"), None)', DOORS, SERVE_CLI,
+      note="a non-ASCII API key accepted (it can never match)"),
+    m("server doors", "simsd/entrypoints/serve.py", "    api_key_of(args)  # before the models load", "    pass  #",
+      SERVE_CLI, note="the API key checked only after the models load"),
+    m("server doors", "simsd/entrypoints/cli.py", "if given and ray:", "if given and False:", SERVE_CLI,
+      note="--max-header-bytes and --request-read-timeout taken with --ray (Ray's proxy reads the requests)"),
+    m("server doors", SERVING, "done, _ = await asyncio.wait({get}, timeout=state.sse_keepalive)",
+      "done, _ = await asyncio.wait({get}, timeout=None)", DOORS, note="a queued stream gets no keep-alive"),
+    m("server doors", "simsd/engine/scheduler.py", "self.round_started = time.monotonic()", "self.round_started = None",
+      DOORS, note="/health 200 while a round hangs"),
+    m("server doors", OERRORS, 'headers={"x-should-retry": "false"}', "headers=None", NONFINITE,
+      note="a failed request's 500 retried by the openai client"),
+    m("server doors", PROTO,
+      "return [ChatPrompt(self.chat(), self.add_generation_prompt, self.continue_final_message)]",
+      "return [ChatPrompt(self.chat(), self.add_generation_prompt)]", DOORS,
+      note="continue_final_message ignored"),
+    m("server doors", "simsd/entrypoints/encoding.py", "if self.add_generation_prompt and self.continue_final_message:",
+      "if False:", DOORS, note="continue_final_message with add_generation_prompt not refused by name"),
 ]
 
 

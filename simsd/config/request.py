@@ -14,6 +14,10 @@ from .vocabulary import ParamError, Setting, check_fields
 
 #: the largest seed (a signed 64-bit value; :mod:`simsd.decoding.noise` keys the noise with it)
 SEED_MAX = SETTINGS["seed"].high
+#: the most stop strings a request may give, and the most characters they may hold in all: the
+#: text of every request is searched for its stop strings after each generated token, on the
+#: thread that runs every request's rounds (OpenAI allows 4 strings, TGI 4 by default)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,10 @@ def check_request(params: SamplingParams, config, vocab_size: int | None = None)
     Raises:
         ParamError: a setting the engine's mode does not use (``gamma`` ... in vanilla mode),
             ``gamma`` above the block length or the engine's ``max_gamma``, a ``gamma`` with the
-            release variant of paper mode, a stop id outside the vocabulary, ``steps`` with the
-            entropy strategy on every model (it would ignore them), ``on_reject="fallback"``
-            with ``gamma`` 1 (it never falls back).
+            release variant of paper mode, a stop id outside the vocabulary, more than
+            :data:`MAX_STOP_STRINGS` stop strings or more than :data:`MAX_STOP_CHARS`
+            characters of them, ``steps`` with the entropy strategy on every model (it would
+            ignore them), ``on_reject="fallback"`` with ``gamma`` 1 (it never falls back).
     """
     from .fields import MIN_TEMPERATURE
     from .speculative import check_gamma, check_release, check_self_draft, is_self_draft
@@ -98,6 +103,7 @@ def check_request(params: SamplingParams, config, vocab_size: int | None = None)
         raise ParamError("gamma", f"{opt('gamma')} {params.gamma} exceeds this LLM's {opt('max_gamma')} "
                                   f"{config.max_gamma} (its caches hold the verify forwards of at most that many "
                                   f"draft steps)")
+    check_stop(params.stop)
     bad = [t for t in params.stop_token_ids if vocab_size is not None and t >= vocab_size]
     if bad:
         raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -122,3 +128,17 @@ def check_request(params: SamplingParams, config, vocab_size: int | None = None)
         notes.append(("seed", f"{opt('seed')}: greedy decoding ({why} or {opt('top_k')} 1) draws nothing at random, "
                               f"the seed is ignored"))
     return notes
+
+
+def check_stop(stop: tuple) -> None:
+    """:class:`ParamError` naming ``stop`` when a request gives more than :data:`MAX_STOP_STRINGS`
+    stop strings or more than :data:`MAX_STOP_CHARS` characters of them in all (the search for
+    them after each generated token must stay small beside a round: other requests wait on it)."""
+    from .vocabulary import opt
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ParamError("stop", f"{opt('stop')}: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)} (the text "
+                                 f"is searched for each after every generated token)")
+    chars = sum(len(s) for s in stop)
+    if chars > MAX_STOP_CHARS:
+        raise ParamError("stop", f"{opt('stop')}: the stop strings hold {chars} characters, at most {MAX_STOP_CHARS} "
+                                 f"in all (the text is searched for each after every generated token)")

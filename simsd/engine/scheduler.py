@@ -124,7 +124,9 @@ class Scheduler:
     Attributes (read from any thread): ``rounds`` (batched forwards run), ``round_seconds``
     (their total wall time, forward and row programs), ``prefill_seconds`` (the admissions'
     total, prefills included, device-synchronised), ``finished`` (requests ended, by outcome:
-    ``ok``, ``error``, ``cancelled``).
+    ``ok``, ``error``, ``cancelled``), ``round_started`` (``time.monotonic()`` when the scheduling
+    thread's round in progress began, admissions included; None between rounds: a stuck engine
+    shows as a round that does not end).
     """
 
     def __init__(self, engine: BatchEngine, max_waiting: int = 64):
@@ -144,6 +146,7 @@ class Scheduler:
         self.round_seconds = 0.0
         self.prefill_seconds = 0.0
         self.finished = {"ok": 0, "error": 0, "cancelled": 0}
+        self.round_started: float | None = None
 
     # -- any thread ---------------------------------------------------------------------
     @property
@@ -270,10 +273,13 @@ class Scheduler:
                 if self._closed and not (self._waiting or self._running or self._cancels):
                     return
             try:
+                self.round_started = time.monotonic()
                 self.step()
             except Exception as exc:  # a fault outside any one request: fail the running ones, go on
                 log.exception("simsd scheduler: round failed")
                 self._fail_running(exc)
+            finally:
+                self.round_started = None
 
     # -- the scheduling thread ------------------------------------------------------------
     def step(self) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams, check_request
-from ..config.serving import MAX_REQUEST_BYTES, SHUTDOWN_TIMEOUT
+from ..config.serving import MAX_HEADER_BYTES, MAX_REQUEST_BYTES, REQUEST_READ_TIMEOUT, ROUND_TIMEOUT, SHUTDOWN_TIMEOUT
 from ..config.speculative import SELF_DRAFT, is_self_draft
 from ..config.vocabulary import ParamError, Setting, check_modes, field_name, opt, settings_of
 from .errors import SimsdWarning
@@ -57,8 +57,21 @@ OPTIONS = {
                        parse=lambda value, name: nonblank(value, name)),
     "allowed_origins": Setting(str, "comma-separated browser origins CORS allows (e.g. https://app.example.com, or "
                                     "*; default: none)", parse=lambda value, name: nonblank(value, name)),
+    "allowed_headers": Setting(str, "comma-separated request headers CORS allows from those origins (*: any, e.g. "
+                                    "the OpenAI browser SDK's x-stainless-*)",
+                               parse=lambda value, name: nonblank(value, name)),
+    "allowed_methods": Setting(str, "comma-separated methods CORS allows from those origins (*: any)",
+                               parse=lambda value, name: nonblank(value, name)),
     "disable_docs": Setting(bool, "do not serve /docs, /redoc and /openapi.json"),
     "max_request_bytes": Setting(int, "largest request body in bytes (413 beyond it)", low=1),
+    "max_header_bytes": Setting(int, "largest request head (request line and headers) in bytes (431 beyond it)",
+                                low=1024),
+    "request_read_timeout": Setting(float, "seconds a client has to send a whole request, head and body, from its "
+                                           "connection or its first byte after a keep-alive pause (408, or the "
+                                           "connection closed, beyond it)", low=0, open_low=True),
+    "round_timeout": Setting(float, "seconds a scheduler round (a batched forward, with the prefills of the requests "
+                                    "it admits) may run before /health answers 503: a stuck engine", low=0,
+                             open_low=True),
     "shutdown_timeout": Setting(float, "seconds the requests in flight may take to finish after SIGTERM/SIGINT "
                                        "(new ones get 503 meanwhile); then they are cancelled with a 503 (a "
                                        "second signal cancels them at once)", low=0),
@@ -100,6 +113,8 @@ _SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "speculat
 #: the options of running on Ray (docs/scaling.md), per command
 _RAY = {"generate": ("ray", "num_workers"), "eval": ("ray", "num_workers"),
         "serve": ("ray", "replicas", "max_replicas")}
+#: the options of simsd serve's own HTTP server (uvicorn), which a Ray run does not have
+_NOT_RAY = {"serve": ("max_header_bytes", "request_read_timeout")}
 #: each command's options, by help group, and the defaults that differ from the settings'
 COMMANDS = {
     "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
@@ -118,9 +133,12 @@ COMMANDS = {
                                                                         "max_gamma"),
                "request defaults (a request's own fields override them)": _REQUEST,
                "HTTP": ("host", "port", "served_model_name", "log_level", "api_key", "allowed_origins",
-                        "disable_docs", "max_request_bytes", "shutdown_timeout"),
+                        "allowed_headers", "allowed_methods", "disable_docs", "max_request_bytes", "max_header_bytes",
+                        "request_read_timeout", "round_timeout", "shutdown_timeout"),
                "scaling out": _RAY["serve"]},
-              {"host": "127.0.0.1", "port": 8000, "log_level": "info", "max_request_bytes": MAX_REQUEST_BYTES,
+              {"host": "127.0.0.1", "port": 8000, "log_level": "info", "allowed_headers": "*", "allowed_methods": "*",
+               "max_request_bytes": MAX_REQUEST_BYTES, "max_header_bytes": MAX_HEADER_BYTES,
+               "request_read_timeout": REQUEST_READ_TIMEOUT, "round_timeout": ROUND_TIMEOUT,
                "shutdown_timeout": SHUTDOWN_TIMEOUT, "replicas": 1}),
 }
 DESCRIPTIONS = {"generate": "decode prompts with vanilla SDAR or SimSD speculative decoding",
@@ -324,6 +342,10 @@ def check_ray_options(args) -> None:
     given = [n for n in _RAY.get(args.command, ()) if n != "ray" and n in args.typed]
     if given and not ray:
         raise ParamError(given[0], f"{opt(given[0])} applies to Ray runs: add {opt('ray')}")
+    given = [n for n in _NOT_RAY.get(args.command, ()) if n in args.typed]
+    if given and ray:
+        raise ParamError(given[0], f"{opt(given[0])} applies to simsd serve without {opt('ray')} (Ray Serve's own "
+                                   f"HTTP proxy reads the requests)")
     if ray and args.engine.tp > 1:
         raise ParamError("tp", f"{opt('tp')} {args.engine.tp} with {opt('ray')}: a Ray worker or replica is one "
                                f"process (tensor parallelism over torchrun: docs/scaling.md)")

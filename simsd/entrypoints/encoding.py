@@ -3,7 +3,9 @@ the Python API (:class:`~simsd.entrypoints.api.LLM`), the server and the command
 
 Prompt forms: a string (encoded as it is, no chat template), a list of chat messages
 (``[{"role": ..., "content": ...}, ...]``, rendered by the checkpoint's chat template with the
-generation prompt, then encoded) or a list of token ids (used as they are). A prompt never
+generation prompt, then encoded), a :class:`ChatPrompt` (messages with the template's options:
+continue the final message instead of opening a new turn) or a list of token ids (used as they
+are). A prompt never
 changes (docs/cli.md "Prompts never change"): a text that spells the mask token is refused here,
 naming the character; ids that hold the mask id are refused by
 :func:`simsd.decoding.config.check_prompt`, naming the token.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 from .errors import ParamError
 
@@ -37,6 +40,28 @@ def is_messages(x) -> bool:
 def is_ids(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool)
                                                                for t in x)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages and how the chat template renders them (transformers' and vLLM's names):
+    ``add_generation_prompt`` opens a new assistant turn after the messages (a plain list of
+    messages is ``ChatPrompt(messages)``); ``continue_final_message`` leaves the final message
+    open, without its end-of-turn, so that the answer continues it (a prefilled assistant
+    reply). The two exclude each other.
+
+    Raises:
+        ParamError: both options true (``param``: ``continue_final_message``).
+    """
+    messages: list
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ParamError("continue_final_message", "continue_final_message continues the final message, "
+                                                       "add_generation_prompt opens a new turn after it: set "
+                                                       "add_generation_prompt to false")
 
 
 class ChatTemplateError(ParamError):
@@ -57,14 +82,17 @@ def check_text(text: str, tokenizer, mask_id: int, param: str = "prompt") -> Non
                                 f"cannot contain the mask token (remove it)")
 
 
-def render_chat(tokenizer, messages) -> str:
-    """``messages`` through the tokenizer's chat template with the generation prompt.
+def render_chat(tokenizer, messages, add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """``messages`` through the tokenizer's chat template, with the generation prompt or with the
+    final message left open (:class:`ChatPrompt`).
 
     Raises:
         ChatTemplateError: the template raises (its message, on one line).
     """
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
     except Exception as exc:  # jinja2 errors raised by the checkpoint's template
         what = "a user message" if len(messages) == 1 and messages[0].get("role") == "user" else "these messages"
         raise ChatTemplateError("messages", f"the chat template cannot render {what} "
@@ -134,14 +162,18 @@ def encode_prompt(prompt, tokenizer, mask_id: int, max_len: int | None = None,
         # verbose=False: the length against the model's positions is checked by the caller, in one line
         return tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"], False
     if is_messages(prompt):
-        for m in prompt:
+        prompt = ChatPrompt(prompt)
+    if isinstance(prompt, ChatPrompt):
+        if not is_messages(prompt.messages):
+            raise ParamError("messages", "a chat prompt needs a non-empty list of messages (dicts)")
+        for m in prompt.messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ParamError("messages", f"each message needs a string 'role' and 'content', got {m!r}")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ParamError("messages", "this checkpoint has no chat template: give a text prompt or ids")
-        for m in prompt:
+        for m in prompt.messages:
             check_text(m["content"], tokenizer, mask_id, "messages")
-        text = render_chat(tokenizer, prompt)
+        text = render_chat(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.continue_final_message)
         check_length(text, max_len, per_token, "messages")
         return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], True
     if is_ids(prompt):

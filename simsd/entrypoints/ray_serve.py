@@ -2,7 +2,7 @@
 
 One replica is one :class:`~simsd.entrypoints.api.LLM` (its own rows, devices and resources:
 :func:`~simsd.entrypoints.ray_cluster.llm_resources`) serving the app of
-:func:`simsd.entrypoints.server.build_app` through Ray Serve's ingress: the routes, request
+:func:`simsd.entrypoints.openai.api_server.build_app` through Ray Serve's ingress: the routes, request
 checks, errors, streaming and the cancellation of a disconnected client's requests are the
 server's own, run inside the replica. Ray Serve's proxy spreads the requests over the replicas;
 ``--max-replicas`` turns on its autoscaling (between ``--replicas`` and ``--max-replicas``,
@@ -76,7 +76,9 @@ def run_serve(args) -> int:
     from ray import serve
 
     from .ray_cluster import require_ray
+    from .serve import api_key_of
     require_ray("ray.serve")
+    api_key_of(args)  # before any replica starts: a key that could never match fails at once
     if args.port == 0:
         from ..engine.tp import free_port
         args.port = free_port()

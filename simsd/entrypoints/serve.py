@@ -1,10 +1,14 @@
-"""``simsd serve``: the OpenAI-compatible server (:mod:`simsd.entrypoints.server`) under uvicorn.
+"""``simsd serve``: the OpenAI-compatible server (:mod:`simsd.entrypoints.openai`) under uvicorn.
 
 Server-wide settings come from the command line (models, mode, block length, engine size);
 the request defaults too (``--max-tokens``, ``--temperature``, ``--strategy`` ...: the fields
 of a request, under the same names), which each request may override with its own fields.
-``--api-key`` (or ``SIMSD_API_KEY``), ``--allowed-origins`` and ``--disable-docs`` say what a
-network client may reach (:func:`simsd.entrypoints.server.build_app`).
+``--api-key`` (or ``SIMSD_API_KEY``), ``--allowed-origins`` (``--allowed-headers``,
+``--allowed-methods``) and ``--disable-docs`` say what a network client may reach
+(:func:`simsd.entrypoints.openai.api_server.build_app`); ``--max-request-bytes``,
+``--max-header-bytes`` and ``--request-read-timeout`` bound what a request may cost
+(:mod:`simsd.entrypoints.openai.connection`: uvicorn's h11 protocol, whatever parser is
+installed); ``--round-timeout`` turns ``/health`` 503 when the engine is stuck.
 
 Shutdown, on SIGTERM or SIGINT (Ctrl-C): the listener stays open and answers new requests with
 a 503 while the requests in flight finish, for ``--shutdown-timeout`` seconds at most; then,
@@ -20,6 +24,7 @@ import contextlib
 import signal
 import sys
 
+from ..config.serving import check_api_key
 from ..config.vocabulary import ParamError, opt
 from .errors import MissingPackageError
 
@@ -71,16 +76,32 @@ def listen_socket(host: str, port: int):
     return sock
 
 
-def app_of(args, llm):
-    """The server app of ``simsd serve``'s HTTP options for ``llm``: ``--api-key`` (else the
-    ``SIMSD_API_KEY`` environment variable), ``--allowed-origins`` (comma-separated),
-    ``--disable-docs``, ``--max-request-bytes`` (:func:`simsd.entrypoints.server.build_app`)."""
+def api_key_of(args) -> str | None:
+    """The API key of ``simsd serve``: ``--api-key``, else the ``SIMSD_API_KEY`` environment
+    variable, else None (no key). Raises :class:`ParamError` for a key a client could never send
+    (:func:`~simsd.config.serving.check_api_key`)."""
     import os
+    if args.api_key:
+        return check_api_key(args.api_key)
+    key = os.environ.get("SIMSD_API_KEY") or None
+    return None if key is None else check_api_key(key, "the SIMSD_API_KEY environment variable")
 
-    from .server import build_app
-    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
-    return build_app(llm, args.served_model_name, api_key=args.api_key or os.environ.get("SIMSD_API_KEY") or None,
-                     allowed_origins=origins, docs=not args.disable_docs, max_request_bytes=args.max_request_bytes)
+
+def comma_list(value) -> list:
+    """The items of a comma-separated option (none for None)."""
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def app_of(args, llm):
+    """The server app of ``simsd serve``'s HTTP options for ``llm``: the API key
+    (:func:`api_key_of`), ``--allowed-origins``, ``--allowed-headers``, ``--allowed-methods``
+    (comma-separated), ``--disable-docs``, ``--max-request-bytes``, ``--round-timeout``
+    (:func:`simsd.entrypoints.openai.api_server.build_app`)."""
+    from .openai.api_server import build_app
+    return build_app(llm, args.served_model_name, api_key=api_key_of(args), allowed_origins=comma_list(
+        args.allowed_origins), allowed_headers=comma_list(args.allowed_headers), allowed_methods=comma_list(
+        args.allowed_methods), docs=not args.disable_docs, max_request_bytes=args.max_request_bytes,
+        round_timeout=args.round_timeout)
 
 
 def run_serve(args) -> int:
@@ -91,6 +112,7 @@ def run_serve(args) -> int:
     except ImportError as exc:
         raise MissingPackageError(f"simsd serve needs the serve extra ({exc.name} is not installed): "
                                   f"pip install 'simsd[serve]'") from None
+    api_key_of(args)  # before the models load: a key that could never match fails at once
     sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
     try:
         llm = build_llm(args)
@@ -102,7 +124,7 @@ def run_serve(args) -> int:
 
     class Server(uvicorn.Server):
         """uvicorn's server; its exit hook (``handle_exit``, called by the signal handler) runs
-        the drain (:meth:`simsd.entrypoints.server.ServerState.drain`) before ``should_exit``
+        the drain (:meth:`simsd.entrypoints.openai.state.ServerState.drain`) before ``should_exit``
         lets uvicorn shut down."""
         loop = None
         signals = 0
@@ -146,9 +168,12 @@ def run_serve(args) -> int:
                     signal.signal(sig, handler)
 
     # timeout_graceful_shutdown: after the drain nothing runs; a connection still open after
-    # that (a client still sending its body) is closed by uvicorn
+    # that (a client still sending its body) is closed by uvicorn. http: h11 with a bounded head
+    # and a read deadline, whatever parser is installed (httptools reads headers without bound)
+    from .openai.connection import connection_class
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=5))
+                                   timeout_graceful_shutdown=5, http=connection_class(args.request_read_timeout),
+                                   h11_max_incomplete_event_size=args.max_header_bytes))
     print(f"simsd: serving {state.model_name!r} ({serving_summary(llm)}) on http://{args.host}:"
           f"{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])

@@ -25,7 +25,7 @@ def test_poisson_load_against_a_server():
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
     from simsd import LLM
-    from simsd.entrypoints.server import build_app
+    from simsd.entrypoints.openai.api_server import build_app
     from tests.simsd.entrypoints.serving import running_server
     bench = load()
     llm = LLM(mode="vanilla", dtype="float32", device="cpu", batch_size=2)

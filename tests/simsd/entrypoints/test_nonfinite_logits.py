@@ -117,7 +117,7 @@ def test_the_command_line_exits_1_naming_the_model_dtype_and_step(capsys, role):
 def test_the_server_answers_an_error_for_the_request(capsys):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from simsd.entrypoints.server import build_app
+    from simsd.entrypoints.openai.api_server import build_app
     from tests.simsd.entrypoints.serving import running_server
     llm = LLM(float16_overflow_checkpoint(), mode="vanilla", dtype="float16", device="cpu", batch_size=1)
     with running_server(build_app(llm, shutdown_llm=True)) as url, httpx.Client(base_url=url, timeout=120) as h:
@@ -126,6 +126,15 @@ def test_the_server_answers_an_error_for_the_request(capsys):
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "target model (float16) gave non-finite logits" in r.json()["error"]["message"]
         assert h.get("/health").status_code == 200
+        # not retryable (the same request fails the same way): the openai client, which retries a 500
+        # twice by default, sends it once (issue 34 item 12)
+        assert r.headers["x-should-retry"] == "false"
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=2, timeout=120)
+        failed = llm.metrics()["requests"]["error"]
+        with pytest.raises(openai.InternalServerError, match="non-finite logits"):
+            client.completions.create(model=name, prompt="def add(a, b):", max_tokens=8)
+        assert llm.metrics()["requests"]["error"] == failed + 1
 
 
 def test_a_nan_at_the_last_requested_position_is_seen(pair, poison):

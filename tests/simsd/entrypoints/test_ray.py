@@ -118,7 +118,7 @@ def one_server():
     """One ``simsd serve`` in this process (the reference): the bundled pair, exact mode."""
     pytest.importorskip("fastapi")
     from simsd import LLM
-    from simsd.entrypoints.server import build_app
+    from simsd.entrypoints.openai.api_server import build_app
     from tests.simsd.entrypoints.serving import running_server
     llm = LLM(mode="exact", dtype="float32", device="cpu", batch_size=4)
     with running_server(build_app(llm)) as url:

@@ -228,7 +228,7 @@ def test_serve_passes_the_engine_and_draft_options_to_the_llm():
 
 def test_serve_http_options_reach_the_app(monkeypatch):
     """--api-key (else SIMSD_API_KEY), --allowed-origins and --disable-docs configure the app
-    ``simsd serve`` runs (their behaviour: tests/simsd/entrypoints/test_server.py)."""
+    ``simsd serve`` runs (their behaviour: tests/simsd/entrypoints/openai/test_server.py)."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
@@ -248,9 +248,56 @@ def test_serve_http_options_reach_the_app(monkeypatch):
         for origin in ("https://a.example", "https://b.example"):
             r = h.options("/v1/models", headers={"Origin": origin, "Access-Control-Request-Method": "GET"})
             assert r.headers.get("access-control-allow-origin") == origin
+        # --allowed-headers / --allowed-methods: the CORS preflight's request headers and methods (default: any)
+        sdk = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization,x-stainless-os"}
+        assert h.options("/v1/models", headers=sdk).status_code == 200
+        h = TestClient(app_of(parse(["serve", "--allowed-origins", "https://a.example", "--allowed-headers",
+                                     "authorization, content-type", "--allowed-methods", "GET"]), llm))
+        assert h.options("/v1/models", headers=sdk).status_code == 400
+        assert h.options("/v1/models", headers={**sdk, "Access-Control-Request-Method": "GET",
+                                                "Access-Control-Request-Headers": "content-type"}).status_code == 200
         monkeypatch.setenv("SIMSD_API_KEY", "from-env")
         h = TestClient(app_of(parse(["serve"]), llm))
         assert h.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 401
         assert h.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
     finally:
         assert llm.shutdown(timeout=60)
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_a_key_a_client_could_never_send_fails_before_the_models_load(capsys, monkeypatch, how):
+    """A non-ASCII API key (``--api-key`` or ``SIMSD_API_KEY``) could never match a client's
+    header: refused in one line, before any checkpoint is read (issue 34 item 11)."""
+    pytest.importorskip("fastapi")
+    import simsd.entrypoints.builder as api
+
+    def boom(*a, **k):
+        raise AssertionError("a checkpoint was read before the API key was checked")
+    monkeypatch.setattr(api, "read_checkpoint", boom)
+    monkeypatch.delenv("SIMSD_API_KEY", raising=False)
+    argv = ["serve", "--port", "0"]
+    if how == "option":
+        argv += ["--api-key", "clé"]
+    else:
+        monkeypatch.setenv("SIMSD_API_KEY", "clé")
+    code = main(argv)
+    err = capsys.readouterr().err
+    where = "--api-key" if how == "option" else "the SIMSD_API_KEY environment variable"
+    assert code == 2 and err.startswith(f"simsd: error: {where} must be printable ASCII") and err.count("\n") == 1
+    assert "character 2 is 'é'" in err, err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-header-bytes", "100"], "--max-header-bytes must be an integer >= 1024, got 100"),
+    (["--request-read-timeout", "0"], "--request-read-timeout must be a finite number > 0, got 0.0"),
+    (["--round-timeout", "-1"], "--round-timeout must be a finite number > 0, got -1.0"),
+    (["--allowed-headers", " "], "--allowed-headers must not be empty"),
+    (["--ray", "--max-header-bytes", "4096"], "--max-header-bytes applies to simsd serve without --ray"),
+    (["--ray", "--request-read-timeout", "5"], "--request-read-timeout applies to simsd serve without --ray"),
+])
+def test_bad_connection_options_fail_in_one_line(capsys, argv, words):
+    pytest.importorskip("fastapi")
+    code = main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("simsd: error: ") and words in err and err.count("\n") == 1, err

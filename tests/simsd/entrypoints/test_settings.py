@@ -41,7 +41,7 @@ def test_every_field_is_a_declared_setting():
 
 def test_request_bodies_are_generated_from_the_request_settings():
     pytest.importorskip("pydantic")
-    from simsd.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    from simsd.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     names = {f.name for f in dataclasses.fields(SamplingParams)}
     for body in (CompletionRequest, ChatCompletionRequest):
         assert names <= set(body.model_fields)
@@ -77,7 +77,7 @@ def test_one_refusal_reads_the_same_on_every_surface(capsys):
     assert error_line(capsys, "generate", "--temperature", "1", "--top-p", "0") == \
         "--top-p must be a number in (0, 1], got 0.0"
     pytest.importorskip("pydantic")
-    from simsd.entrypoints.protocol import CompletionRequest
+    from simsd.entrypoints.openai.protocol import CompletionRequest
     with pytest.raises(ParamError) as served:
         CompletionRequest(model="m", prompt="hi", top_p=0.0).sampling_params(SamplingParams())
     assert (served.value.param, str(served.value)) == ("top_p", str(api.value))

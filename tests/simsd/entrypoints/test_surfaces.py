@@ -10,7 +10,7 @@ from simsd.entrypoints.cli import main
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from simsd.entrypoints.server import build_app  # noqa: E402
+from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
 from tests.simsd.entrypoints.serving import running_server  # noqa: E402
 
 #: (mode, engine settings, command-line flags, request fields, the setting named, words of the message)
@@ -73,4 +73,25 @@ def test_a_setting_without_effect_is_taken_by_every_surface(llms, capsys):
     (o,) = llm.generate([5, 6], SamplingParams(max_tokens=4, seed=3))
     assert o.token_ids
     status, body = server_answer(llm, {"seed": 3})
+    assert status == 200 and body["choices"][0]["text"] == o.text, body
+
+
+@pytest.mark.parametrize("stop,words", [
+    (["s"] * 17, "stop: at most 16 stop strings, got 17"),
+    (["x" * 1000, "y" * 25], "stop: the stop strings hold 1025 characters, at most 1024 in all"),
+    ([f"s{i}" for i in range(20000)], "stop: at most 16 stop strings, got 20000"),  # issue 34's 560 KB of them
+])
+def test_the_api_and_the_server_refuse_the_same_stop_lists(llms, stop, words):
+    """Stop strings are bounded (16, 1024 characters in all) by the request's check, so the API
+    and the server refuse the same lists, naming ``stop`` (the command line takes no stop
+    strings); the bound itself is taken."""
+    llm = llms("exact", {})
+    with pytest.raises(ParamError, match=words) as exc:
+        llm.generate([5, 6], SamplingParams(max_tokens=4, stop=stop))
+    assert exc.value.param == "stop"
+    status, body = server_answer(llm, {"stop": stop})
+    assert status == 400 and body["error"]["param"] == "stop" and words in body["error"]["message"], body
+    edge = ["x" * 64] * 15 + ["y" * 64]  # 16 strings, 1024 characters
+    (o,) = llm.generate([5, 6], SamplingParams(max_tokens=4, stop=edge))
+    status, body = server_answer(llm, {"stop": edge})
     assert status == 200 and body["choices"][0]["text"] == o.text, body

@@ -9,18 +9,48 @@ cannot honour are accepted only at their neutral value (``n=1``, ``echo=false``,
 ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, and simsd's ``top_k``,
 ``stop_token_ids``, ``ignore_eos``, ``steps``, ``strategy``, ``threshold``, ``gamma``,
 ``draft_strategy``, ``draft_threshold``); the server's defaults fill what a request leaves out.
+
+A body is parsed and validated by :func:`parse_request`, which the server runs in a worker
+thread, and the work a bad body costs is bounded: validation reports the first unknown field of
+an object only, and stops a list at its first bad item (pydantic's ``fail_fast``), so a body of
+400,000 unknown fields or bad messages builds one error, not 400,000.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    FailFast,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
-from ..config.request import SamplingParams
-from ..config.vocabulary import settings_of
-from .errors import ParamError
+from ...config.request import SamplingParams
+from ...config.vocabulary import settings_of
+from ..encoding import ChatPrompt
+from ..errors import ParamError
+
+
+class _FailFast(FailFast):
+    """pydantic's ``FailFast`` (a list's validation stops at its first bad item), hashable so that
+    it can sit in a ``Union``."""
+    __hash__ = object.__hash__
+
+
+FAIL_FAST = _FailFast()
+
+
+def many(kind):
+    """A list of ``kind`` whose validation stops at the first bad item."""
+    return Annotated[list[kind], FAIL_FAST]
 
 
 class _Body(BaseModel):
@@ -31,10 +61,18 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_the_default(cls, data):
         """An explicit ``null`` means the field's default, as OpenAI types its optional fields
-        (SDK wrappers send ``null`` for what they leave unset)."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
+        (SDK wrappers send ``null`` for what they leave unset). Of the unknown fields only the
+        first is kept, to be refused by name: one error however many there are."""
+        if not isinstance(data, dict):
+            return data
+        fields, kept, unknown = cls.model_fields, {}, False
+        for k, v in data.items():
+            if k not in fields:
+                if not unknown:
+                    kept[k], unknown = v, True
+            elif v is not None:
+                kept[k] = v
+        return kept
 
 
 class StreamOptions(_Body):
@@ -53,7 +91,7 @@ class _OpenAI(_Body):
 
 def _json_type(setting):
     kind = setting.kind
-    return Union[kind, list[kind], None] if setting.many else Union[kind, None]
+    return Union[kind, many(kind), None] if setting.many else Union[kind, None]
 
 
 #: the request fields: OpenAI's, and every field of :class:`SamplingParams` (None: the server's default)
@@ -98,7 +136,7 @@ class _Common(_Fields):
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
     or a list of lists of token ids (one choice per prompt)."""
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, many(str), many(int), many(many(int))]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -119,7 +157,7 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[TextPart], None] = Field(default=None, validate_default=True)
+    content: Union[str, many(TextPart), None] = Field(default=None, validate_default=True)
     name: str | None = None
 
     @field_validator("content", mode="after")
@@ -151,8 +189,13 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template."""
-    messages: list[ChatMessage] = Field(min_length=1)
+    """``POST /v1/chat/completions``: the messages go through the checkpoint's chat template, with
+    vLLM's ``add_generation_prompt`` (open a new assistant turn: the default) or
+    ``continue_final_message`` (continue the final message, e.g. a prefilled assistant reply;
+    :class:`~simsd.entrypoints.encoding.ChatPrompt`)."""
+    messages: many(ChatMessage) = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -173,3 +216,47 @@ class ChatCompletionRequest(_Common):
 
     def chat(self) -> list:
         return [m.as_dict() for m in self.messages]
+
+    def prompts(self) -> list:
+        """The prompts, one per choice: the messages and the template's options.
+
+        Raises:
+            ParamError: ``continue_final_message`` with ``add_generation_prompt``.
+        """
+        return [ChatPrompt(self.chat(), self.add_generation_prompt, self.continue_final_message)]
+
+
+def parse_request(model, raw: bytes):
+    """The request body ``raw`` (JSON bytes) as ``model`` (:class:`CompletionRequest` or
+    :class:`ChatCompletionRequest`). Bounded work (see the module doc); the server runs it in a
+    worker thread, so a large body's parsing and validation never hold up the event loop.
+
+    Raises:
+        ParamError: malformed JSON (``param`` None) or the first validation error (``param``:
+            the field's dotted path, e.g. ``messages.0.role``).
+    """
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ParamError(None, f"malformed JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise ParamError(None, f"malformed JSON: the body is not UTF-8 (byte {exc.start})") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise first_error(exc) from None
+
+
+def first_error(exc: ValidationError) -> ParamError:
+    """The first error of a validation as a :class:`ParamError` naming the field by its dotted
+    path (union members, which pydantic puts in the location as their type, left out)."""
+    err = exc.errors(include_url=False)[0]
+    loc = [str(x) for x in err.get("loc", ()) if not is_type_tag(str(x))]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "bad request").removeprefix("Value error, ")
+    return ParamError(param, f"{param}: {msg}" if param else msg)
+
+
+def is_type_tag(part: str) -> bool:
+    """Whether a pydantic error location part names a union member's type, not a field."""
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")

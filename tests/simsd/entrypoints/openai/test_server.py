@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from simsd import LLM, SamplingParams  # noqa: E402
-from simsd.entrypoints.server import build_app  # noqa: E402
+from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
 from simsd.speculative.spec_row import SpecRow  # noqa: E402
 from tests.simsd.entrypoints.serving import (  # noqa: E402
     doc_blocks,
@@ -175,7 +175,7 @@ def test_latency_histograms_of_a_request(llm):
     TTFT 1 s, latency 3 s gives 0.5 s per output token."""
     from types import SimpleNamespace
 
-    from simsd.entrypoints.metrics import Metrics
+    from simsd.entrypoints.openai.metrics import Metrics
     m = Metrics(llm)
     m.observe(SimpleNamespace(token_ids=[1, 2, 3, 4, 5], stats={"time_to_first_token": 1.0}), 3.0)
     m.observe(SimpleNamespace(token_ids=[1], stats={"time_to_first_token": 0.25}), 0.25)  # one token: no TPOT
@@ -409,7 +409,7 @@ def test_every_sampling_field_of_a_request_is_used():
     """Each field a completion or chat request may give reaches its SamplingParams (nothing a
     client asks for is silently dropped): values unlike the server's defaults."""
     from simsd.config.request import SamplingParams
-    from simsd.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    from simsd.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     defaults = SamplingParams()
     given = dict(temperature=0.5, top_p=0.75, top_k=9, seed=11, stop=["x"], stop_token_ids=[5], ignore_eos=True,
                  steps=2, strategy="dynamic", threshold=0.7, gamma=2, draft_strategy="entropy", draft_threshold=0.3)
@@ -426,7 +426,7 @@ def test_a_request_draft_threshold_and_the_server_default():
     names another strategy or draft strategy without one falls back to the draft strategy's
     default rule (a bound for one strategy is never read as another's)."""
     from simsd.config.request import SamplingParams
-    from simsd.entrypoints.protocol import CompletionRequest
+    from simsd.entrypoints.openai.protocol import CompletionRequest
     defaults = SamplingParams(strategy="dynamic", threshold=0.8, draft_strategy="entropy", draft_threshold=0.4)
     req = lambda **kw: CompletionRequest(model=NAME, prompt="hi", **kw).sampling_params(defaults)  # noqa: E731
     assert req().draft_threshold == 0.4
@@ -475,7 +475,7 @@ def test_an_omitted_max_tokens_fits_the_positions_left(llm, url):
 
 def test_a_message_name_reaches_the_chat_template(llm, url):
     """``name`` is passed to the chat template as the Python API passes it, never dropped."""
-    from simsd.entrypoints.protocol import ChatCompletionRequest
+    from simsd.entrypoints.openai.protocol import ChatCompletionRequest
     messages = [{"role": "user", "content": "Hi", "name": "ada"}]
     assert ChatCompletionRequest(model=NAME, messages=messages).chat() == messages
     with httpx.Client(base_url=url, timeout=TIMEOUT) as h:

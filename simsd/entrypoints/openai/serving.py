@@ -1,0 +1,198 @@
+"""Serving one completion or chat request (vLLM's ``serving_completion`` / ``serving_chat``):
+:func:`serve` reads and validates its body in a worker thread
+(:func:`~simsd.entrypoints.openai.protocol.parse_request`), submits its prompts
+(:class:`~simsd.entrypoints.openai.state.Call`) and answers with the whole response
+(:func:`collect`) or with server-sent events (:func:`stream`).
+
+A response's choices carry a ``simsd`` extension object each (:func:`extension`: ``seed``,
+``stop_reason``, ``stats``) and the usage counts every choice (:func:`usage`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from ...engine.scheduler import SchedulerClosed
+from ..errors import ParamError
+from ..outputs import json_safe, request_failure
+from .errors import ServerStopped, error_body
+from .protocol import parse_request
+from .state import Call, ServerState
+
+
+def check_model(state: ServerState, body) -> None:
+    """Refuse a request while the server drains (:class:`SchedulerClosed`, a 503) or for another
+    model than the one served (:class:`ParamError` naming ``model``)."""
+    if state.draining:
+        raise SchedulerClosed("draining")
+    if body.model != state.model_name:
+        raise ParamError("model", f"model {body.model!r} is not served here (served: {state.model_name!r})")
+
+
+def parsed(model, raw: bytes) -> tuple:
+    """``(body, prompts)``: ``raw`` validated as ``model`` and its prompts, one per choice."""
+    body = parse_request(model, raw)
+    return body, body.prompts()
+
+
+async def serve(request: Request, model, chat: bool):
+    """Answer a completion (``chat`` False, ``model`` the request's class) or chat request: an
+    OpenAI response body, a ``StreamingResponse`` of server-sent events for ``stream: true``, or
+    an empty 499 when the client left first (before its body arrived, or before the answer). The
+    body is parsed and validated in a worker thread: a large one never holds up other clients'
+    streams or ``/health``.
+
+    Raises:
+        ParamError, QueueFull, SchedulerClosed, ServerStopped, RequestError: answered by the
+            app's exception handlers (:mod:`simsd.entrypoints.openai.errors`).
+    """
+    state = request.app.state.simsd
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # e.g. closed at the read deadline (simsd serve --request-read-timeout)
+        return Response(status_code=499)
+    body, prompts = await run_in_threadpool(parsed, model, raw)
+    check_model(state, body)
+    params = body.sampling_params(state.llm.default_params)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    omitted = body.max_tokens is None and getattr(body, "max_completion_tokens", None) is None
+    call = await Call.start(state, prompts, params, rid, "messages" if chat else "prompt", omitted)
+    created = int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(stream(state, call, rid, created, chat, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    outs = await collect(state, call, request)
+    if outs is None:  # the client has gone
+        return Response(status_code=499)
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                    "finish_reason": o.finish_reason, "simsd": extension(o)} for i, o in enumerate(outs)]
+    else:
+        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
+                    "simsd": extension(o)} for i, o in enumerate(outs)]
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": state.model_name, "choices": choices, "usage": usage(outs)}
+
+
+def usage(outs) -> dict:
+    """OpenAI's ``usage`` of the outputs ``outs`` (None for those not finished yet is not allowed)."""
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def extension(o) -> dict:
+    """A choice's ``simsd`` object: the seed (replay with it), the stop reason, the statistics."""
+    return json_safe({"seed": o.seed, "stop_reason": o.stop_reason, "stats": o.stats})
+
+
+async def disconnected(request: Request) -> None:
+    """Return when the client has gone (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(state: ServerState, call: Call, request: Request):
+    """The outputs of a non-streaming call, or None when the client disconnects first (then
+    its requests are cancelled).
+
+    Raises:
+        RequestError: a request failed (the call's other requests are cancelled).
+        ServerStopped: the server cancelled the call (shutting down).
+    """
+    outs = [None] * len(call.handles)
+    left = len(outs)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        while left:
+            get = asyncio.ensure_future(call.queue.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                call.cancel()
+                return None
+            i, kind, payload = get.result()
+            if kind == "stopped":
+                raise ServerStopped(payload)
+            if kind == "done":
+                outs[i] = payload
+                left -= 1
+                state.observe(payload, time.perf_counter() - call.started)
+            elif kind in ("error", "cancelled"):
+                call.cancel()
+                raise request_failure(call.handles[i].request_id, payload)
+    finally:
+        gone.cancel()
+    return outs
+
+
+async def stream(state: ServerState, call: Call, rid: str, created: int, chat: bool, include_usage: bool):
+    """Server-sent events of a streaming call: a chunk per finished block with its text, a final
+    chunk per choice (``finish_reason``, ``simsd``; the last one with the usage of all), with
+    ``include_usage`` OpenAI's usage-only chunk, then ``data: [DONE]``; an error chunk and
+    ``[DONE]`` when a request fails or the server stops the call. While nothing comes for
+    ``state.sse_keepalive`` seconds (a request waiting for a row, a slow round) a comment
+    ``: keep-alive`` goes out, which SSE clients skip, so that proxies do not take the stream for
+    dead. Cancelling it (client gone) cancels the requests."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, **extra) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
+        body.update(extra)
+        return f"data: {json.dumps(body)}\n\n"
+
+    def piece(i, text, finish=None, ext=None) -> dict:
+        c = ({"index": i, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+             if chat else {"index": i, "text": text, "logprobs": None, "finish_reason": finish})
+        if ext is not None:
+            c["simsd"] = ext
+        return c
+
+    outs = [None] * len(call.handles)
+    left = len(outs)
+    get = None
+    try:
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(outs))])
+        while left:
+            get = get or asyncio.ensure_future(call.queue.get())
+            done, _ = await asyncio.wait({get}, timeout=state.sse_keepalive)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            (i, kind, payload), get = get.result(), None
+            if kind == "stopped":
+                yield f"data: {json.dumps(error_body(payload, type_='server_error', code='shutting_down'))}\n\n"
+                break
+            if kind == "delta":
+                if payload[0]:
+                    yield chunk([piece(i, payload[0])])
+            elif kind == "done":
+                outs[i] = payload
+                left -= 1
+                state.observe(payload, time.perf_counter() - call.started)
+                extra = {"usage": usage(outs)} if not left else {}
+                yield chunk([piece(i, "", payload.finish_reason, extension(payload))], **extra)
+            else:
+                message = str(request_failure(call.handles[i].request_id, payload))
+                yield f"data: {json.dumps(error_body(message, type_='server_error'))}\n\n"
+                call.cancel()
+                break
+        if include_usage and not left:
+            yield chunk([], usage=usage(outs))
+        yield "data: [DONE]\n\n"
+    finally:
+        if get is not None:
+            get.cancel()
+        call.cancel()  # no-op for finished requests; a disconnect cancels the task here
