@@ -153,3 +153,15 @@ def test_lazy_reexports_resolve(package):
     assert set(pkg.__all__) <= set(space)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         pkg.nope  # noqa: B018
+
+
+#: the longest file an entry point may be (issue 35: the entry points are thin surfaces)
+ENTRYPOINT_MAX_LINES = 400
+
+
+def test_the_entry_points_are_thin_surfaces():
+    """No file of ``simsd/entrypoints/`` (the command line, the API, the server) is over
+    :data:`ENTRYPOINT_MAX_LINES` lines: what is longer holds rules that belong to a room below."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "simsd" / "entrypoints").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > ENTRYPOINT_MAX_LINES}
+    assert not long, long

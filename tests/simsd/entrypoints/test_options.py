@@ -8,7 +8,8 @@ import simsd.entrypoints.builder as builder
 import simsd.entrypoints.commands as commands
 from simsd.config.request import SEED_MAX
 from simsd.config.speculative import draft_settings
-from simsd.entrypoints.cli import build_parser, main
+from simsd.entrypoints.arguments import build_parser
+from simsd.entrypoints.cli import main
 from tests.helpers import random_checkpoint
 
 

@@ -14,7 +14,8 @@ import pytest
 from simsd.config.engine import EngineArgs
 from simsd.config.request import SamplingParams
 from simsd.config.vocabulary import ParamError, Setting
-from simsd.entrypoints.cli import ALIASES, COMMANDS, SETTINGS, build_parser, main, options_of
+from simsd.entrypoints.arguments import ALIASES, COMMANDS, SETTINGS, build_parser, options_of
+from simsd.entrypoints.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
 
