@@ -164,47 +164,18 @@ def probe_large(repo, python, help_text, sizes, raise_limit: bool) -> list:
     try:
         for mb in sizes:
             rss0 = srv.rss_mb()
-            stream = {"stop": threading.Event()}
-            reader = threading.Thread(target=read_stream, args=(srv.url, long_body(1900, True), stream))
-            reader.start()
-            while not stream.get("times"):
-                time.sleep(0.01)
-            health, big, stop = [], {}, threading.Event()
-
-            def poll():
-                while not stop.is_set():
-                    t = time.monotonic()
-                    try:
-                        httpx.get(srv.url + "/health", timeout=600)
-                    except httpx.HTTPError:
-                        pass
-                    health.append(time.monotonic() - t)
-                    time.sleep(0.05)
             # encoded before the window: the probe's own JSON encoding would pause its threads too
             body = json.dumps({"model": MODEL, "prompt": "a " * (mb * 2 ** 19), "max_tokens": 4}).encode()
-            poller = threading.Thread(target=poll)
-            poller.start()
-            time.sleep(3)  # the baseline: the same stream and /health without the large request
-            start = time.monotonic()
-            base = [start - 3] + [t for t in stream["times"] if start - 3 < t < start] + [start]
-            health_base = list(health)
-            post(srv.url, body, big)
-            end = big["ended"]
-            time.sleep(0.5)
-            stop.set()
-            poller.join()
-            times = [start] + [t for t in stream["times"] if start < t < end] + [end]
+
+            def send():
+                big = {}
+                post(srv.url, body, big)
+                return {"status": big["outcome"]}
+            seen = watch(srv, send)
             limit = "raised" if raise_limit and not srv.dropped else "default"
-            rows.append({"probe": "large", "mb": mb, "limit": limit,
-                         "status": big["outcome"], "seconds": round(end - start, 2),
-                         "stream_max_pause_s": round(max(b - a for a, b in zip(times, times[1:])), 2),
-                         "health_max_s": round(max(health[len(health_base):]), 2),
-                         "baseline_pause_s": round(max(b - a for a, b in zip(base, base[1:])), 2),
-                         "baseline_health_s": round(max(health_base), 2), "rss_before_mb": round(rss0),
+            rows.append({"probe": "large", "mb": mb, "limit": limit, **seen, "rss_before_mb": round(rss0),
                          "rss_after_mb": round(srv.rss_mb()), "dropped": srv.dropped})
             print(rows[-1], flush=True)
-            stream["stop"].set()
-            reader.join(600)
     finally:
         srv.stop()
     return rows
