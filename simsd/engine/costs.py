@@ -7,6 +7,9 @@ cost (``b`` near 0: the weights are read once whatever the width) and a CPU's gr
 out of the same fit. On the CPU a forward is timed with the host clock (the work is done when
 the call returns); on a GPU with a pair of CUDA events around it, read only once the events have
 completed (a later host read of the decision has waited for them), so timing adds no wait.
+Forwards are timed only once something reads the fit (:meth:`ForwardCost.want`: a row whose
+speculation width is ``auto``); otherwise :meth:`~ForwardCost.start` and
+:meth:`~ForwardCost.stop` do nothing, so a run that never asks costs no events or clock reads.
 """
 from __future__ import annotations
 
@@ -26,9 +29,18 @@ class ForwardCost:
         self.samples: deque = deque(maxlen=window)  # (query tokens, seconds)
         self.pending: deque = deque()  # CUDA: (start event, end event, query tokens)
         self.rows = 1  # rows of the last forward
+        self.wanted = False  # time the forwards (want())
+
+    def want(self) -> "ForwardCost":
+        """Time the forwards from now on (a reader of :meth:`fit` is there); returns ``self``."""
+        self.wanted = True
+        return self
 
     def start(self, device):
-        """A token for :meth:`stop`, taken just before the forward on ``device``."""
+        """A token for :meth:`stop`, taken just before the forward on ``device`` (None while
+        nothing wants the timings)."""
+        if not self.wanted:
+            return None
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -37,7 +49,9 @@ class ForwardCost:
 
     def stop(self, started, tokens: int, rows: int) -> None:
         """The forward started at ``started`` (:meth:`start`) ran ``tokens`` query tokens over
-        ``rows`` rows."""
+        ``rows`` rows (nothing when ``started`` is None)."""
+        if started is None:
+            return
         self.rows = rows
         if isinstance(started, float):
             self.samples.append((tokens, time.perf_counter() - started))

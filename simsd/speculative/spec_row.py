@@ -118,10 +118,12 @@ class SpecRow(RowProgram):
         self.mode = plan.spec.mode
         self.progress = (f"{self.mode} round", "committed no token")
         self.verifier = (verifier_class or dec.verifier_class)(plan.cfg, plan.spec, dec.mask_id, seed)
-        if dec.self_draft and getattr(dec.t.model, "tp", (0, 1))[1] == 1:
-            # the width policy weighs what the engine's target forwards cost; tensor-parallel
-            # ranks time their forwards differently and must run the same rounds: no timings there
-            self.verifier.draft.policy.cost = row.costs.get("target")
+        if dec.self_draft and plan.spec.speculation_width == "auto" and getattr(dec.t.model, "tp", (0, 1))[1] == 1:
+            # the auto width weighs what the engine's target forwards cost (a fixed width reads no
+            # timings); tensor-parallel ranks time their forwards differently and must run the same
+            # rounds: no timings there
+            cost = row.costs.get("target")
+            self.verifier.draft.policy.cost = cost.want() if cost is not None else None
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round

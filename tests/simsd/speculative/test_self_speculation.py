@@ -161,6 +161,8 @@ def test_command_line_and_api_take_draft_self(capsys):
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
     assert llm.generate(["Once upon a time"], params)[0].token_ids == \
         vanilla.generate(["Once upon a time"], params)[0].token_ids
+    # the auto width (the default) reads the engine's timings of its forwards; vanilla times none
+    assert llm.engine.costs["target"].samples and not vanilla.engine.costs["target"].samples
     assert parse_draft("self") == SELF_DRAFT and str(parse_draft("./self")) == "self" and \
         not isinstance(parse_draft("./self"), str)
 

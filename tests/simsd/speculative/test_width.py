@@ -92,7 +92,10 @@ def test_forward_cost_fit():
     cost.samples.clear()
     cost.samples.extend([(4, 0.010), (16, 0.009)])  # never cheaper for more tokens: b >= 0
     assert cost.fit()[1] == 0.0
-    started = cost.start(torch.device("cpu"))
+    n = len(cost.samples)
+    cost.stop(cost.start(torch.device("cpu")), 12, 3)  # nothing wants the timings yet: not timed
+    assert len(cost.samples) == n and cost.rows == 1
+    started = cost.want().start(torch.device("cpu"))
     cost.stop(started, 12, 3)
     assert cost.samples[-1][0] == 12 and cost.rows == 3
 
