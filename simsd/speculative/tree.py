@@ -15,6 +15,7 @@ valid node is valid: the valid nodes form a path, and the output is vanilla deco
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,25 +67,34 @@ class ProposalTree:
 
     def constants(self, device) -> tuple:
         """What :func:`~simsd.speculative.verification.tree_verdict` reads of the shape, on
-        ``device`` in one copy: the copy nodes ``(C,)``, the parents of nodes ``1..N-1``, the
-        depths ``(N,)``, the copy flags ``(N,)``, each node's rank among the copies ``(N,)``
-        and the path matrix ``(N, N)`` (``path[j, a]``: ``a`` is on the path from the root's
-        child to ``j``, ``j`` included)."""
-        N, copy_nodes = self.nodes, self.copy_nodes()
-        rank = [0] * N
-        for r, j in enumerate(copy_nodes):
-            rank[j] = r
-        path = []
-        for j in range(N):
-            row, a = [0] * N, j
-            while a > 0:
-                row[a], a = 1, self.parent[a]
-            path.extend(row)
-        flat = copy_nodes + self.parent[1:] + self.depth + [int(c) for c in self.copies] + rank + path
-        t = to_device(flat, device)
-        C = len(copy_nodes)
-        copy_index, parent, depth, copies, rank, path = t.split([C, N - 1, N, N, N, N * N])
-        return copy_index, parent, depth, copies, rank, path.view(N, N).bool()
+        ``device``: :func:`tree_constants` of this tree's shape."""
+        return tree_constants(tuple(self.parent), tuple(self.depth), tuple(self.copies), torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def tree_constants(parent: tuple, depth: tuple, copies: tuple, device: torch.device) -> tuple:
+    """A tree shape's constants on ``device`` (built in one copy, then kept: rounds repeat a few
+    shapes, and the tensors are only read): the copy nodes ``(C,)``, the parents of nodes
+    ``1..N-1``, the depths ``(N,)``, the copy flags ``(N,)``, each node's rank among the copies
+    ``(N,)`` and the path matrix ``(N, N)`` (``path[j, a]``: ``a`` is on the path from the root's
+    child to ``j``, ``j`` included). ``parent``, ``depth``, ``copies``: the
+    :class:`ProposalTree`'s fields as tuples."""
+    N = len(parent)
+    copy_nodes = [j for j, c in enumerate(copies) if c]
+    rank = [0] * N
+    for r, j in enumerate(copy_nodes):
+        rank[j] = r
+    path = []
+    for j in range(N):
+        row, a = [0] * N, j
+        while a > 0:
+            row[a], a = 1, parent[a]
+        path.extend(row)
+    flat = copy_nodes + list(parent[1:]) + list(depth) + [int(c) for c in copies] + rank + path
+    t = to_device(flat, device)
+    C = len(copy_nodes)
+    copy_index, parent_t, depth_t, copies_t, rank_t, path_t = t.split([C, N - 1, N, N, N, N * N])
+    return copy_index, parent_t, depth_t, copies_t, rank_t, path_t.view(N, N).bool()
 
 
 def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg, index: int, noise,
