@@ -161,8 +161,8 @@ MUTANTS = [
     m("schedule", STRATS, "return [base + (1 if i < rem else 0) for i in range(steps)]",
       "return [base + (1 if i >= steps - rem else 0) for i in range(steps)]", REF, STRAT,
       note="remainder added to the last steps"),
-    m("verdict", VFY, "fwd.step = Step(copies, [rnd.step + tree.depth[j] for j in tree.copy_nodes()]",
-      "fwd.step = Step(copies, [rnd.step + 1 + tree.depth[j] for j in tree.copy_nodes()]", EXACT_REF,
+    m("verdict", VFY, "[rnd.step + tree.depth[j] for j in tree.copy_nodes()]",
+      "[rnd.step + 1 + tree.depth[j] for j in tree.copy_nodes()]", EXACT_REF,
       note="the target's own decision at copy c taken at the wrong step of the schedule"),
     m("verdict", VER, "(stepped.index_select(0, parent) == states[1:]).all(-1)",
       "(stepped.index_select(0, parent) == states[1:]).any(-1)", EXACT_REF,
@@ -223,9 +223,8 @@ MUTANTS = [
       "ok = (pd_x > 0) & (u.double() * pt_x.double() < pd_x.double())", REJECT, note="accept with min(1, p_d / p_t)"),
     m("rejection", VER, "residual = (p_t - p_d).clamp_min(0)", "residual = p_t.clone()", REJECT,
       note="a rejected token resampled from p_t instead of the residual"),
-    m("verdict", VFY, "copies = tree.states.index_select(0, shape[0])\n        fwd = layouts.exact(",
-      "copies = tree.states.index_select(0, torch.cat([shape[0][:-1], shape[0][-2:-1]]))\n"
-      "        fwd = layouts.exact(", EXACT_REF, REJECT,
+    m("verdict", VFY, "tree.states.index_select(0, shape[0]), [rnd.step",
+      "tree.states.index_select(0, torch.cat([shape[0][:-1], shape[0][-2:-1]])), [rnd.step", EXACT_REF, REJECT,
       note="the bonus step taken on the last draft copy's logits (that copy's tokens in the bonus slot)"),
     # 5. stop ids ---------------------------------------------------------------------------------------
     m("stop ids", SR, "dec.t.stop_ids if stop_ids is None else stop_ids, seed)",

@@ -191,19 +191,17 @@ class SelfExactVerifier(ExactVerifier):
             j = last = children[0]
         return last if last is not None and not tree.copies[last] else None
 
+    keep_logits = True
+
     def request(self, layouts, rnd):
         tree = rnd.draft.tree()
-        shape = tree.constants(rnd.block.device)
         leaf = self.finished_leaf(tree) if rnd.lookahead else None
-        rnd.layout = (tree, shape, leaf)
-        copies = tree.states.index_select(0, shape[0])
-        ids, positions, labels = exact_layout(copies, rnd.start)
-        indices = [rnd.step + tree.depth[j] for j in tree.copy_nodes()]
-        keys = [self.key(rnd.start)] * len(indices)
         if leaf is None:
-            fwd = layouts.exact("target", ids, positions, labels)
-            fwd.step = Step(copies, indices, self.cfg, self.mask_id, keys, keep_logits=True)
-            return fwd
+            return super().request(layouts, rnd)
+        shape, copies, indices = self.tree_copies(tree, rnd)
+        rnd.layout = (tree, shape, leaf)
+        ids, positions, labels = exact_layout(copies, rnd.start)
+        keys = [self.key(rnd.start)] * len(indices)
         L, C = copies.shape[1], copies.shape[0]
         nxt = torch.full((L,), self.mask_id, dtype=copies.dtype, device=copies.device)
         ids = torch.cat([tree.states[leaf], ids, nxt])

@@ -128,18 +128,27 @@ class ExactVerifier(Verifier):
     its parent (:func:`~simsd.speculative.verification.tree_verdict`). A pending commit folds
     into the forward as its shared prefix."""
 
+    #: the verify step hands back its copies' logits too (self-speculation proposes from them)
+    keep_logits = False
+
+    @staticmethod
+    def tree_copies(tree, rnd: Round) -> tuple:
+        """``(shape, copies (C, L), indices)`` of ``tree``'s verify copies: its constants on the
+        round's device, the states of its nodes with MASK and the block step of each copy's
+        target step (the round's step plus the node's depth)."""
+        shape = tree.constants(rnd.block.device)
+        return shape, tree.states.index_select(0, shape[0]), [rnd.step + tree.depth[j] for j in tree.copy_nodes()]
+
     def request(self, layouts: RowLayouts, rnd: Round) -> Fwd:
         tree = rnd.draft.tree()
-        shape = tree.constants(rnd.block.device)
-        rnd.layout = (tree, shape)
-        copies = tree.states.index_select(0, shape[0])
+        shape, copies, indices = self.tree_copies(tree, rnd)
+        rnd.layout = (tree, shape, None)
         fwd = layouts.exact("target", *exact_layout(copies, rnd.start))
-        fwd.step = Step(copies, [rnd.step + tree.depth[j] for j in tree.copy_nodes()], self.cfg, self.mask_id,
-                        self.key(rnd.start))
+        fwd.step = Step(copies, indices, self.cfg, self.mask_id, self.key(rnd.start), keep_logits=self.keep_logits)
         return fwd
 
     def judge(self, rnd: Round, out) -> Verdict:
-        tree, shape = rnd.layout
+        tree, shape, _ = rnd.layout
         new, taken, accepted, node, valid = tree_verdict(out[0], tree.states, shape)  # out[0]: the copies' steps
         return Verdict(new, taken, accepted, valid, node)
 
