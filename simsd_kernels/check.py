@@ -242,7 +242,7 @@ def run_task(task, device_str: str, reps: int | None) -> list:
                 scale = head_dim ** -0.5
                 # the long case under the shape-invariant plan (exact mode's --invariant path): its
                 # fixed 64-row query tile, which the other cases' plans need not choose
-                plan = {"shape_invariant": True} if long and getattr(impl, "plan_options", False) else {}
+                plan = {"shape_invariant": True} if long and impl.plan_options else {}
                 call = lambda: attend_once(impl, poisoned, mode, scale, **plan)  # noqa: E731  (the door, attend)
                 if not supported:
                     try:
