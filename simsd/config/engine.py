@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .fields import SETTINGS
-from .speculative import check_fold_commit, check_release, check_self_draft, is_self_draft, parse_draft
-from .vocabulary import SPECULATIVE, ParamError, Setting, check_fields, check_modes, opt, settings_of
+from .speculative import SELF_DRAFT, SPECULATIVE_RULES, is_self_draft, parse_draft
+from .vocabulary import SPECULATIVE, Rule, Setting, check_fields, check_modes, check_rules, opt, settings_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "cuda", "triton", "torch")
@@ -85,23 +85,28 @@ class EngineArgs:
         check_fields(self)
         defaults = {f.name: f.default for f in fields(self)}
         check_modes({n: s for n, s in settings_of(self).items() if getattr(self, n) != defaults[n]}, [self.mode])
-        check_release(self.paper_variant, self.max_gamma, self.on_reject, "max_gamma")
-        if is_self_draft(self.draft):
-            check_self_draft(self)
-        elif self.speculation_width != "auto":
-            raise ParamError("speculation_width", f"{opt('speculation_width')} sizes the proposal trees of "
-                                                  f"{opt('draft', 'self')} (a draft model proposes a chain of "
-                                                  f"{opt('gamma')} steps)")
-        if self.scheduler_thread and self.tp > 1:
-            raise ParamError("scheduler_thread", f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the "
-                                                 f"ranks must run the same rounds)")
-        if self.invariant and self.cuda_graphs:
-            raise ParamError("invariant", f"{opt('invariant')} is not available with {opt('cuda_graphs')} (the "
-                                          f"graph runner does not run the per-unit path)")
-        if self.mode != "vanilla" and self.fold_commit:
-            apart = self.draft_device is not None and not same_device(self.draft_device, self.device)
-            check_fold_commit(True, self.optimistic,
-                              f"{self.draft_device} != {self.device or 'the default device'}" if apart else None)
+        apart = None
+        if self.mode != "vanilla" and self.fold_commit and self.draft_device is not None \
+                and not same_device(self.draft_device, self.device):  # torch is imported only then
+            apart = f"{self.draft_device} != {self.device or 'the default device'}"
+        check_rules(SPECULATIVE_RULES + ENGINE_RULES, self, {"apart": apart})
+
+
+#: The refused combinations of an engine's settings besides the speculative ones
+#: (:data:`~simsd.config.speculative.SPECULATIVE_RULES`), as :class:`~simsd.config.vocabulary.Rule`
+ENGINE_RULES = (
+    Rule("speculation_width", lambda s: s.speculation_width != "auto" and not is_self_draft(s.draft),
+         lambda s: f"{opt('speculation_width')} sizes the proposal trees of {opt('draft', SELF_DRAFT)} (a draft "
+                   f"model proposes a chain of {opt('gamma')} steps)",
+         ({"speculation_width": 8}, {})),
+    Rule("scheduler_thread", lambda s: s.scheduler_thread and s.tp > 1,
+         lambda s: f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the ranks must run the same rounds)",
+         ({"scheduler_thread": True, "tp": 2}, {})),
+    Rule("invariant", lambda s: s.invariant and s.cuda_graphs,
+         lambda s: f"{opt('invariant')} is not available with {opt('cuda_graphs')} (the graph runner does not run "
+                   f"the per-unit path)",
+         ({"invariant": True, "cuda_graphs": True}, {})),
+)
 
 
 def same_device(a, b) -> bool:

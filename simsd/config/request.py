@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .engine import ENGINE_SETTINGS
 from .fields import SETTINGS, StepSampling, check_threshold
 from .speculative import draft_settings
-from .vocabulary import ParamError, Setting, check_fields
+from .vocabulary import ParamError, Rule, Setting, check_fields, check_rules, opt
 
 #: the largest seed (a signed 64-bit value; :mod:`simsd.decoding.noise` keys the noise with it)
 SEED_MAX = SETTINGS["seed"].high
@@ -69,6 +69,43 @@ class SamplingParams(StepSampling):
         draft_settings(self.strategy, self.threshold, self.draft_strategy, self.draft_threshold)
 
 
+def _entropy_everywhere(s) -> bool:
+    """Whether every model of the request runs the entropy strategy (the draft's own, if any)."""
+    if s.strategy != "entropy":
+        return False
+    return s.mode == "vanilla" or draft_settings(s.strategy, None, s.draft_strategy, None)[0] == "entropy"
+
+
+def _stop_chars(s) -> int:
+    return sum(len(x) for x in s.stop)
+
+
+#: The refused combinations of a request's settings with each other and with its engine's
+#: (besides the speculative ones, :data:`~simsd.config.speculative.SPECULATIVE_RULES`), as
+#: :class:`~simsd.config.vocabulary.Rule`. The stop strings are bounded (:data:`MAX_STOP_STRINGS`,
+#: :data:`MAX_STOP_CHARS`) because the text of every request is searched for them after each
+#: generated token, on the thread that runs every request's rounds: the search must stay small
+#: beside a round.
+REQUEST_RULES = (
+    Rule("stop", lambda s: len(s.stop) > MAX_STOP_STRINGS,
+         lambda s: f"{opt('stop')}: at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)} (the text is searched "
+                   f"for each after every generated token)",
+         ({}, {"stop": ["s"] * (MAX_STOP_STRINGS + 1)})),
+    Rule("stop", lambda s: _stop_chars(s) > MAX_STOP_CHARS,
+         lambda s: f"{opt('stop')}: the stop strings hold {_stop_chars(s)} characters, at most {MAX_STOP_CHARS} in "
+                   f"all (the text is searched for each after every generated token)",
+         ({}, {"stop": ["x" * MAX_STOP_CHARS, "y"]})),
+    Rule("stop_token_ids", lambda s: s.vocab_size is not None and any(t >= s.vocab_size for t in s.stop_token_ids),
+         lambda s: f"stop token id {next(t for t in s.stop_token_ids if t >= s.vocab_size)} is outside the "
+                   f"vocabulary [0, {s.vocab_size})",
+         ({}, {"stop_token_ids": [10 ** 9]})),
+    Rule("steps", lambda s: s.steps is not None and _entropy_everywhere(s),
+         lambda s: f"{opt('steps')}: the entropy strategy picks how many tokens a step reveals by its bound, it "
+                   f"would ignore the step schedule",
+         ({}, {"strategy": "entropy", "steps": 2})),
+)
+
+
 def check_request(params: SamplingParams, config, vocab_size: int | None = None) -> list:
     """Every rule of a request ``params`` against an engine of ``config`` (an
     :class:`~simsd.config.engine.EngineArgs`; its ``block_length`` None before the checkpoint is
@@ -87,33 +124,13 @@ def check_request(params: SamplingParams, config, vocab_size: int | None = None)
             ignore them), ``on_reject="fallback"`` with ``gamma`` 1 (it never falls back).
     """
     from .fields import MIN_TEMPERATURE
-    from .speculative import check_gamma, check_release, check_self_draft, is_self_draft
-    from .vocabulary import MODES, check_modes, opt, settings_of
+    from .speculative import SPECULATIVE_RULES
+    from .vocabulary import MODES, check_modes, settings_of
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"params must be simsd.SamplingParams, got {type(params).__name__}")
     check_modes({n: s for n, s in settings_of(params).items() if s.modes != MODES and getattr(params, n) is not None},
                 [config.mode])
-    speculative = config.mode != "vanilla"
-    if speculative and is_self_draft(getattr(config, "draft", None)):
-        check_self_draft(params)  # no draft strategy or threshold: there is no draft model
-    if config.block_length is not None:
-        check_gamma(params.gamma, config.block_length)
-    check_release(config.paper_variant if config.mode == "paper" else "described", params.gamma, "redraft")
-    if params.gamma is not None and config.max_gamma is not None and params.gamma > config.max_gamma:
-        raise ParamError("gamma", f"{opt('gamma')} {params.gamma} exceeds this LLM's {opt('max_gamma')} "
-                                  f"{config.max_gamma} (its caches hold the verify forwards of at most that many "
-                                  f"draft steps)")
-    check_stop(params.stop)
-    bad = [t for t in params.stop_token_ids if vocab_size is not None and t >= vocab_size]
-    if bad:
-        raise ParamError("stop_token_ids", f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    d_strategy = draft_settings(params.strategy, None, params.draft_strategy, None)[0] if speculative else None
-    if params.steps is not None and params.strategy == "entropy" and d_strategy in (None, "entropy"):
-        raise ParamError("steps", f"{opt('steps')}: the entropy strategy picks how many tokens a step reveals by "
-                                  f"its bound, it would ignore the step schedule")
-    if speculative and config.on_reject == "fallback" and params.gamma == 1:
-        raise ParamError("on_reject", f"{opt('on_reject', 'fallback')} with {opt('gamma', 1)} never falls back (it "
-                                      f"finishes a block when fewer than gamma positions remain)")
+    check_rules(SPECULATIVE_RULES + REQUEST_RULES, params, config, {"vocab_size": vocab_size})
     notes, temperature = [], params.temperature
     if temperature < MIN_TEMPERATURE:  # greedy: a sampling setting is ignored
         need = "> 0" if temperature == 0 else f">= {MIN_TEMPERATURE:.3g}"
@@ -130,15 +147,3 @@ def check_request(params: SamplingParams, config, vocab_size: int | None = None)
     return notes
 
 
-def check_stop(stop: tuple) -> None:
-    """:class:`ParamError` naming ``stop`` when a request gives more than :data:`MAX_STOP_STRINGS`
-    stop strings or more than :data:`MAX_STOP_CHARS` characters of them in all (the search for
-    them after each generated token must stay small beside a round: other requests wait on it)."""
-    from .vocabulary import opt
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ParamError("stop", f"{opt('stop')}: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)} (the text "
-                                 f"is searched for each after every generated token)")
-    chars = sum(len(s) for s in stop)
-    if chars > MAX_STOP_CHARS:
-        raise ParamError("stop", f"{opt('stop')}: the stop strings hold {chars} characters, at most {MAX_STOP_CHARS} "
-                                 f"in all (the text is searched for each after every generated token)")

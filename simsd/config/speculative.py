@@ -1,8 +1,8 @@
 """Speculative decoding's settings and their rules, in one place: :class:`SpecConfig` (a
 request's SimSD settings), the draft's own settings (:func:`draft_settings`,
-:func:`draft_config`) and the combinations refused (:func:`check_gamma`, :func:`check_release`,
-:func:`check_fold_commit`). The engine's and the requests' checks (:mod:`simsd.config.engine`,
-:mod:`simsd.config.request`) call these. Torch-free.
+:func:`draft_config`) and the combinations refused (:data:`SPECULATIVE_RULES`), which the
+engine's and the requests' checks (:mod:`simsd.config.engine`, :mod:`simsd.config.request`) and
+the speculative decoder all run. Torch-free.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .fields import PAPER_VARIANTS, SETTINGS, check_threshold, parse_strategy
-from .vocabulary import SPECULATIVE, ParamError, check_fields, check_modes, opt
+from .vocabulary import SPECULATIVE, Rule, check_fields, check_modes, check_rules, opt
 
-__all__ = ["MAX_ALTERNATIVES", "PAPER_VARIANTS", "SELF_DRAFT", "SpecConfig", "check_fold_commit", "check_gamma",
-           "check_release", "check_self_draft", "draft_config", "draft_settings", "is_self_draft", "max_query_blocks",
-           "parse_draft"]
+__all__ = ["MAX_ALTERNATIVES", "PAPER_VARIANTS", "SELF_DRAFT", "SPECULATIVE_RULES", "SpecConfig", "draft_config",
+           "draft_settings", "is_self_draft", "max_query_blocks", "parse_draft"]
 
 #: the most alternatives a self-speculative tree proposes beside a step (the next most confident
 #: position, the next most likely token; :mod:`simsd.speculative.tree`)
@@ -54,25 +53,6 @@ def parse_draft(value, name: str = "draft"):
     return value
 
 
-def check_self_draft(settings) -> None:
-    """:class:`ParamError` for settings that self-speculation has no use for or does not run
-    (``settings``: a :class:`SpecConfig`, the engine's or a request's settings; fields it lacks
-    are not checked): vanilla mode, paper mode's release variant (it re-drafts the whole block
-    with a fresh schedule), optimistic drafting (there is no draft to run ahead), the draft's own
-    device, strategy or threshold (the proposals are the target's)."""
-    mode = getattr(settings, "mode", "exact")
-    if mode not in ("exact", "paper"):
-        raise ParamError("mode", f"{opt('draft', SELF_DRAFT)} runs in exact or paper mode; got {opt('mode', mode)}")
-    if mode == "paper" and getattr(settings, "paper_variant", "described") != "described":
-        raise ParamError("paper_variant", f"{opt('draft', SELF_DRAFT)} runs paper mode as described (the release "
-                                          f"variant re-drafts the whole block with a fresh schedule)")
-    for name in ("optimistic", "draft_device", "draft_strategy", "draft_threshold"):
-        value = getattr(settings, name, None)
-        if value is not None and value is not False:
-            raise ParamError(name, f"{opt(name)}: {opt('draft', SELF_DRAFT)} has no draft model (the target "
-                                   f"proposes its own next steps with its own strategy)")
-
-
 def draft_settings(strategy: str, threshold, draft_strategy, draft_threshold) -> tuple:
     """The draft's ``(strategy, threshold)``: its own when given; else the target's strategy, and
     the target's threshold only when the strategies are the same (a confidence threshold is
@@ -85,35 +65,64 @@ def draft_settings(strategy: str, threshold, draft_strategy, draft_threshold) ->
     return d_strategy, (threshold if d_strategy == strategy else None)
 
 
-def check_gamma(gamma: int | None, block_length: int) -> None:
-    """:class:`ParamError` when ``gamma`` draft steps cannot fit a block of ``block_length``."""
-    if gamma is not None and gamma > block_length:
-        raise ParamError("gamma", f"{opt('gamma')} {gamma} exceeds the block length {block_length} (a block is "
-                                  f"finished in at most {block_length} steps; valid: 1 to {block_length})")
+def _release_gamma(s) -> str:
+    return "gamma" if s.gamma is not None else "max_gamma" if s.max_gamma is not None else "on_reject"
 
 
-def check_release(variant: str, gamma: int | None, on_reject: str, gamma_name: str = "gamma") -> None:
-    """:class:`ParamError` for paper mode's release variant with a ``gamma`` (``gamma_name``: the
-    setting that gave it) or ``on_reject`` fallback: it drafts the whole rest of the block every
-    round."""
-    if variant != "release" or (gamma is None and on_reject != "fallback"):
-        return
-    name = gamma_name if gamma is not None else "on_reject"
-    raise ParamError(name, f"{opt(name)}: the release variant of paper mode ({opt('paper_variant', 'release')}) "
-                           f"drafts the whole rest of the block every round (no gamma, no fallback)")
+def _optimistic(s) -> str:
+    return (opt("optimistic", True) if s.optimistic
+            else f"optimistic drafting, on by default with {opt('draft_device')} {s.apart}")
 
 
-def check_fold_commit(fold_commit: bool, optimistic: bool | None, devices: str | None = None) -> None:
-    """:class:`ParamError` for ``fold_commit`` with optimistic drafting: ``optimistic`` True, or
-    None (auto) with the draft on another device than the target (``devices``: ``"draft !=
-    target"``, None: the same device); optimistic rollback needs explicit draft commits."""
-    if not fold_commit or optimistic is False or (optimistic is None and devices is None):
-        return
-    why = (opt("optimistic", True) if optimistic
-           else f"optimistic drafting, on by default with {opt('draft_device')} {devices}")
-    raise ParamError("fold_commit", f"{opt('fold_commit')} is not combined with {why} (its rollback needs "
-                                    f"explicit draft commits); pass {opt('optimistic', False)} or drop "
-                                    f"{opt('fold_commit')}")
+#: the draft settings that self-speculation has no use for (there is no draft model), each with
+#: an example of the refusal (:attr:`~simsd.config.vocabulary.Rule.example`)
+NO_DRAFT_MODEL = {"optimistic": ({"draft": SELF_DRAFT, "optimistic": True}, {}),
+                  "draft_device": ({"draft": SELF_DRAFT, "draft_device": "cpu"}, {}),
+                  "draft_strategy": ({"draft": SELF_DRAFT}, {"draft_strategy": "static"}),
+                  "draft_threshold": ({"draft": SELF_DRAFT}, {"strategy": "dynamic", "draft_threshold": 0.5})}
+
+#: The refused combinations of speculative settings (:class:`~simsd.config.vocabulary.Rule`),
+#: read from whatever settings a layer holds (:func:`~simsd.config.vocabulary.check_rules`): an
+#: engine's (:class:`~simsd.config.engine.EngineArgs`, with ``apart``: ``"draft != target"``
+#: when the draft's device differs, else None), a request's against its engine
+#: (:func:`~simsd.config.request.check_request`), a :class:`SpecConfig`, and the speculative
+#: decoder's (its ``draft``, ``apart`` and a request's configs). A rule on a setting the layer
+#: does not hold does not fire.
+SPECULATIVE_RULES = (
+    Rule(_release_gamma, lambda s: s.paper_variant == "release" and (s.gamma is not None or s.max_gamma is not None
+                                                                    or s.on_reject == "fallback"),
+         lambda s: f"{opt(_release_gamma(s))}: the release variant of paper mode ({opt('paper_variant', 'release')}) "
+                   f"drafts the whole rest of the block every round (no gamma, no fallback)",
+         ({"mode": "paper", "paper_variant": "release", "on_reject": "fallback"}, {})),
+    Rule("paper_variant", lambda s: is_self_draft(s.draft) and s.mode == "paper" and s.paper_variant == "release",
+         lambda s: f"{opt('draft', SELF_DRAFT)} runs paper mode as described (the release variant re-drafts the "
+                   f"whole block with a fresh schedule)",
+         ({"mode": "paper", "draft": SELF_DRAFT, "paper_variant": "release"}, {})),
+) + tuple(
+    Rule(name, lambda s, name=name: is_self_draft(s.draft) and getattr(s, name) not in (None, False),
+         lambda s, name=name: f"{opt(name)}: {opt('draft', SELF_DRAFT)} has no draft model (the target proposes its "
+                              f"own next steps with its own strategy)",
+         example)
+    for name, example in NO_DRAFT_MODEL.items()
+) + (
+    Rule("gamma", lambda s: None not in (s.gamma, s.block_length) and s.gamma > s.block_length,
+         lambda s: f"{opt('gamma')} {s.gamma} exceeds the block length {s.block_length} (a block is finished in at "
+                   f"most {s.block_length} steps; valid: 1 to {s.block_length})",
+         ({}, {"gamma": 9})),
+    Rule("gamma", lambda s: None not in (s.gamma, s.max_gamma) and s.gamma > s.max_gamma,
+         lambda s: f"{opt('gamma')} {s.gamma} exceeds this LLM's {opt('max_gamma')} {s.max_gamma} (its caches hold "
+                   f"the verify forwards of at most that many draft steps)",
+         ({"max_gamma": 2}, {"gamma": 3})),
+    Rule("on_reject", lambda s: s.mode in SPECULATIVE and s.on_reject == "fallback" and s.gamma == 1,
+         lambda s: f"{opt('on_reject', 'fallback')} with {opt('gamma', 1)} never falls back (it finishes a block "
+                   f"when fewer than gamma positions remain)",
+         ({"on_reject": "fallback"}, {"gamma": 1})),
+    Rule("fold_commit", lambda s: bool(s.fold_commit) and s.mode in SPECULATIVE and (
+            s.optimistic or (s.optimistic is None and s.apart is not None)),
+         lambda s: f"{opt('fold_commit')} is not combined with {_optimistic(s)} (its rollback needs explicit draft "
+                   f"commits); pass {opt('optimistic', False)} or drop {opt('fold_commit')}",
+         ({"fold_commit": True, "optimistic": True}, {})),
+)
 
 
 def draft_config(cfg, spec: SpecConfig):
@@ -165,4 +174,4 @@ class SpecConfig:
         if self.speculation_width != "auto":
             given["speculation_width"] = SETTINGS["speculation_width"]
         check_modes(given, [self.mode])
-        check_release(self.paper_variant, self.gamma, self.on_reject)
+        check_rules(SPECULATIVE_RULES, self)

@@ -1,6 +1,9 @@
 """The settings vocabulary: :class:`Setting` (a setting's type, valid values, help and the
-decoding modes that use it), the one error every refusal raises (:class:`ParamError`), and the
-checks a dataclass of settings runs on its fields (:func:`check_fields`, :func:`check_modes`).
+decoding modes that use it), the one error every refusal raises (:class:`ParamError`), the
+checks a dataclass of settings runs on its fields (:func:`check_fields`, :func:`check_modes`),
+and the refused combinations of settings as data (:class:`Rule`, checked by :func:`check_rules`:
+each rule is stated once, in the room of the settings it concerns, and every layer that holds
+those settings runs the same table).
 
 A :class:`ParamError`'s message names settings through :func:`opt`, so that each surface shows
 its own spelling: the field in the Python API and the server (``top_p``, ``rope_copy=False``),
@@ -12,6 +15,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 MODES = ("vanilla", "paper", "exact")
 SPECULATIVE = ("paper", "exact")
@@ -38,6 +42,10 @@ class ParamError(ValueError):
     def __init__(self, param: str | None, message: str):
         self.param, self.template = param, message
         super().__init__(self.render())
+
+    def of(self, where: str) -> ParamError:
+        """This refusal said of ``where`` (a prompt of several: ``prompt 2``, ``prompt p.jsonl:3``)."""
+        return ParamError(self.param, f"{where}: {self.template}")
 
     def render(self, name=field_name) -> str:
         """The message with each setting named by ``name(setting, value or None)``."""
@@ -146,20 +154,68 @@ def check_modes(given: dict, modes) -> None:
     """:class:`ParamError` naming the settings in ``given`` (``{name: Setting}``) that none of
     the run's decoding ``modes`` uses (an option the run would ignore is refused)."""
     unused = [n for n, s in given.items() if not set(s.modes) & set(modes)]
-    if unused:
-        variants = [n for n in unused if given[n].modes == ("paper",) and given[n].kind is not bool]
-        if variants:
-            raise ParamError(variants[0], f"{opt(variants[0])} is a variant of paper mode (the mode is "
-                                          f"{', '.join(modes)})")
-        ablations = [n for n in unused if given[n].modes == ("paper",)]
-        if len(ablations) == len(unused):
-            raise ParamError(unused[0], f"{', '.join(opt(n, False) for n in unused)} is an ablation of paper mode")
+    if not unused:
+        return
+    variants = [n for n in unused if given[n].modes == ("paper",) and given[n].kind is not bool]
+    ablations = [n for n in unused if given[n].modes == ("paper",) and n not in variants]
+    if variants:
+        name, text = variants[0], f"{opt(variants[0])} is a variant of paper mode (the mode is {', '.join(modes)})"
+    elif len(ablations) == len(unused):
+        name, text = unused[0], f"{', '.join(opt(n, False) for n in unused)} is an ablation of paper mode"
+    else:
         unused = [n for n in unused if n not in ablations]
-        raise ParamError(unused[0], f"{', '.join(opt(n) for n in unused)}: used by the paper and exact modes "
-                                    f"only (the mode is vanilla)")
+        name, text = unused[0], f"{', '.join(opt(n) for n in unused)}: used by the paper and exact modes only (the " \
+                                f"mode is vanilla)"
+    raise ParamError(name, text)
 
 
 def at_most(name: str, value, high: int, what: str) -> None:
     """:class:`ParamError` unless ``1 <= value <= high`` (``what``: what ``high`` is)."""
     if value is not None and not 1 <= value <= high:
         raise ParamError(name, f"{opt(name)} must be in [1, {high}] ({what}), got {value}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refused combination of settings. ``broken(s)``: whether the settings ``s`` (a
+    :class:`Settings`) break it; ``param``: the setting the refusal names (or ``param(s)``);
+    ``text(s)``: the message (settings named through :func:`opt`, so each surface shows its own
+    spelling); ``example``: ``(engine, request)`` keywords of :class:`~simsd.config.EngineArgs`
+    and :class:`~simsd.config.SamplingParams` (or the command line's options) that break it: the
+    tests drive every rule's example through the surfaces that reach it."""
+    param: object
+    broken: Callable
+    text: Callable
+    example: tuple = ({}, {})
+
+    def name(self, s) -> str:
+        return self.param(s) if callable(self.param) else self.param
+
+
+class Settings:
+    """The settings a :class:`Rule` reads: attribute ``name`` of the first source that has it
+    (sources: dataclasses of settings, namespaces or dicts, e.g. a request's
+    :class:`~simsd.config.SamplingParams` before its engine's :class:`~simsd.config.EngineArgs`),
+    None when no source has it (a rule on a setting that this layer does not hold does not
+    fire)."""
+
+    def __init__(self, *sources):
+        self._sources = sources
+
+    def __getattr__(self, name: str):
+        for source in self._sources:
+            if isinstance(source, dict):
+                if name in source:
+                    return source[name]
+            elif hasattr(source, name):
+                return getattr(source, name)
+        return None
+
+
+def check_rules(rules, *sources) -> None:
+    """:class:`ParamError` for the first of ``rules`` (:class:`Rule`) that the settings of
+    ``sources`` (as :class:`Settings` reads them) break."""
+    s = Settings(*sources)
+    for rule in rules:
+        if rule.broken(s):
+            raise ParamError(rule.name(s), rule.text(s))

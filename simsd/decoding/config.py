@@ -88,44 +88,48 @@ def check_prompt_ids(prompt_ids, config, mask_id: int | None = None) -> None:
     decoding would treat a MASK in it as a position to fill.
 
     Raises:
-        ValueError: empty prompt, id outside the vocabulary, the mask id (its position named).
+        ParamError: naming ``prompt``: empty, an id outside the vocabulary, the mask id (its
+            position named).
     """
     if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty")
+        raise ParamError("prompt", "the prompt is empty")
     bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
     if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+        raise ParamError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     mask = mask_id if mask_id is not None else config.mask_token_id
     ids = [int(t) for t in prompt_ids]
     if mask is not None and int(mask) in ids:
         at = ids.index(int(mask))
-        raise ValueError(f"prompt token {at} is the mask id {int(mask)}; a prompt cannot contain the mask token "
-                         f"(decoding would overwrite it)")
+        raise ParamError("prompt", f"prompt token {at} is the mask id {int(mask)}; a prompt cannot contain the mask "
+                                   f"token (decoding would overwrite it)")
 
 
-def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mask_id: int | None = None) -> int:
+def check_prompt(prompt_ids, config, max_new_tokens: int, block_length: int, mask_id: int | None = None,
+                 max_model_len: int | None = None) -> int:
     """Validate prompt ids (:func:`check_prompt_ids`) and return the cache capacity (tokens) the
-    generation needs.
+    generation needs: the prompt and ``max_new_tokens`` must fit the model's positions and, when
+    given, an engine's ``max_model_len`` (positions per request, at most the model's).
 
     Raises:
-        ValueError: see :func:`check_prompt_ids`.
-        ParamError: a prompt too long for the model (``param`` ``prompt``), or too long with
-            ``max_new_tokens`` (``param`` ``max_tokens``, including the rounding of the last
-            block to a whole block); each surface names the setting as its user spells it.
+        ParamError: see :func:`check_prompt_ids`; a prompt too long (``param`` ``prompt``), or too
+            long with ``max_new_tokens`` (``param`` ``max_tokens``, including the rounding of
+            the last block to a whole block); each surface names the setting as its user spells it.
     """
     check_prompt_ids(prompt_ids, config, mask_id)
-    limit = config.max_position_embeddings
+    limit, what = config.max_position_embeddings, "the model's maximum length"
+    if max_model_len is not None and max_model_len <= limit:
+        limit, what = max_model_len, opt("max_model_len")
     P = len(prompt_ids)
     if P >= limit:
-        raise ParamError("prompt", f"prompt of {P} tokens is longer than the model's maximum length {limit}")
+        raise ParamError("prompt", f"prompt of {P} tokens is longer than {what} {limit} - 1")
     if P + max_new_tokens > limit:
-        raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_new_tokens}) exceeds the "
-                                       f"model's maximum length {limit}")
+        raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_new_tokens}) exceeds "
+                                       f"{what} {limit}")
     total = -(-(P + max_new_tokens) // block_length) * block_length
-    if total > limit:
+    if total > config.max_position_embeddings:
         raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_new_tokens}) rounded up "
                                        f"to whole blocks of {block_length} is {total} positions, past the model's "
-                                       f"maximum length {limit}")
+                                       f"maximum length {config.max_position_embeddings}")
     return total + block_length
 
 

@@ -180,7 +180,7 @@ class LLM:
                 except ParamError as exc:
                     if single:
                         raise
-                    raise ParamError(exc.param, f"prompt {i}: {exc.template}") from None
+                    raise exc.of(f"prompt {i}") from None
                 self.driver.enqueue(handle.request)
                 handles.append(handle)
             with tqdm(total=len(handles), desc=f"simsd {self.mode}", unit="req", file=sys.stderr,

@@ -16,7 +16,7 @@ import warnings
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams, check_request
 from ..config.speculative import SELF_DRAFT, is_self_draft
-from ..config.vocabulary import ParamError, check_modes, opt, settings_of
+from ..config.vocabulary import ParamError, Rule, check_modes, check_rules, opt, settings_of
 from .arguments import (
     DESCRIPTIONS,
     HTTP_OPTIONS,
@@ -83,39 +83,46 @@ def check_options(args, modes: list) -> None:
     for name, note in check_request(params, engine):
         if name in args.typed:
             warnings.warn(ParamError(name, note).render(namer(args)), SimsdWarning)
-    single = getattr(args, "prompt", None) is not None or getattr(args, "prompt_ids", None) is not None
-    if single and getattr(args, "limit", None) is not None:
-        raise ParamError("limit", f"{opt('limit')} applies to {opt('prompts_file')} and {opt('prompt_set')}, not "
-                                  f"to a single prompt")
-    if single and args.batch_size > 1:
-        raise ParamError("batch_size", f"{opt('batch_size')} {args.batch_size} with a single prompt: batches need "
-                                       f"{opt('prompts_file')} or {opt('prompt_set')}")
-    check_ray_options(args)
+    ray = getattr(args, "ray", False)  # (simsd bench has no Ray options)
+    check_rules(COMMAND_LINE_RULES, args, {
+        "single": getattr(args, "prompt", None) is not None or getattr(args, "prompt_ids", None) is not None,
+        "ray": ray, "tp": args.engine.tp,
+        "ray_given": [n for n in RAY_OPTIONS.get(args.command, ()) if n != "ray" and n in args.typed],
+        "http_given": [n for n in HTTP_OPTIONS.get(args.command, ()) if n in args.typed]})
+    if ray:
+        check_ray_devices(args.engine)
     if args.engine.tp > 1:  # last: it loads torch (unless the device is the CPU)
         check_tp_devices(args.engine.device, args.engine.tp)
 
 
-def check_ray_options(args) -> None:
-    """The Ray options (:data:`~simsd.entrypoints.arguments.RAY_OPTIONS`) only with ``--ray``, the
-    HTTP server's (:data:`~simsd.entrypoints.arguments.HTTP_OPTIONS`) only without; ``--ray``
-    without ``--tp`` (a worker or replica is one process); ``--max-replicas`` at least
-    ``--replicas``. Raises :class:`ParamError`."""
-    ray = getattr(args, "ray", False)  # (simsd bench has no Ray options)
-    given = [n for n in RAY_OPTIONS.get(args.command, ()) if n != "ray" and n in args.typed]
-    if given and not ray:
-        raise ParamError(given[0], f"{opt(given[0])} applies to Ray runs: add {opt('ray')}")
-    given = [n for n in HTTP_OPTIONS.get(args.command, ()) if n in args.typed]
-    if given and ray:
-        raise ParamError(given[0], f"{opt(given[0])} applies to simsd serve without {opt('ray')} (Ray Serve's own "
-                                   f"HTTP proxy reads the requests)")
-    if ray and args.engine.tp > 1:
-        raise ParamError("tp", f"{opt('tp')} {args.engine.tp} with {opt('ray')}: a Ray worker or replica is one "
-                               f"process (tensor parallelism over torchrun: docs/scaling.md)")
-    high = getattr(args, "max_replicas", None)
-    if high is not None and high < args.replicas:
-        raise ParamError("max_replicas", f"{opt('max_replicas')} {high} is below {opt('replicas')} {args.replicas}")
-    if ray:
-        check_ray_devices(args.engine)
+#: The refused combinations of the command line's own options (:class:`~simsd.config.vocabulary.Rule`,
+#: each example a command line): ``--limit`` and ``--batch-size`` with a single prompt, the Ray
+#: options (:data:`~simsd.entrypoints.arguments.RAY_OPTIONS`) only with ``--ray``, the HTTP
+#: server's (:data:`~simsd.entrypoints.arguments.HTTP_OPTIONS`) only without, ``--ray`` without
+#: ``--tp`` (a worker or replica is one process), ``--max-replicas`` at least ``--replicas``.
+COMMAND_LINE_RULES = (
+    Rule("limit", lambda a: a.single and a.limit is not None,
+         lambda a: f"{opt('limit')} applies to {opt('prompts_file')} and {opt('prompt_set')}, not to a single prompt",
+         ("generate", "--prompt-ids", "5,6", "--limit", "1")),
+    Rule("batch_size", lambda a: a.single and a.batch_size > 1,
+         lambda a: f"{opt('batch_size')} {a.batch_size} with a single prompt: batches need {opt('prompts_file')} or "
+                   f"{opt('prompt_set')}",
+         ("generate", "--prompt-ids", "5,6", "--batch-size", "2")),
+    Rule(lambda a: a.ray_given[0], lambda a: bool(a.ray_given) and not a.ray,
+         lambda a: f"{opt(a.ray_given[0])} applies to Ray runs: add {opt('ray')}",
+         ("serve", "--replicas", "2")),
+    Rule(lambda a: a.http_given[0], lambda a: bool(a.http_given) and a.ray,
+         lambda a: f"{opt(a.http_given[0])} applies to simsd serve without {opt('ray')} (Ray Serve's own HTTP proxy "
+                   f"reads the requests)",
+         ("serve", "--ray", "--request-read-timeout", "5")),
+    Rule("tp", lambda a: a.ray and a.tp > 1,
+         lambda a: f"{opt('tp')} {a.tp} with {opt('ray')}: a Ray worker or replica is one process (tensor "
+                   f"parallelism over torchrun: docs/scaling.md)",
+         ("generate", "--ray", "--tp", "2")),
+    Rule("max_replicas", lambda a: a.max_replicas is not None and a.max_replicas < a.replicas,
+         lambda a: f"{opt('max_replicas')} {a.max_replicas} is below {opt('replicas')} {a.replicas}",
+         ("serve", "--ray", "--replicas", "3", "--max-replicas", "2")),
+)
 
 
 def check_ray_devices(engine) -> None:

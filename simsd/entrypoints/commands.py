@@ -108,7 +108,7 @@ def encode_prompts(prompts: list, args, tokenizer, mask_id: int) -> list:
         except ChatTemplateError as exc:
             raise ParamError("raw", f"{exc}; pass {opt('raw')} to use the text as it is") from exc
         except ParamError as exc:
-            raise ParamError(exc.param, f"{prompt_label(p, i)}: {exc.template}") from exc
+            raise exc.of(prompt_label(p, i)) from exc
     return prompts
 
 
@@ -121,9 +121,7 @@ def check_prompts(prompts: list, models: list, cfg: DecodeConfig, mask_id: int |
             try:
                 check_prompt(p.ids, m.config, cfg.max_new_tokens, cfg.block_length, mask_id=mask_id)
             except ParamError as exc:
-                raise ParamError(exc.param, f"{prompt_label(p, i)}: {exc.template}") from exc
-            except ValueError as exc:
-                raise ParamError("prompt", f"{prompt_label(p, i)}: {exc}") from exc
+                raise exc.of(prompt_label(p, i)) from exc
 
 
 def vanilla_params(params: SamplingParams) -> SamplingParams:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..config.vocabulary import opt
 from ..decoding.config import check_prompt, check_prompt_ids, resolve
 from ..decoding.vanilla import VanillaRow
 from ..engine.scheduler import Request, SchedulerClosed
@@ -37,22 +36,14 @@ class RequestBuilder:
         went through the chat template. Raises :class:`ParamError`."""
         ids, templated = encode_prompt(prompt, self.tokenizer, self.target.mask_token_id, self.config.max_model_len,
                                        self.bytes_per_token)
-        try:
-            check_prompt_ids(ids, self.target.config, self.target.mask_token_id)
-        except ValueError as exc:
-            raise ParamError("prompt", str(exc)) from None
+        check_prompt_ids(ids, self.target.config, self.target.mask_token_id)
         return ids, templated
 
     def capacity(self, ids: list, max_tokens: int) -> int:
         """Cache tokens the request needs in every model; :class:`ParamError` when the prompt and
         ``max_tokens`` do not fit ``max_model_len`` or a model's positions."""
-        P, L = len(ids), self.config.max_model_len
-        if P >= L:
-            raise ParamError("prompt", f"prompt of {P} tokens is longer than {opt('max_model_len')} {L} - 1")
-        if P + max_tokens > L:
-            raise ParamError("max_tokens", f"prompt ({P} tokens) + {opt('max_tokens')} ({max_tokens}) exceeds "
-                                           f"{opt('max_model_len')} {L}")
-        return max(check_prompt(ids, m.config, max_tokens, self.config.block_length) for m in self.models)
+        return max(check_prompt(ids, m.config, max_tokens, self.config.block_length,
+                                max_model_len=self.config.max_model_len) for m in self.models)
 
     def build(self, llm, prompt, params, listener=None, request_id: str | None = None, fit_max_tokens: bool = False,
               verifier_class=None) -> RequestHandle:

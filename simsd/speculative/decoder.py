@@ -20,15 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.speculative import (
+    SELF_DRAFT,
+    SPECULATIVE_RULES,
     SpecConfig,
-    check_fold_commit,
-    check_gamma,
-    check_self_draft,
     draft_config,
     is_self_draft,
     max_query_blocks,
 )
-from ..config.vocabulary import SPECULATIVE
+from ..config.vocabulary import SPECULATIVE, check_rules
 from ..decoding.config import BatchResult, DecodeConfig, GenerationResult, check_prompt
 from ..decoding.program import generate_batch, row_seeds
 from ..engine.batching import BatchEngine, round_capacity
@@ -94,14 +93,13 @@ class SpeculativeDecoder:
     def __init__(self, target, draft, cfg: DecodeConfig, spec: SpecConfig, check: bool = True):
         self.self_draft = is_self_draft(draft)
         if self.self_draft:
-            check_self_draft(spec)
             draft = None
         elif check:
             check_pair(target, draft)
         self.t, self.d = target, draft
         t = target.model.device
         d = t if draft is None else draft.model.device
-        check_fold_commit(cfg.fold_commit, spec.optimistic, f"{d} != {t}" if d != t else None)
+        self.apart = f"{d} != {t}" if d != t else None  # the draft's device, for the fold_commit rule
         self.mask_id = target.mask_token_id
         if self.self_draft:
             self.verifier_class = SelfPaperVerifier if spec.mode == "paper" else SelfExactVerifier
@@ -113,9 +111,8 @@ class SpeculativeDecoder:
         """The checked :class:`SpecPlan` of a request's settings (:class:`ParamError`: a ``gamma``
         past the block length, a draft threshold out of the draft strategy's range, a draft
         setting with ``draft="self"``)."""
-        check_gamma(spec.gamma, cfg.block_length)
-        if self.self_draft:
-            check_self_draft(spec)
+        check_rules(SPECULATIVE_RULES, spec, cfg, {"draft": SELF_DRAFT if self.self_draft else None,
+                                                   "apart": self.apart})
         return SpecPlan(cfg, spec, draft_config(cfg, spec), spec.gamma or cfg.block_length)
 
     def generate(self, prompt_ids: list) -> GenerationResult:

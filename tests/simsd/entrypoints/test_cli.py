@@ -495,4 +495,4 @@ def test_a_text_prompt_past_the_positions_is_one_line():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("simsd: loading")]
     assert proc.returncode == 2 and lines == ["simsd: error: --prompt: prompt of 3010 tokens is longer than the "
-                                              "model's maximum length 2048"], proc.stderr
+                                              "model's maximum length 2048 - 1"], proc.stderr

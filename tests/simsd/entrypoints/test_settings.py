@@ -15,7 +15,7 @@ from simsd.config.engine import EngineArgs
 from simsd.config.request import SamplingParams
 from simsd.config.vocabulary import ParamError, Setting
 from simsd.entrypoints.arguments import ALIASES, COMMANDS, SETTINGS, build_parser, options_of
-from simsd.entrypoints.cli import main
+from simsd.entrypoints.cli import COMMAND_LINE_RULES, main
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -144,3 +144,23 @@ def test_a_text_prompt_without_a_tokenizer_is_refused_as_the_api_refuses_it(caps
         "prompt p.jsonl:2: this checkpoint has no tokenizer: give token ids"
     assert error_line(capsys, "generate", "--target", ck, "--prompts-file", str(f), "--raw", "--limit", "1") == \
         "--raw applies to text prompts; these prompts are token ids (they bypass the tokenizer and its chat template)"
+
+
+#: words of each command-line rule's refusal (the option it names leads the line)
+RULE_WORDS = {"limit": ("--limit", "applies to --prompts-file and --prompt-set, not to a single prompt"),
+              "batch_size": ("--batch-size", "2 with a single prompt: batches need --prompts-file or --prompt-set"),
+              "replicas": ("--replicas", "applies to Ray runs: add --ray"),
+              "request_read_timeout": ("--request-read-timeout", "applies to simsd serve without --ray (Ray Serve's "
+                                                                "own HTTP proxy reads the requests)"),
+              "tp": ("--tp", "2 with --ray: a Ray worker or replica is one process (tensor "
+                                "parallelism over torchrun: docs/scaling.md)"),
+              "max_replicas": ("--max-replicas", "2 is below --replicas 3")}
+
+
+@pytest.mark.parametrize("rule", COMMAND_LINE_RULES, ids=lambda r: r.example[-2])
+def test_every_command_line_rule_is_reached_by_its_example(capsys, rule):
+    """Each rule of the command line's own options refuses its example (a command line) before
+    anything loads, in one line that leads with the option."""
+    lead, words = RULE_WORDS[rule.example[-2].lstrip("-").replace("-", "_")]
+    assert error_line(capsys, *rule.example) == f"{lead} {words}"
+    assert len(RULE_WORDS) == len(COMMAND_LINE_RULES)  # one example per rule, each reaching its own
