@@ -758,8 +758,8 @@ MUTANTS = [
         (TR, "((grp_k < grp_q) & (grp_q <= tau_k))", "((grp_k < grp_q) & (grp_q < tau_k))"),
         (CR, "(gk < gq && gq <= tk)", "(gk < gq && gq < tk)"),
     ], MASKS, MIRROR, FLEX, note="a tree copy does not see its ancestor when it is the ancestor's last descendant"),
-    m("self draft", "simsd/speculative/tree.py", "second = scores.topk(2).indices[1]",
-      "second = scores.topk(2).indices[0]", TREE, note="the runner-up token alternative is the primary's token"),
+    m("self draft", "simsd/speculative/tree.py", "scores.topk(rank + 1).indices[rank].view(1)",
+      "scores.topk(rank + 1).indices[0].view(1)", TREE, note="the runner-up token alternative is the primary's token"),
     m("lookahead", SR, 'self.row.truncate("target", self.row.cached["target"] - L)',
       'self.row.truncate("target", self.row.cached["target"])', SELF,
       note="a proposed finished block that was not committed stays in the cache"),
@@ -842,6 +842,14 @@ MUTANTS = [
       "(None, False, True),", SURFACES, SELF, note="optimistic=True with draft='self' taken"),
     m("rules table", "simsd/speculative/decoder.py", '{"draft": SELF_DRAFT if self.self_draft else None,',
       '{"draft": None,', SELF, note="the decoder runs a self-speculative request's draft settings unchecked"),
+    # issue 36: more alternatives beside a step ------------------------------------------------------
+    m("self draft", "simsd/speculative/tree.py", ".topk(skip).indices, False)", ".topk(1).indices, False)", TREE,
+      note="the alternative leaving out two positions leaves out one (the first alternative again)"),
+    m("self draft", "simsd/speculative/self_draft.py", "for c, st in zip(kinds, cands):",
+      "for c, st in enumerate(cands):", TREE,
+      note="a node's kind is its index among the candidates that applied (the policy's rates mixed up)"),
+    m("self draft", "simsd/speculative/width.py", "                if k <= kind:", "                if True:",
+      "tests/simsd/speculative/test_width.py", note="the alternatives after the valid one counted as tried and failed"),
 ]
 
 

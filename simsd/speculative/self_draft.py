@@ -122,11 +122,11 @@ class SelfDraft:
             index = block_step + d - 1
             noise = None if cfg.sampling.greedy else step_noise([key], [index], block.shape[0], logits.shape[-1],
                                                                  logits.device)[0]
-            cands = step_candidates(logits, states[spine], self.mask_id, cfg, index, noise, alternatives,
-                                    left[spine] if known else None)
+            cands, kinds = step_candidates(logits, states[spine], self.mask_id, cfg, index, noise, alternatives,
+                                           left[spine] if known else None)
             k = min(max(1, per_step[d - 1]), left[spine]) if known else None
             first = len(states)
-            for c, st in enumerate(cands):
+            for c, st in zip(kinds, cands):
                 states.append(st)
                 parent.append(spine)
                 depths.append(d)
@@ -154,12 +154,13 @@ class SelfDraft:
     def observe(self, tree: ProposalTree, node: int) -> None:
         """Count a round's outcome for the width policy: ``node`` the deepest valid node of
         ``tree`` (read with the decision)."""
-        ranks, j = [], node
+        def level(j: int) -> list:  # the kinds of the children of j
+            return [tree.kind[c] for c in range(tree.nodes) if tree.parent[c] == j]
+        path, j = [], node
         while j > 0:
-            ranks.append(tree.kind[j])
+            path.append((tree.kind[j], level(tree.parent[j])))
             j = tree.parent[j]
-        below = [c for c in range(tree.nodes) if tree.parent[c] == node]
-        self.policy.observe(ranks[::-1], len(below))
+        self.policy.observe(path[::-1], level(node))
 
 
 class SelfExactVerifier(ExactVerifier):

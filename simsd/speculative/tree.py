@@ -3,8 +3,8 @@
 A round proposes states of the block, each one denoising step after its parent: node 0 is the
 round's block (a known state), node ``j > 0`` its parent's state with one proposed step applied.
 A draft's chain of steps is a tree without branches (:meth:`ProposalTree.chain`); a tree may
-also hold *alternatives*: siblings that propose another outcome of the same step (the next most
-confident position, or the next most likely token at the most confident one,
+also hold *alternatives*: siblings that propose another outcome of the same step (other
+positions than the most confident, other tokens at the most confident one,
 :func:`step_candidates`), so that a step the primary proposal gets wrong may still be right.
 
 Exact verification (:func:`simsd.speculative.verification.tree_verdict`) puts one copy of every
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.speculative import ALTERNATIVES
 from ..decoding.sampling import filtered_probs, sample
 from ..decoding.step import tokens_to_reveal, without_mask_token_
 from ..decoding.strategies import select_positions
@@ -35,8 +36,8 @@ class ProposalTree:
     target's step on a node is the round's step plus its depth); ``copies``: ``N`` host bools,
     the node still has MASK (one verify copy, one target step); ``proposed``: the tokens the
     proposals revealed (every node but the root), a host int or a 0-d device tensor; ``kind``:
-    ``N`` host ints, a node's rank among its siblings (0: the primary proposal, ``k``: the
-    ``k``-th alternative), or None.
+    ``N`` host ints, a node's kind among its siblings (0: the primary proposal, ``k``: the
+    ``k``-th alternative of :data:`~simsd.config.speculative.ALTERNATIVES`), or None.
     """
     states: torch.Tensor
     parent: list
@@ -98,20 +99,22 @@ def tree_constants(parent: tuple, depth: tuple, copies: tuple, device: torch.dev
 
 
 def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg, index: int, noise,
-                    alternatives: int, masks: int | None) -> list:
+                    alternatives: int, masks: int | None) -> tuple:
     """The outcomes of one denoising step on ``state (L,)`` from ``logits (L, V)`` (MASK made
     impossible in place) proposed as siblings: first the step as the strategy takes it (step
-    ``index`` of the schedule, ``noise`` its keyed draws, None when greedy), then up to
-    ``alternatives`` others, in this order:
+    ``index`` of the schedule, ``noise`` its keyed draws, None when greedy), then the first
+    ``alternatives`` of :data:`~simsd.config.speculative.ALTERNATIVES` that apply, each
+    ``(skip, rank)``:
 
-    * the next most confident position (``static``, ``dynamic``; needs two MASK, ``masks`` the
-      host count, None: unknown): the strategy's choice with its most confident position left
-      out;
-    * the next most likely token at the most confident revealed position (every strategy): the
-      runner-up of the same draw (greedy: the second highest logit; sampling: the second
-      arrival of the exponential race under the step's noise).
+    * ``skip`` most confident positions left out (``static``, ``dynamic``; needs ``skip + 1``
+      MASK, ``masks`` the host count, None: unknown): the strategy's choice without them;
+    * the ``rank``-th next most likely token at the most confident revealed position (every
+      strategy): greedy, the ``rank + 1``-th highest logit; sampling, the ``rank + 1``-th
+      arrival of the exponential race under the step's noise (the same draw).
 
-    Returns ``(L,)`` states on the logits' device, no host read."""
+    Returns ``(states, kinds)``: ``(L,)`` states on the logits' device and each one's kind (0 the
+    primary, ``k`` the ``k``-th entry of the table, the same for a kind whatever applies), no host
+    read."""
     greedy = cfg.sampling.greedy
     masked = state == mask_id
     logits = without_mask_token_(logits, mask_id)
@@ -119,14 +122,19 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
     tokens, conf, ent, _ = sample(logits, cfg.sampling, noise, with_probs=False,
                                   with_entropy=cfg.strategy == "entropy", with_confidence=True)
     k = tokens_to_reveal(cfg, index, logits.device)
-    revealed = select_positions(cfg.strategy, masked, conf, ent, k, cfg.threshold)
-    out = [torch.where(revealed, tokens, state)]
-    top = conf.masked_fill(~revealed, float("-inf")).argmax()  # the most confident revealed position
-    if alternatives > len(out) - 1 and positional and (masks is None or masks >= 2):
-        others = masked.index_fill(0, top.view(1), False)
-        out.append(torch.where(select_positions(cfg.strategy, others, conf, ent, k, cfg.threshold), tokens, state))
-    if alternatives > len(out) - 1:
-        scores = logits[top].float() if greedy else filtered_probs(logits[top], cfg.sampling) / noise[top]
-        second = scores.topk(2).indices[1]
-        out.append(out[0].index_copy(0, top.view(1), second.view(1)))
-    return out
+    states, kinds = [], []
+    for kind, (skip, rank) in enumerate(((0, 0),) + ALTERNATIVES[:alternatives]):
+        if skip and not (positional and (masks is None or masks > skip)):
+            continue
+        allowed = masked
+        if skip:
+            allowed = masked.index_fill(0, conf.masked_fill(~masked, float("-inf")).topk(skip).indices, False)
+        revealed = select_positions(cfg.strategy, allowed, conf, ent, k, cfg.threshold)
+        new = torch.where(revealed, tokens, state)
+        if rank:
+            top = conf.masked_fill(~revealed, float("-inf")).argmax()  # the most confident revealed position
+            scores = logits[top].float() if greedy else filtered_probs(logits[top], cfg.sampling) / noise[top]
+            new = new.index_copy(0, top.view(1), scores.topk(rank + 1).indices[rank].view(1))
+        states.append(new)
+        kinds.append(kind)
+    return states, kinds

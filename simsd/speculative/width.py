@@ -26,7 +26,8 @@ from __future__ import annotations
 from ..config.speculative import MAX_ALTERNATIVES
 
 #: prior pseudo-counts (successes, trials) of a primary proposal and of each alternative
-PRIOR = ((1.0, 2.0), (0.6, 2.0), (0.4, 2.0))
+#: (:data:`~simsd.config.speculative.ALTERNATIVES`, in order)
+PRIOR = ((1.0, 2.0), (0.6, 2.0), (0.4, 2.0), (0.3, 2.0), (0.3, 2.0), (0.2, 2.0))
 
 
 def tree_copies(depth: int, alternatives: int, masks: int, per_step: list) -> int:
@@ -53,7 +54,7 @@ class WidthPolicy:
 
     def __init__(self, width, gamma: int, block_length: int, cost=None):
         self.width, self.gamma, self.L, self.cost = width, gamma, block_length, cost
-        self.hits = [list(p) for p in PRIOR]  # per kind (primary, alternative 1, 2): [successes, trials]
+        self.hits = [list(p) for p in PRIOR]  # per kind (primary, the alternatives): [successes, trials]
         self.per_node = 0.0  # seconds the row spends proposing one node (running mean)
 
     def proposing(self, seconds: float, nodes: int) -> None:
@@ -113,13 +114,15 @@ class WidthPolicy:
         a, b = fit
         return max(a / max(rows, 1) + b * copies * self.L + self.per_node * (copies - 1), 1e-9)
 
-    def observe(self, ranks: list, final_tried: int) -> None:
-        """Count a round's outcome: ``ranks`` the candidate rank (0 primary, 1, 2 alternatives)
-        of each valid node below the root, in path order; ``final_tried`` the candidates at the
-        level below the deepest valid node (0 when the tree ended there), all of which failed."""
-        for r in ranks:
-            for k in range(r + 1):  # candidates before the valid one were tried and failed
-                self.hits[k][1] += 1
-            self.hits[r][0] += 1
-        for k in range(final_tried):
+    def observe(self, path: list, below: list) -> None:
+        """Count a round's outcome: ``path`` the valid nodes below the root, in path order, each
+        as ``(kind, the kinds of its level)`` (0 primary, 1.. the alternatives; the kinds before
+        the valid one were tried and failed); ``below``: the kinds at the level below the deepest
+        valid node (none when the tree ended there), all of which failed."""
+        for kind, level in path:
+            for k in level:
+                if k <= kind:
+                    self.hits[k][1] += 1
+            self.hits[kind][0] += 1
+        for k in below:
             self.hits[k][1] += 1

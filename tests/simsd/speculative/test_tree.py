@@ -24,18 +24,38 @@ def test_greedy_static_alternatives_by_hand():
     state = torch.tensor([M, 4, M, M])
     logits = logits_for([{1: 5.0, 2: 4.0}, {4: 9.0}, {3: 9.0, 5: 8.0}, {6: 1.0, 7: 0.9}])
     cfg = DecodeConfig(block_length=4, strategy="static")
-    out = step_candidates(logits.clone(), state, M, cfg, 1, None, 2, masks=3)
-    assert [s.tolist() for s in out] == [[M, 4, 3, M], [1, 4, M, M], [M, 4, 5, M]]
-    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, cfg, 1, None, 1, masks=3)] == \
+    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, 2, masks=3)
+    assert [s.tolist() for s in out] == [[M, 4, 3, M], [1, 4, M, M], [M, 4, 5, M]] and kinds == [0, 1, 2]
+    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, cfg, 1, None, 1, masks=3)[0]] == \
         [[M, 4, 3, M], [1, 4, M, M]]
     # one MASK left: no other position; the token alternative only
     one = torch.tensor([7, 4, M, 8])
-    assert [s.tolist() for s in step_candidates(logits.clone(), one, M, cfg, 3, None, 2, masks=1)] == \
+    assert [s.tolist() for s in step_candidates(logits.clone(), one, M, cfg, 3, None, 2, masks=1)[0]] == \
         [[7, 4, 3, 8], [7, 4, 5, 8]]
     # sequential: the leftmost MASK is fixed, its runner-up token is the alternative
     seq = DecodeConfig(block_length=4, strategy="sequential")
-    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, seq, 1, None, 2, masks=3)] == \
+    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, seq, 1, None, 2, masks=3)[0]] == \
         [[1, 4, M, M], [2, 4, M, M]]
+
+
+def test_every_alternative_by_hand():
+    """The five alternatives of ALTERNATIVES on the state above (position 2 token 3, then 5, then
+    8; position 0 token 1, then 2; position 3 token 6): (1, 0) position 0's token 1, (0, 1) position
+    2's runner-up 5, (1, 1) position 0's runner-up 2, (2, 0) position 3 (positions 2 and 0 left
+    out), (0, 2) position 2's third token 8. With one MASK left only the token alternatives apply,
+    and keep their kinds."""
+    state = torch.tensor([M, 4, M, M])
+    logits = logits_for([{1: 5.0, 2: 4.5}, {4: 9.0}, {3: 9.0, 5: 8.0, 8: 7.0}, {6: 1.0, 7: 0.9}])
+    cfg = DecodeConfig(block_length=4, strategy="static")
+    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, 5, masks=3)
+    assert [s.tolist() for s in out] == [[M, 4, 3, M], [1, 4, M, M], [M, 4, 5, M], [2, 4, M, M], [M, 4, M, 6],
+                                         [M, 4, 8, M]]
+    assert kinds == [0, 1, 2, 3, 4, 5]
+    out, kinds = step_candidates(logits.clone(), torch.tensor([7, 4, M, 8]), M, cfg, 3, None, 5, masks=1)
+    assert [s.tolist() for s in out] == [[7, 4, 3, 8], [7, 4, 5, 8], [7, 4, 8, 8]] and kinds == [0, 2, 5]
+    # two MASK: one position may be left out, not two
+    _, kinds = step_candidates(logits.clone(), torch.tensor([M, 4, M, 8]), M, cfg, 2, None, 5, masks=2)
+    assert kinds == [0, 1, 2, 3, 5]
 
 
 def test_sampled_token_alternative_is_the_race_runner_up():
@@ -49,7 +69,7 @@ def test_sampled_token_alternative_is_the_race_runner_up():
     noise[2, 5], noise[2, 3] = 0.1, 0.5  # token 5 first, 3 second at position 2
     noise[0, 1] = 0.01  # position 0 draws token 1 (probability ~0.73, the most confident drawn token)
     cfg = DecodeConfig(block_length=4, strategy="static", sampling=SamplingParams(temperature=1.0))
-    out = step_candidates(logits.clone(), state, M, cfg, 1, noise, 2, masks=3)
+    out, _ = step_candidates(logits.clone(), state, M, cfg, 1, noise, 2, masks=3)
     assert out[0].tolist() == [1, 4, M, M]  # the drawn token 1 at position 0 is the most confident
     assert out[2].tolist() == [2, 4, M, M]  # its runner-up under the same noise
 
@@ -63,3 +83,16 @@ def test_constants_of_a_tree():
     assert rank.tolist() == [0, 1, 0, 2, 3]
     assert path.int().tolist() == [[0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 1, 0],
                                    [0, 1, 0, 0, 1]]
+
+
+def test_a_grown_tree_keeps_each_nodes_kind():
+    """The self-draft's tree labels each node with its kind in ALTERNATIVES (what the width policy
+    counts), not its index among the candidates that applied: with one MASK left the position
+    alternatives do not apply, and the token alternatives keep kinds 2 and 5."""
+    from simsd.speculative.self_draft import SelfDraft
+    logits = logits_for([{1: 5.0, 2: 4.5}, {4: 9.0}, {3: 9.0, 5: 8.0, 8: 7.0}, {6: 1.0, 7: 0.9}])
+    draft = SelfDraft(DecodeConfig(block_length=4, strategy="static"), M, 2, alternatives=5)
+    draft.logits = logits
+    tree = draft.propose(torch.tensor([7, 4, M, 8]), 3, 1, None)
+    assert tree.kind == [0, 0, 2, 5] and tree.parent == [-1, 0, 0, 0]
+    assert [s.tolist() for s in tree.states[1:]] == [[7, 4, 3, 8], [7, 4, 5, 8], [7, 4, 8, 8]]

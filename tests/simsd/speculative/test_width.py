@@ -4,6 +4,7 @@ a GPU-like flat cost and a CPU-like growing one, and the running fit."""
 import pytest
 import torch
 
+from simsd.config.speculative import MAX_ALTERNATIVES
 from simsd.config.vocabulary import ParamError
 from simsd.engine.costs import ForwardCost
 from simsd.speculative.width import WidthPolicy, tree_copies
@@ -56,10 +57,10 @@ def test_a_lookahead_counts_its_two_copies_within_the_cap():
 
 def test_auto_is_wide_when_width_is_free_and_narrow_when_it_is_not():
     flat = WidthPolicy("auto", 4, 4, Fixed(0.006, 0.0))  # a GPU: the weights are read once whatever the width
-    assert flat.shape(4, ONE) == (3, 2)
+    assert flat.shape(4, ONE) == (3, MAX_ALTERNATIVES)  # every alternative
     steep = WidthPolicy("auto", 4, 4, Fixed(0.001, 0.001))  # every query token costs as much as the fixed part
     assert steep.shape(4, ONE) == (0, 0)
-    assert WidthPolicy("auto", 4, 4).shape(4, ONE) == (3, 2)  # no fit yet: taken as flat
+    assert WidthPolicy("auto", 4, 4).shape(4, ONE) == (3, MAX_ALTERNATIVES)  # no fit yet: taken as flat
     # proposing costs host time per node: a slow proposer narrows the tree
     slow = WidthPolicy("auto", 4, 4, Fixed(0.006, 0.0))
     slow.proposing(0.06, 2)
@@ -70,15 +71,17 @@ def test_observed_outcomes_move_the_rates():
     policy = WidthPolicy("auto", 4, 4)
     before = policy.rates()
     for _ in range(20):
-        policy.observe([0, 0], 0)  # two primaries accepted, the tree ended there
+        policy.observe([(0, [0, 1, 2]), (0, [0, 1, 2])], [])  # two primaries accepted, the tree ended there
     mid = policy.rates()[0]
     assert mid == pytest.approx((1 + 40) / (2 + 40)) and mid > before[0]
     for _ in range(20):
-        policy.observe([], 3)  # the root's three candidates all failed
-    p, q1, q2 = policy.rates()
-    assert p == pytest.approx(41 / 62) and q1 < before[1] and q2 < before[2]
-    policy.observe([1], 0)  # the primary failed, its first alternative was right
-    assert policy.hits[1][0] > 0.6
+        policy.observe([], [0, 1, 2])  # the root's three candidates all failed
+    p, q1, q2, *later = policy.rates()
+    assert p == pytest.approx(41 / 62) and q1 < before[1] and q2 < before[2] and later == before[3:]
+    policy.observe([(1, [0, 1, 2])], [])  # the primary failed, its first alternative was right
+    assert policy.hits[1] == [1.6, 23.0] and policy.hits[2] == [0.4, 22.0]  # the later one was not tried
+    policy.observe([(3, [0, 2, 3])], [])  # alternative 1 did not apply (one MASK): not counted as tried
+    assert policy.hits[1] == [1.6, 23.0] and policy.hits[2] == [0.4, 23.0] and policy.hits[3] == [1.3, 3.0]
 
 
 def test_forward_cost_fit():
