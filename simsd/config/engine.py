@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .fields import SETTINGS
-from .speculative import SELF_DRAFT, SPECULATIVE_RULES, is_self_draft, parse_draft
+from .speculative import SPECULATIVE_RULES, parse_draft
 from .vocabulary import SPECULATIVE, Rule, Setting, check_fields, check_modes, check_rules, opt, settings_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -95,10 +95,6 @@ class EngineArgs:
 #: The refused combinations of an engine's settings besides the speculative ones
 #: (:data:`~simsd.config.speculative.SPECULATIVE_RULES`), as :class:`~simsd.config.vocabulary.Rule`
 ENGINE_RULES = (
-    Rule("speculation_width", lambda s: s.speculation_width != "auto" and not is_self_draft(s.draft),
-         lambda s: f"{opt('speculation_width')} sizes the proposal trees of {opt('draft', SELF_DRAFT)} (a draft "
-                   f"model proposes a chain of {opt('gamma')} steps)",
-         ({"speculation_width": 8}, {})),
     Rule("scheduler_thread", lambda s: s.scheduler_thread and s.tp > 1,
          lambda s: f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the ranks must run the same rounds)",
          ({"scheduler_thread": True, "tp": 2}, {})),

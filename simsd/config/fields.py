@@ -105,10 +105,13 @@ SETTINGS = {
                                   "fallback; docs/design.md §4.3)", choices=PAPER_VARIANTS, modes=("paper",)),
     "optimistic": Setting(bool, "draft the next round while the target verifies, roll back on rejection "
                                 "(auto: when draft and target are on different devices)", modes=SPECULATIVE),
-    "speculation_width": Setting(object, "with --draft self: the most block copies of a verify forward (the "
-                                         "proposal tree: its depth up to gamma, alternatives beside each proposed "
-                                         "step), or auto: the tree with the most expected tokens per second, from "
-                                         "the acceptance seen and what the engine's forwards cost on this device",
+    "speculation_width": Setting(object, "the most block copies of an exact verify forward: with --draft self "
+                                         "the proposal tree (its depth up to gamma, alternatives beside each "
+                                         "proposed step), or auto: the tree with the most expected tokens per "
+                                         "second, from the acceptance seen and what the engine's forwards cost on "
+                                         "this device; with a draft model, N past gamma + 1 copies adds "
+                                         "alternatives beside each drafted step (static and sequential draft "
+                                         "strategies), auto: the draft's chain",
                                  parse=parse_width, modes=("exact",), text="auto or an integer >= 1"),
     "draft_strategy": Setting(str, _DRAFT + "the target's strategy", parse=parse_strategy, modes=SPECULATIVE),
     "draft_threshold": Setting(float, _DRAFT + "the target's threshold when the draft runs the target's "

@@ -30,13 +30,14 @@ MAX_ALTERNATIVES = len(ALTERNATIVES)
 def max_query_blocks(mode: str, gamma: int, self_draft: bool = False, width="auto") -> int:
     """Block copies in the longest forward of a row (the engine's cache margin): vanilla 2 (a
     folded commit and a block), a draft's exact or paper round ``gamma + 2`` (its steps, the bonus
-    copy or the paper layout's slots, a folded commit), a self-speculative round its widest tree
+    copy or the paper layout's slots, a folded commit; with a ``width`` N, at most N copies of its
+    steps and their alternatives and a folded commit), a self-speculative round its widest tree
     (``width`` copies, or with ``"auto"`` the root and ``1 +`` :data:`MAX_ALTERNATIVES` per
     proposed step), a lookahead's finished block and next block, and a folded commit."""
     if mode == "vanilla":
         return 2
     if not self_draft:
-        return gamma + 2
+        return gamma + 2 if width == "auto" else max(gamma + 2, int(width) + 1)
     return (1 + (1 + MAX_ALTERNATIVES) * gamma if width == "auto" else int(width)) + 3
 
 

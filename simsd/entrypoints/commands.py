@@ -222,7 +222,7 @@ def build_llm(run: Run, mode: str, loaded: dict | None = None) -> LLM:
         mode=mode, draft_device=config.draft_device if own else None,
         on_reject=config.on_reject if spec else "redraft",
         rope_copy=config.rope_copy or mode != "paper", optimistic=config.optimistic if own else None,
-        speculation_width=config.speculation_width if spec and not own else "auto",
+        speculation_width=config.speculation_width if mode == "exact" else "auto",
         paper_variant=config.paper_variant if mode == "paper" else "described",
         max_gamma=run.params.gamma if spec else None, batch_size=min(config.batch_size, len(run.prompts)),
         max_model_len=min(limit, max(need, block_length + 1)), max_waiting=len(run.prompts), scheduler_thread=False)

@@ -15,13 +15,14 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from ..decoding.noise import PAPER_DRAFT, SAMPLE, NoiseKey
+from ..config.speculative import MAX_ALTERNATIVES
+from ..decoding.noise import PAPER_DRAFT, SAMPLE, NoiseKey, step_noise
 from ..decoding.program import BlockState, RowProgram
 from ..decoding.step import Step
 from ..engine.batching import Row
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
-from .tree import ProposalTree
-from .verifiers import Round, Verdict
+from .tree import ProposalTree, step_candidates
+from .verifiers import ExactVerifier, Round, Verdict
 
 
 class Stats:
@@ -78,19 +79,39 @@ class Draft:
     remaining: int
     #: ``final`` on the draft's device: reading it never waits for the target's device
     final_draft: torch.Tensor | None = None
+    #: exact mode with alternatives: per draft step ``c``, ``(states, kinds)`` of the other
+    #: outcomes proposed beside it (:func:`~simsd.speculative.tree.step_candidates`); None: a chain
+    siblings: list | None = None
 
     @property
     def n(self) -> int:
         return len(self.states)
 
     def tree(self) -> ProposalTree:
-        """The chain as exact verification's proposal tree (the final state its last node)."""
-        return ProposalTree.chain(self.states, self.final, self.remaining, (self.tau <= self.n).sum())
+        """The chain as exact verification's proposal tree (the final state its last node), with
+        each step's alternatives as leaves beside the step's node (a leaf has MASK when the
+        step's node does: the schedule reveals as many tokens whichever positions)."""
+        chain = ProposalTree.chain(self.states, self.final, self.remaining, (self.tau <= self.n).sum())
+        if not self.siblings:
+            return chain
+        states, parent, depth, copies = [chain.states], list(chain.parent), list(chain.depth), list(chain.copies)
+        kind = [0] * chain.nodes
+        for c, (alternatives, kinds) in enumerate(self.siblings):
+            if not kinds:  # none applied (one MASK left: no other position)
+                continue
+            states.append(torch.stack(alternatives))
+            parent += [c] * len(kinds)
+            depth += [c + 1] * len(kinds)
+            copies += [chain.copies[c + 1]] * len(kinds)
+            kind += kinds
+        return ProposalTree(torch.cat(states), parent, depth, copies, chain.proposed, kind)
 
     def to(self, device) -> "Draft":
         probs = None if self.probs is None else self.probs.to(device)
+        siblings = None if self.siblings is None else [([s.to(device) for s in sts], kinds)
+                                                       for sts, kinds in self.siblings]
         return Draft([s.to(device) for s in self.states], self.final.to(device), self.tau.to(device), probs,
-                     self.remaining, self.final_draft)
+                     self.remaining, self.final_draft, siblings)
 
 
 class SpecRow(RowProgram):
@@ -124,6 +145,13 @@ class SpecRow(RowProgram):
             # rounds: no timings there
             cost = row.costs.get("target")
             self.verifier.draft.policy.cost = cost.want() if cost is not None else None
+        #: alternatives beside each drafted step (exact mode with a draft model and a width past
+        #: its chain; the schedule strategies, whose steps reveal a known count)
+        self.alternatives = 0
+        width = plan.spec.speculation_width
+        if not dec.self_draft and width != "auto" and isinstance(self.verifier, ExactVerifier) and \
+                plan.draft_cfg.strategy in ("sequential", "static"):
+            self.alternatives = min(MAX_ALTERNATIVES, max(0, (int(width) - plan.gamma - 1) // plan.gamma))
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
@@ -250,15 +278,22 @@ class SpecRow(RowProgram):
         key = self.draft_key(start, round_index)
         keep_probs = not dcfg.sampling.greedy and self.verifier.rejection_sampling
         probs = torch.zeros(L, self.dec.d.config.vocab_size, device=dev) if keep_probs else None
-        states = []
+        states, siblings = [], ([] if self.alternatives else None)
         counts_known = dcfg.strategy in ("sequential", "static")
         for c in range(self.plan.gamma):
             if masks == 0:
                 break
             states.append(state)
             step_cfg, index = self.verifier.draft_step(dcfg, block_step, c, masks)
-            state, revealed, p = yield self.layouts.denoise(
-                "draft", state, Step(state, index, step_cfg, self.mask_id, key))
+            out = yield self.layouts.denoise(
+                "draft", state, Step(state, index, step_cfg, self.mask_id, key, keep_logits=bool(self.alternatives)))
+            new, revealed, p = out[:3]
+            if self.alternatives:  # the step's other outcomes on the same logits and noise
+                noise = None if step_cfg.sampling.greedy else \
+                    step_noise([key], [index], L, out[3].shape[-1], out[3].device)[0]
+                siblings.append(step_candidates(out[3], state, self.mask_id, step_cfg, index, noise, self.alternatives,
+                                                masks, primary=(new, revealed)))
+            state = new
             tau.masked_fill_(revealed, c + 1)
             if probs is not None:
                 probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
@@ -266,7 +301,7 @@ class SpecRow(RowProgram):
                 masks -= min(max(1, step_cfg.tokens_for_step(index)), masks)
             else:
                 masks = int((state == self.mask_id).sum())  # data-dependent reveal count
-        return Draft(states, state, tau, probs, masks, state)
+        return Draft(states, state, tau, probs, masks, state, siblings)
 
     # -- the verdict -----------------------------------------------------------------------
     def decide(self, verdict: Verdict, rnd: Round, blk: BlockState) -> None:

@@ -99,18 +99,24 @@ def tree_constants(parent: tuple, depth: tuple, copies: tuple, device: torch.dev
 
 
 def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg, index: int, noise,
-                    alternatives: int, masks: int | None) -> tuple:
+                    alternatives: int, masks: int | None, primary: tuple | None = None) -> tuple:
     """The outcomes of one denoising step on ``state (L,)`` from ``logits (L, V)`` (MASK made
     impossible in place) proposed as siblings: first the step as the strategy takes it (step
     ``index`` of the schedule, ``noise`` its keyed draws, None when greedy), then the first
     ``alternatives`` of :data:`~simsd.config.speculative.ALTERNATIVES` that apply, each
     ``(skip, rank)``:
 
-    * ``skip`` most confident positions left out (``static``, ``dynamic``; needs ``skip + 1``
-      MASK, ``masks`` the host count, None: unknown): the strategy's choice without them;
+    * ``skip`` positions left out (``static``, ``dynamic``; needs ``skip + 1`` MASK, ``masks``
+      the host count, None: unknown): the step's most confident revealed position and the next
+      most confident ones; the strategy's choice without them;
     * the ``rank``-th next most likely token at the most confident revealed position (every
-      strategy): greedy, the ``rank + 1``-th highest logit; sampling, the ``rank + 1``-th
-      arrival of the exponential race under the step's noise (the same draw).
+      strategy): greedy, by logit; sampling, by arrival in the exponential race under the step's
+      noise (the same draw), the token already there left out.
+
+    ``primary``: ``(new_state, revealed)`` of the step as it was taken (a draft model's step on
+    these logits): the alternatives are built around it and it is not returned. The states
+    differ from each other and from the primary whatever the logits (a left-out position, or a
+    left-out token), so at most one sibling is the target's step.
 
     Returns ``(states, kinds)``: ``(L,)`` states on the logits' device and each one's kind (0 the
     primary, ``k`` the ``k``-th entry of the table, the same for a kind whatever applies), no host
@@ -122,19 +128,26 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
     tokens, conf, ent, _ = sample(logits, cfg.sampling, noise, with_probs=False,
                                   with_entropy=cfg.strategy == "entropy", with_confidence=True)
     k = tokens_to_reveal(cfg, index, logits.device)
+    first = 0 if primary is None else 1  # the primary's own kind is returned only when computed here
+    if primary is None:
+        revealed = select_positions(cfg.strategy, masked, conf, ent, k, cfg.threshold)
+        primary = (torch.where(revealed, tokens, state), revealed)
+    top = conf.masked_fill(~primary[1], float("-inf")).argmax().view(1)  # the step's most confident position
     states, kinds = [], []
-    for kind, (skip, rank) in enumerate(((0, 0),) + ALTERNATIVES[:alternatives]):
+    for kind, (skip, rank) in list(enumerate(((0, 0),) + ALTERNATIVES[:alternatives]))[first:]:
         if skip and not (positional and (masks is None or masks > skip)):
             continue
-        allowed = masked
+        new, revealed = primary
         if skip:
-            allowed = masked.index_fill(0, conf.masked_fill(~masked, float("-inf")).topk(skip).indices, False)
-        revealed = select_positions(cfg.strategy, allowed, conf, ent, k, cfg.threshold)
-        new = torch.where(revealed, tokens, state)
+            rest = masked.index_fill(0, top, False)
+            drop = torch.cat([top, conf.masked_fill(~rest, float("-inf")).topk(skip - 1).indices])
+            revealed = select_positions(cfg.strategy, rest.index_fill(0, drop, False), conf, ent, k, cfg.threshold)
+            new = torch.where(revealed, tokens, state)
         if rank:
-            top = conf.masked_fill(~revealed, float("-inf")).argmax()  # the most confident revealed position
-            scores = logits[top].float() if greedy else filtered_probs(logits[top], cfg.sampling) / noise[top]
-            new = new.index_copy(0, top.view(1), scores.topk(rank + 1).indices[rank].view(1))
+            at = conf.masked_fill(~revealed, float("-inf")).argmax().view(1)  # its most confident revealed position
+            scores = logits[at[0]].float() if greedy else filtered_probs(logits[at[0]], cfg.sampling) / noise[at[0]]
+            scores = scores.index_fill(0, new[at], float("-inf"))  # the token there now: not again
+            new = new.index_copy(0, at, scores.topk(rank).indices[rank - 1].view(1))
         states.append(new)
         kinds.append(kind)
     return states, kinds

@@ -111,9 +111,10 @@ def test_speculation_width_setting():
     for bad in (0, "wide", 2.5):
         with pytest.raises(ParamError, match="auto or an integer"):
             EngineArgs(draft="self", speculation_width=bad)
-    with pytest.raises(ParamError, match="proposal trees of"):
-        EngineArgs(speculation_width=2)  # a draft model proposes a chain
+    assert EngineArgs(speculation_width=9).speculation_width == 9  # a draft model's alternatives
     with pytest.raises(ParamError, match="speculation_width"):
         SpecConfig(mode="paper", speculation_width=2)
+    with pytest.raises(ParamError, match="speculation_width"):
+        EngineArgs(mode="paper", speculation_width=9)  # paper mode verifies one chain
     llm = LLM(draft="self", speculation_width=2, batch_size=1, scheduler_thread=False)
     assert llm.decoder.plan.spec.speculation_width == 2
