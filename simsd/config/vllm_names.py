@@ -16,6 +16,7 @@ vLLM's spellings of its options as aliases (:func:`cli_aliases`). Torch-free.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -177,7 +178,6 @@ def request_names(cls):
     its ``__init__`` takes :data:`REQUEST`'s names (:func:`translate`) and refuses
     :data:`ENGINE`'s names that are not its fields with a :class:`ParamError` (an ``LLM(...)``
     setting) instead of a bare ``TypeError``."""
-    import dataclasses
     init, own = cls.__init__, {f.name for f in dataclasses.fields(cls)}
 
     @functools.wraps(init)
