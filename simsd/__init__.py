@@ -23,7 +23,8 @@ from importlib import import_module
 #: the public names and their modules, imported on first use (PEP 562): ``simsd --help`` and a
 #: mistyped option answer before torch loads
 EXPORTS = {
-    **dict.fromkeys(["LLM", "RequestOutput", "RequestHandle", "RequestError", "RequestCancelled"], "entrypoints.api"),
+    **dict.fromkeys(["LLM", "RequestOutput", "CompletionOutput", "RequestHandle", "RequestError", "RequestCancelled"],
+                    "entrypoints.api"),
     "SamplingParams": "config", "EngineArgs": "config", "ParamError": "config", "SimsdWarning": "entrypoints.errors",
     **dict.fromkeys(["CheckpointError", "ModelConfig", "Checkpoint", "load_checkpoint", "load_model",
                      "SDARForCausalLM"], "models"),

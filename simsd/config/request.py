@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .engine import ENGINE_SETTINGS
 from .fields import SETTINGS, StepSampling, check_threshold
 from .speculative import draft_settings
+from .vllm_names import request_names
 from .vocabulary import ParamError, Rule, Setting, check_fields, check_rules, opt
 
 #: the largest seed (a signed 64-bit value; :mod:`simsd.decoding.noise` keys the noise with it)
@@ -20,6 +21,7 @@ SEED_MAX = SETTINGS["seed"].high
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
 
 
+@request_names  # vLLM's and SGLang's names of the fields (simsd.config.vllm_names)
 @dataclass(frozen=True)
 class SamplingParams(StepSampling):
     """What one request asks for (vLLM's ``SamplingParams`` in shape; defaults: greedy, 128

@@ -31,12 +31,13 @@ from tqdm import tqdm
 
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams
+from ..config.vllm_names import CHAT, ENGINE, translate
 from ..engine.scheduler import QueueFull, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
 from .builder import build_engine
 from .driver import Driver, Totals
-from .encoding import is_ids, is_messages
+from .encoding import ChatPrompt, is_ids, is_messages
 from .errors import ParamError
-from .outputs import RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401  (re-exported)
+from .outputs import CompletionOutput, RequestCancelled, RequestError, RequestHandle, RequestOutput, request_failure  # noqa: F401
 from .request_builder import RequestBuilder
 
 
@@ -66,6 +67,15 @@ class LLM:
         default_params: the :class:`SamplingParams` of requests that give none (checked as a
             request before any weight loads).
 
+    vLLM's (and SGLang's) keywords are taken where simsd does the same thing
+    (:data:`simsd.config.vllm_names.ENGINE`, docs/vllm.md): ``model`` for ``target``,
+    ``speculative_model`` for ``draft``, ``tensor_parallel_size`` for ``tp``, ``max_num_seqs``
+    for ``batch_size``, ``dtype="auto"``; ``trust_remote_code`` is accepted and ignored (simsd runs
+    SDAR with its own model code and never runs a checkpoint's Python); ``seed`` (simsd's seed is
+    a request's, ``SamplingParams(seed=...)``) and ``gpu_memory_utilization`` (simsd's is
+    ``kv_cache_memory``) are refused with a :class:`ParamError` saying so, as are both spellings
+    of one setting (``model`` and ``target``).
+
     Attributes: ``config`` (the :class:`EngineArgs` the engine was built with, defaults
     resolved), ``verifier_class`` (None, or the verifier of paper/exact requests instead of the
     mode's, :mod:`simsd.speculative.verifiers`: ``simsd bench`` installs one that compares paper
@@ -80,7 +90,8 @@ class LLM:
 
     def __init__(self, target=None, draft=None, mode: str = "exact", *, default_params: SamplingParams | None = None,
                  **settings):
-        config = EngineArgs(target=target, draft=draft, mode=mode, **settings)
+        given = {name: v for name, v in (("target", target), ("draft", draft)) if v is not None}
+        config = EngineArgs(mode=mode, **translate(ENGINE, {**given, **settings}, "LLM(...)"))
         if config.scheduler_thread is None:
             config = dataclasses.replace(config, scheduler_thread=config.tp == 1)
         built = build_engine(config, default_params)
@@ -150,10 +161,11 @@ class LLM:
         self.scheduler.submit(handle.request, block=block and self.scheduler_thread)  # no hop between
         return handle
 
-    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, params=None, use_tqdm: bool = False, *, sampling_params=None) -> list:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the
         forms) with ``params`` (one :class:`SamplingParams` for all, or a list, one per prompt;
-        None: ``default_params``); returns one :class:`RequestOutput` per prompt, in order.
+        None: ``default_params``; ``sampling_params``: vLLM's name of it); returns one
+        :class:`RequestOutput` per prompt, in order.
         The requests are batched continuously (at most ``batch_size`` at a time);
         :func:`~simsd.engine.scheduler.decode_span` of the outputs is the run's
         decode time.
@@ -165,7 +177,50 @@ class LLM:
             RequestError: a request failed (the others are cancelled).
             SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``).
         """
+        if sampling_params is not None:
+            if params is not None:
+                raise ParamError("sampling_params", "params and sampling_params (vLLM's name of params) both given: "
+                                                    "give one of them")
+            params = sampling_params
         return list(self.generate_iter(prompts, params, use_tqdm))
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, **options) -> list:
+        """vLLM's ``LLM.chat``: :meth:`generate` of chat prompts. ``messages``: one conversation
+        (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them; returns one
+        :class:`RequestOutput` per conversation, a list of one for one conversation (as vLLM).
+        ``sampling_params``: as :meth:`generate`'s ``params``; ``add_generation_prompt``,
+        ``continue_final_message``: how the checkpoint's chat template renders each conversation
+        (:class:`~simsd.entrypoints.encoding.ChatPrompt`). vLLM's other options
+        (``chat_template``, ``tools`` ...) are accepted at their defaults only
+        (:data:`simsd.config.vllm_names.CHAT`). ``llm.chat(m, p)`` equals ``llm.generate([m], p)``.
+
+        Raises:
+            ParamError: a conversation that is not a non-empty list of message dicts (``param``:
+                ``messages``), vLLM's option at another value, and as :meth:`generate`.
+            TypeError: an unknown keyword.
+        """
+        if translate(CHAT, options, "LLM.chat(...)"):
+            raise TypeError(f"LLM.chat() got an unexpected keyword argument {next(iter(options))!r}")
+        convs = [messages] if is_messages(messages) else messages
+        if not isinstance(convs, (list, tuple)) or not convs or not all(is_messages(c) for c in convs):
+            raise ParamError("messages", "chat() takes a conversation (a non-empty list of {'role': ..., 'content': "
+                                         "...} dicts) or a list of conversations")
+        plain = add_generation_prompt and not continue_final_message  # a list of messages, as generate takes it
+        prompts = [c if plain else ChatPrompt(list(c), add_generation_prompt, continue_final_message) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self):
+        """The target checkpoint's tokenizer (transformers'; the draft's equals it), as vLLM's
+        ``LLM.get_tokenizer``.
+
+        Raises:
+            ParamError: the checkpoint has no tokenizer (``param``: ``target``; vLLM raises a
+                ``ValueError`` too when it has none); simsd then takes token id prompts only.
+        """
+        if self.tokenizer is None:
+            raise ParamError("target", f"the checkpoint {self.target.path} has no tokenizer: give prompts as token ids")
+        return self.tokenizer
 
     def generate_iter(self, prompts, params=None, use_tqdm: bool = False):
         """:meth:`generate`, yielding each output as soon as it and those before it have

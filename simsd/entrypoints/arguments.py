@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config.engine import EngineArgs
 from ..config.request import SamplingParams
 from ..config.serving import MAX_HEADER_BYTES, MAX_REQUEST_BYTES, REQUEST_READ_TIMEOUT, ROUND_TIMEOUT, SHUTDOWN_TIMEOUT
+from ..config.vllm_names import cli_aliases
 from ..config.vocabulary import ParamError, Setting, field_name, opt, settings_of
 
 #: the command line's own settings (what to decode, where to write, where to listen)
@@ -78,8 +79,10 @@ OPTIONS = {
                                  "fixed --replicas)", low=1),
 }
 SETTINGS = {**settings_of(EngineArgs), **settings_of(SamplingParams), **OPTIONS}
-#: older spellings still accepted (``--help`` shows the canonical name first)
-ALIASES = {"max_tokens": ("--max-new-tokens",), "batch_size": ("--max-batch-size",), "device": ("--target-device",)}
+_OLDER = {"max_tokens": ("--max-new-tokens",), "batch_size": ("--max-batch-size",), "device": ("--target-device",)}
+#: older spellings still accepted, and vLLM's (``--tensor-parallel-size`` for ``--tp``:
+#: :func:`simsd.config.vllm_names.cli_aliases`); ``--help`` shows the canonical name first
+ALIASES = {n: _OLDER.get(n, ()) + cli_aliases().get(n, ()) for n in {**_OLDER, **cli_aliases()}}
 #: where the command line means something else than the API
 HELP = {
     "seed": "base seed of the sampling noise, sampling only (default 0: runs repeat; prompt i uses seed + i)",

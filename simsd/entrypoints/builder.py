@@ -72,7 +72,8 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
 
     Raises:
         ParamError: naming the setting; :class:`~simsd.models.config.CheckpointError` for a bad
-            checkpoint; ``ValueError`` for a pair that does not share the tokenizer.
+            checkpoint; ``ValueError`` for a pair that does not share the tokenizer (a
+            ``ParamError`` naming ``draft`` when the draft is the default, the bundled one).
     """
     from simsd_kernels.backends import resolve_backend
 
@@ -99,7 +100,15 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     infos = {"target": read_info(config.target or DEFAULT_TARGET, config)}
     if spec:
         infos["draft"] = read_info(config.draft or DEFAULT_DRAFT, config)
-        check_pair(infos["target"], infos["draft"])
+        try:
+            check_pair(infos["target"], infos["draft"])
+        except ValueError as exc:
+            if config.draft is not None:
+                raise
+            raise ParamError("draft", f"{exc} (the default draft is the bundled tiny one, which pairs with the "
+                                      f"bundled target only: give {opt('draft')} a draft checkpoint directory, vLLM's "
+                                      f"speculative_model, or {opt('draft', 'self')}: the target drafts for itself, or "
+                                      f"{opt('mode', 'vanilla')})") from None
     limit = min(i.config.max_position_embeddings for i in infos.values())
     block_length = config.block_length if config.block_length is not None else infos["target"].config.block_size
     if block_length >= limit:

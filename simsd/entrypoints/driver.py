@@ -8,9 +8,23 @@ waiting :meth:`~simsd.entrypoints.outputs.RequestHandle.result` then steps the r
 """
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 
 from ..engine.scheduler import QueueFull, Request, Scheduler
+
+#: the schedulers whose thread has been started (an LLM's first request), ended at exit
+_STARTED: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """End the scheduling threads of the LLMs never shut down (vLLM's examples leave theirs) when
+    the interpreter exits, cancelling what runs: the interpreter's finalization stopping a daemon
+    thread aborts the process (``terminate called without an active exception``, exit status 134)."""
+    for scheduler in list(_STARTED):
+        scheduler.stop(drain=False, timeout=10)
 
 
 class Driver:
@@ -33,6 +47,7 @@ class Driver:
             if self.threaded and not self._started:
                 self.scheduler.start()
                 self._started = True
+                _STARTED.add(self.scheduler)
 
     def enqueue(self, request: Request) -> None:
         """Queue ``request``, waiting for room: on the scheduling thread, or by running rounds here."""

@@ -45,11 +45,38 @@ def request_failure(request_id: str, error: BaseException | None) -> RuntimeErro
     return exc
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, as vLLM's ``CompletionOutput`` (:attr:`RequestOutput.outputs`):
+    ``index`` (0: simsd returns one completion per request), ``text``, ``token_ids``,
+    ``finish_reason`` and ``stop_reason`` (the request's, see :class:`RequestOutput`);
+    ``cumulative_logprob``, ``logprobs`` and ``lora_request`` are None (simsd computes no
+    log-probabilities and has no LoRA adapters)."""
+    index: int
+    text: str | None
+    token_ids: list
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None = None
+    stop_reason: object = None
+    lora_request: object = None
+
+    def finished(self) -> bool:
+        """vLLM's: the completion has ended (always, for a returned output)."""
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
     """The result of one request.
 
-    ``prompt``: as given (text, chat messages or ids); ``prompt_token_ids``: what was decoded
+    vLLM's ``RequestOutput`` in shape: ``request_id``, ``prompt``, ``prompt_token_ids``,
+    :attr:`outputs` (one :class:`CompletionOutput`; ``outputs[0].text`` is ``text``) and
+    :attr:`finished` as vLLM names them; ``text``, ``token_ids``, ``finish_reason`` and
+    ``stop_reason`` are the completion's fields here too.
+
+    ``prompt``: as given (text, chat messages or ids; vLLM's is the text, None for ids and the
+    rendered template for chat); ``prompt_token_ids``: what was decoded
     after; ``text``: the generated text (None without a tokenizer), ending before a stop string
     and without the text of a final stop token; ``token_ids``: generated ids, up to and
     including the stop id (or the token that completed a stop string), at most ``max_tokens``;
@@ -78,6 +105,17 @@ class RequestOutput:
     seed: int
     stats: dict = field(default_factory=dict)
     decode_interval: tuple | None = None
+
+    @property
+    def outputs(self) -> list:
+        """vLLM's ``RequestOutput.outputs``: a list of one :class:`CompletionOutput`, made of
+        this output's fields (its ``text`` and ``token_ids`` are this output's, the same objects)."""
+        return [CompletionOutput(0, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason)]
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: True (an output is returned when its request ends)."""
+        return True
 
 
 class RequestHandle:

@@ -105,7 +105,11 @@ class ModelConfig:
             raise CheckpointError(f"{path} is a file, not a checkpoint directory (give the directory that holds "
                                   f"config.json and the weights)")
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint directory not found: {path}")
+            hub = len(path.parts) == 2 and not path.is_absolute() and not str(path).startswith((".", "~"))
+            raise CheckpointError(f"checkpoint directory not found: {path}" + (
+                f" (simsd loads local checkpoint directories only, and {path} looks like a Hugging Face Hub id: "
+                f"download it first with `huggingface-cli download {path} --local-dir {path.name}` and give that "
+                f"directory)" if hub else ""))
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise CheckpointError(f"config.json not found in {path}")

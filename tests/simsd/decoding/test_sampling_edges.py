@@ -80,7 +80,7 @@ def test_tiny_top_p_keeps_the_top_token():
 
 @pytest.mark.parametrize("bad,needle", [
     (dict(temperature=-1e-9), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"),
 ])
 def test_out_of_range_values_are_refused(bad, needle):

@@ -87,7 +87,7 @@ def test_stop_strings_and_stop_token_ids(llms):
     (lambda: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda: SamplingParams(temperature=-0.5), "temperature"),
     (lambda: SamplingParams(top_p=0.0), "top_p"),
-    (lambda: SamplingParams(top_k=-1), "top_k"),
+    (lambda: SamplingParams(top_k=-2), "top_k"),  # -1 is vLLM's "off", top_k=0 (test_vllm_compat.py)
     (lambda: SamplingParams(seed=-1), "seed"),
     (lambda: SamplingParams(seed=2**63), "seed"),
     (lambda: SamplingParams(stop=[""]), "stop"),
@@ -219,8 +219,10 @@ def test_vllm_habits_get_errors_that_say_what_to_do():
             SamplingParams(**{name: 8})
     with pytest.raises(TypeError, match="batchsize"):  # a mistyped LLM keyword: Python's own error
         LLM(batchsize=2)
-    with pytest.raises(TypeError, match="best_of"):  # not an LLM setting either: Python's own error
+    with pytest.raises(ParamError, match="best_of=2 .* one completion per request"):  # vLLM's, refused by name
         SamplingParams(best_of=2)
+    with pytest.raises(TypeError, match="bestof"):  # a mistyped name: Python's own error
+        SamplingParams(bestof=2)
 
 
 def test_requests_after_shutdown_say_the_llm_was_shut_down(llms):
