@@ -74,3 +74,12 @@ def test_submit_and_stream_run_one_completion(llm):
         with pytest.raises(ParamError, match=r"n=2: LLM.submit and LLM.stream run one completion") as err:
             run(SamplingParams(max_tokens=4, n=2))
         assert err.value.param == "n"
+
+
+def test_chat_takes_n(llm):
+    messages = [{"role": "user", "content": "Write a function that reverses a list."}]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2)
+    (out,) = llm.chat(messages, params)
+    alone = [llm.chat(messages, SamplingParams(max_tokens=8, temperature=1.0, seed=choice_seed(3, i)))[0]
+             for i in range(2)]
+    assert [c.token_ids for c in out.outputs] == [a.token_ids for a in alone]
