@@ -5,6 +5,9 @@ the Python API, the server and the command line all reach. Torch-free.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import secrets
 from dataclasses import dataclass
 
 from .engine import ENGINE_SETTINGS
@@ -19,6 +22,9 @@ SEED_MAX = SETTINGS["seed"].high
 #: text of every request is searched for its stop strings after each generated token, on the
 #: thread that runs every request's rounds (OpenAI allows 4 strings, TGI 4 by default)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
+#: the most completions one request may ask for (``n``): each is an engine request of its own, so
+#: one request cannot fill the queue (OpenAI's limit is 128; vLLM has none)
+MAX_N = 16
 
 
 @request_names  # vLLM's and SGLang's names of the fields (simsd.config.vllm_names)
@@ -35,7 +41,7 @@ class SamplingParams(StepSampling):
     ``SamplingParams(block_length=8)`` is refused with a ``ParamError`` that says so.
 
     Raises:
-        ParamError: a field of the wrong type or out of range, ``n`` other than 1, a threshold
+        ParamError: a field of the wrong type or out of range (``n`` above :data:`MAX_N`), a threshold
             outside its strategy's range, an LLM setting (``param`` names it).
     """
     max_tokens: int = SETTINGS["max_tokens"].field(128)
@@ -51,7 +57,8 @@ class SamplingParams(StepSampling):
     gamma: int | None = SETTINGS["gamma"].field(None)
     draft_strategy: str | None = SETTINGS["draft_strategy"].field(None)
     draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
-    n: int | None = Setting(int, "completions per request: simsd returns one (n=1; None = 1)", low=1).field(None)
+    n: int | None = Setting(int, f"completions per request (None = 1), at most {MAX_N}; choice i samples with "
+                                 f"choice_seed(seed, i)", low=1, high=MAX_N).field(None)
 
     def __new__(cls, *args, **kwargs):
         # runs before the dataclass's __init__, which would refuse these with a bare TypeError
@@ -63,12 +70,33 @@ class SamplingParams(StepSampling):
 
     def __post_init__(self):
         check_fields(self)
-        if self.n not in (None, 1):
-            raise ParamError("n", f"n={self.n}: simsd returns one completion per request (n=1); submit the prompt "
-                                  f"{self.n} times with different seeds for more")
-        object.__setattr__(self, "n", 1)
+        if self.n is None:
+            object.__setattr__(self, "n", 1)
         check_threshold(self.strategy, self.threshold)
         draft_settings(self.strategy, self.threshold, self.draft_strategy, self.draft_threshold)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request that samples with ``seed`` and asks for ``n > 1``
+    completions: ``seed`` itself for choice 0 (so ``n=1`` is unchanged), else the first 63 bits
+    of BLAKE2b (8-byte digest) of the text ``"simsd-choice:{seed}:{index}"``, a value in
+    ``[0, SEED_MAX]``. A choice is an independent request of its own seed, so its tokens do not
+    depend on the other choices or on anything else in flight: ``SamplingParams(n=1,
+    seed=choice_seed(s, i))`` replays choice ``i``."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"simsd-choice:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def split_choices(params: SamplingParams) -> list:
+    """The ``params.n`` single-completion requests of ``params``: ``n=1`` and the seed of each
+    choice (:func:`choice_seed`); a request without a seed gets a fresh one first (choice 0
+    reports it). ``[params]`` for ``n=1``."""
+    if params.n == 1:
+        return [params]
+    seed = secrets.randbelow(2 ** 62) if params.seed is None else params.seed
+    return [dataclasses.replace(params, n=1, seed=choice_seed(seed, i)) for i in range(params.n)]
 
 
 def _entropy_everywhere(s) -> bool:

@@ -30,7 +30,7 @@ import sys
 from tqdm import tqdm
 
 from ..config.engine import EngineArgs
-from ..config.request import SamplingParams
+from ..config.request import SamplingParams, split_choices
 from ..config.vllm_names import CHAT, ENGINE, translate
 from ..engine.scheduler import QueueFull, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
 from .builder import build_engine
@@ -151,7 +151,8 @@ class LLM:
         OpenAI's and vLLM's rule for an omitted ``max_tokens``) instead of refusing it.
 
         Raises:
-            ParamError: a bad prompt or parameter (``param`` names it).
+            ParamError: a bad prompt or parameter (``param`` names it), ``n`` other than 1
+                (:meth:`generate` runs several choices).
             QueueFull: ``max_waiting`` requests wait already (and ``block`` is False).
             SchedulerClosed: :meth:`shutdown` was called (a ``RuntimeError``; also from
                 :meth:`generate`, :meth:`generate_iter` and :meth:`stream`).
@@ -165,7 +166,9 @@ class LLM:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the
         forms) with ``params`` (one :class:`SamplingParams` for all, or a list, one per prompt;
         None: ``default_params``; ``sampling_params``: vLLM's name of it); returns one
-        :class:`RequestOutput` per prompt, in order.
+        :class:`RequestOutput` per prompt, in order. A prompt with ``n > 1`` runs ``n``
+        independent requests, choice ``i`` with :func:`~simsd.config.request.choice_seed` of its
+        seed (one drawn if none is given); its output's ``outputs`` holds every choice.
         The requests are batched continuously (at most ``batch_size`` at a time);
         :func:`~simsd.engine.scheduler.decode_span` of the outputs is the run's
         decode time.
@@ -227,25 +230,31 @@ class LLM:
         finished (the requests are all checked and queued at the first ``next``). Closing the
         iterator early cancels the requests not yet yielded."""
         single, items, plist = pair_params(prompts, params)
-        handles = []
+        groups = []  # the handles of each prompt's choices
         try:
             for i, (p, sp) in enumerate(zip(items, plist)):
-                try:
-                    handle = self.requests.build(self, p, sp, verifier_class=self.verifier_class)
-                except ParamError as exc:
-                    if single:
-                        raise
-                    raise exc.of(f"prompt {i}") from None
-                self.driver.enqueue(handle.request)
-                handles.append(handle)
-            with tqdm(total=len(handles), desc=f"simsd {self.mode}", unit="req", file=sys.stderr,
+                group = []
+                groups.append(group)
+                sp = self.default_params if sp is None else sp
+                for j, choice in enumerate(split_choices(sp) if isinstance(sp, SamplingParams) else [sp]):
+                    try:
+                        rid = None if j == 0 else f"{group[0].request_id}-{j}"
+                        handle = self.requests.build(self, p, choice, request_id=rid,
+                                                     verifier_class=self.verifier_class)
+                    except ParamError as exc:
+                        if single:
+                            raise
+                        raise exc.of(f"prompt {i}") from None
+                    self.driver.enqueue(handle.request)
+                    group.append(handle)
+            with tqdm(total=len(groups), desc=f"simsd {self.mode}", unit="req", file=sys.stderr,
                       disable=not use_tqdm) as bar:
-                for h in handles:
-                    out = h.result()
+                for group in groups:
+                    outs = [h.result() for h in group]
                     bar.update()
-                    yield out
+                    yield dataclasses.replace(outs[0], other_choices=tuple(outs[1:])) if len(outs) > 1 else outs[0]
         finally:
-            for h in handles:
+            for h in (h for group in groups for h in group):
                 h.cancel()  # nothing for finished ones; the rest when one failed, on close or KeyboardInterrupt
 
     def stream(self, prompt, params: SamplingParams | None = None, timeout: float | None = None):

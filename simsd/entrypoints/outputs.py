@@ -48,8 +48,8 @@ def request_failure(request_id: str, error: BaseException | None) -> RuntimeErro
 @dataclass(frozen=True)
 class CompletionOutput:
     """One completion of a request, as vLLM's ``CompletionOutput`` (:attr:`RequestOutput.outputs`):
-    ``index`` (0: simsd returns one completion per request), ``text``, ``token_ids``,
-    ``finish_reason`` and ``stop_reason`` (the request's, see :class:`RequestOutput`);
+    ``index`` (0 to ``n - 1``: the choice), ``text``, ``token_ids``,
+    ``finish_reason`` and ``stop_reason`` (the choice's, see :class:`RequestOutput`);
     ``cumulative_logprob``, ``logprobs`` and ``lora_request`` are None (simsd computes no
     log-probabilities and has no LoRA adapters)."""
     index: int
@@ -71,9 +71,12 @@ class RequestOutput:
     """The result of one request.
 
     vLLM's ``RequestOutput`` in shape: ``request_id``, ``prompt``, ``prompt_token_ids``,
-    :attr:`outputs` (one :class:`CompletionOutput`; ``outputs[0].text`` is ``text``) and
-    :attr:`finished` as vLLM names them; ``text``, ``token_ids``, ``finish_reason`` and
-    ``stop_reason`` are the completion's fields here too.
+    :attr:`outputs` (one :class:`CompletionOutput` per choice, ``SamplingParams.n`` of them;
+    ``outputs[0].text`` is ``text``) and :attr:`finished` as vLLM names them; ``text``,
+    ``token_ids``, ``finish_reason``, ``stop_reason``, ``seed`` and ``stats`` are choice 0's.
+    ``other_choices``: with ``n > 1``, the outputs of choices 1 to ``n - 1``, each a
+    :class:`RequestOutput` of its own (its seed, :func:`~simsd.config.request.choice_seed` of
+    the request's, its statistics; request id ``<request_id>-<i>``); empty for ``n=1``.
 
     ``prompt``: as given (text, chat messages or ids; vLLM's is the text, None for ids and the
     rendered template for chat); ``prompt_token_ids``: what was decoded
@@ -105,12 +108,14 @@ class RequestOutput:
     seed: int
     stats: dict = field(default_factory=dict)
     decode_interval: tuple | None = None
+    other_choices: tuple = ()
 
     @property
     def outputs(self) -> list:
-        """vLLM's ``RequestOutput.outputs``: a list of one :class:`CompletionOutput`, made of
-        this output's fields (its ``text`` and ``token_ids`` are this output's, the same objects)."""
-        return [CompletionOutput(0, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason)]
+        """vLLM's ``RequestOutput.outputs``: a :class:`CompletionOutput` per choice, made of the
+        choices' fields (choice 0's ``text`` and ``token_ids`` are this output's, the same objects)."""
+        return [CompletionOutput(i, o.text, o.token_ids, None, None, o.finish_reason, o.stop_reason)
+                for i, o in enumerate((self, *self.other_choices))]
 
     @property
     def finished(self) -> bool:

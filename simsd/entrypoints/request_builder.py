@@ -53,13 +53,17 @@ class RequestBuilder:
 
         Raises:
             SchedulerClosed: the LLM was shut down.
-            ParamError: a bad prompt or parameter (``param`` names it).
+            ParamError: a bad prompt or parameter (``param`` names it), ``n`` other than 1 (the
+                callers split a request into its choices first, :func:`~simsd.config.request.split_choices`).
         """
         if llm.scheduler.closed:
             raise SchedulerClosed("this LLM was shut down (LLM.shutdown(), or the end of its with block) and takes "
                                   "no new requests: create a new LLM")
         ids, templated = self.encode(prompt)
         params = llm.default_params if params is None else params
+        if params.n != 1:
+            raise ParamError("n", f"n={params.n}: LLM.submit and LLM.stream run one completion (n=1); LLM.generate, "
+                                  f"LLM.chat and the server run n > 1")
         room = self.config.max_model_len - len(ids)
         if fit_max_tokens and 0 < room < params.max_tokens:
             params = dataclasses.replace(params, max_tokens=room)

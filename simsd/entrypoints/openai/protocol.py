@@ -3,8 +3,10 @@
 
 Fields follow OpenAI's Completions and Chat Completions APIs. Unknown fields are refused
 (400 naming the field): nothing a client asks for is silently ignored. OpenAI fields simsd
-cannot honour are accepted only at their neutral value (``n=1``, ``echo=false``,
-``logprobs`` off, penalties 0, no ``logit_bias``, no tools, text responses). Every field of
+cannot honour are accepted only at their neutral value (``logprobs`` off, penalties 0, no
+``logit_bias``, no tools, text responses). ``n`` (at most
+:data:`~simsd.config.request.MAX_N`) and a completion's ``echo`` are served
+(:mod:`simsd.entrypoints.openai.serving`). Every field of
 :class:`SamplingParams` is a request field under its name (generated from it: OpenAI's
 ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, and simsd's ``top_k``,
 ``stop_token_ids``, ``ignore_eos``, ``steps``, ``strategy``, ``threshold``, ``gamma``,
@@ -135,17 +137,18 @@ class _Common(_Fields):
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
-    or a list of lists of token ids (one choice per prompt)."""
+    or a list of lists of token ids (``n`` choices per prompt); ``echo``: each choice's text
+    starts with its prompt's (a token id prompt's decoded)."""
     prompt: Union[str, many(str), many(int), many(many(int))]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": (False,), "logprobs": (None,), "best_of": (None, 1),
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (None,), "best_of": (None, 1),
                                "suffix": (None,)}
 
     def prompts(self) -> list:
-        """The prompts, one per choice (strings or lists of ids; an empty list is one empty prompt)."""
+        """The prompts, ``n`` choices each (strings or lists of ids; an empty list is one empty prompt)."""
         p = self.prompt
         return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
@@ -218,7 +221,7 @@ class ChatCompletionRequest(_Common):
         return [m.as_dict() for m in self.messages]
 
     def prompts(self) -> list:
-        """The prompts, one per choice: the messages and the template's options.
+        """The prompts (one), ``n`` choices each: the messages and the template's options.
 
         Raises:
             ParamError: ``continue_final_message`` with ``add_generation_prompt``.

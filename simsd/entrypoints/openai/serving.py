@@ -4,8 +4,12 @@
 (:class:`~simsd.entrypoints.openai.state.Call`) and answers with the whole response
 (:func:`collect`) or with server-sent events (:func:`stream`).
 
-A response's choices carry a ``simsd`` extension object each (:func:`extension`: ``seed``,
-``stop_reason``, ``stats``) and the usage counts every choice (:func:`usage`).
+A request with ``n > 1`` runs ``n`` engine requests per prompt, choice ``i`` of a prompt sampled
+with :func:`~simsd.config.request.choice_seed` of the request's seed (one drawn when none is
+given): choice index ``prompt * n + i``, OpenAI's order. A response's choices carry a ``simsd``
+extension object each (:func:`extension`: ``seed``, ``stop_reason``, ``stats``) and the usage
+counts every choice's tokens and each prompt once (:func:`usage`). A completion with ``echo``
+has the prompt's text before each choice's (:func:`echo_text`; a stream sends it first).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from ...config.request import split_choices
 from ...engine.scheduler import SchedulerClosed
 from ..errors import ParamError
 from ..outputs import json_safe, request_failure
@@ -61,13 +66,16 @@ async def serve(request: Request, model, chat: bool):
     body, prompts = await run_in_threadpool(parsed, model, raw)
     check_model(state, body)
     params = body.sampling_params(state.llm.default_params)
+    n = params.n
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     omitted = body.max_tokens is None and getattr(body, "max_completion_tokens", None) is None
-    call = await Call.start(state, prompts, params, rid, "messages" if chat else "prompt", omitted)
+    items = [(p, choice) for p in prompts for choice in split_choices(params)]
+    call = await Call.start(state, items, n, rid, "messages" if chat else "prompt", omitted)
     created = int(time.time())
+    echo = [echo_text(state, h) for h in call.handles] if getattr(body, "echo", False) else None
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(state, call, rid, created, chat, include_usage),
+        return StreamingResponse(stream(state, call, rid, created, chat, include_usage, echo),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     outs = await collect(state, call, request)
     if outs is None:  # the client has gone
@@ -76,17 +84,28 @@ async def serve(request: Request, model, chat: bool):
         choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
                     "finish_reason": o.finish_reason, "simsd": extension(o)} for i, o in enumerate(outs)]
     else:
-        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
-                    "simsd": extension(o)} for i, o in enumerate(outs)]
+        choices = [{"index": i, "text": o.text if echo is None or o.text is None else echo[i] + o.text,
+                    "logprobs": None, "finish_reason": o.finish_reason, "simsd": extension(o)}
+                   for i, o in enumerate(outs)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": state.model_name, "choices": choices, "usage": usage(outs)}
+            "model": state.model_name, "choices": choices, "usage": usage(outs, n)}
 
 
-def usage(outs) -> dict:
-    """OpenAI's ``usage`` of the outputs ``outs`` (None for those not finished yet is not allowed)."""
-    p = sum(len(o.prompt_token_ids) for o in outs)
+def usage(outs, n: int = 1) -> dict:
+    """OpenAI's ``usage`` of the outputs ``outs`` (all finished), ``n`` choices per prompt in a
+    row: the completion tokens of every choice, the prompt tokens of each prompt once."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def echo_text(state: ServerState, handle) -> str | None:
+    """The prompt's text that ``echo`` puts before a completion's: the prompt as given, or the
+    decoded ids of a token id prompt (None without a tokenizer, whose completions have no text)."""
+    if isinstance(handle.prompt, str):
+        return handle.prompt
+    tok = state.llm.tokenizer
+    return None if tok is None else tok.decode(handle.prompt_token_ids)
 
 
 def extension(o) -> dict:
@@ -136,8 +155,11 @@ async def collect(state: ServerState, call: Call, request: Request):
     return outs
 
 
-async def stream(state: ServerState, call: Call, rid: str, created: int, chat: bool, include_usage: bool):
-    """Server-sent events of a streaming call: a chunk per finished block with its text, a final
+async def stream(state: ServerState, call: Call, rid: str, created: int, chat: bool, include_usage: bool,
+                 echo: list | None = None):
+    """Server-sent events of a streaming call: with ``echo`` (a completion's) a first chunk per
+    choice with its prompt's text, a chunk per finished block with its text (each chunk names
+    its choice by ``index``), a final
     chunk per choice (``finish_reason``, ``simsd``; the last one with the usage of all), with
     ``include_usage`` OpenAI's usage-only chunk, then ``data: [DONE]``; an error chunk and
     ``[DONE]`` when a request fails or the server stops the call. While nothing comes for
@@ -165,6 +187,9 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
         if chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(outs))])
+        for i, text in enumerate(echo or ()):
+            if text:
+                yield chunk([piece(i, text)])
         while left:
             get = get or asyncio.ensure_future(call.queue.get())
             done, _ = await asyncio.wait({get}, timeout=state.sse_keepalive)
@@ -182,7 +207,7 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
                 outs[i] = payload
                 left -= 1
                 state.observe(payload, time.perf_counter() - call.started)
-                extra = {"usage": usage(outs)} if not left else {}
+                extra = {"usage": usage(outs, call.n)} if not left else {}
                 yield chunk([piece(i, "", payload.finish_reason, extension(payload))], **extra)
             else:
                 message = str(request_failure(call.handles[i].request_id, payload))
@@ -190,7 +215,7 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
                 call.cancel()
                 break
         if include_usage and not left:
-            yield chunk([], usage=usage(outs))
+            yield chunk([], usage=usage(outs, call.n))
         yield "data: [DONE]\n\n"
     finally:
         if get is not None:

@@ -82,7 +82,7 @@ class ServerState:
 
 
 class Call:
-    """The engine requests of one HTTP request (``handles``: one per prompt, submitted by
+    """The engine requests of one HTTP request (``handles``: one per choice, ``n`` per prompt, submitted by
     :meth:`start` straight to :meth:`simsd.LLM.submit`), their events in one queue: ``(i, kind,
     payload)`` of :class:`~simsd.entrypoints.outputs.RequestHandle`, and ``(None, "stopped",
     message)`` first when the server cancels the call (:meth:`stop`). In ``state.calls`` from
@@ -92,48 +92,56 @@ class Call:
         self.state, self.loop = state, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles = []
+        self.n = 1  # choices per prompt
         self.started = time.perf_counter()
         self.submitted = False  # all prompts submitted (or the submission failed)
         self.finished = 0       # engine requests ended (done, error, cancelled)
         self.stopped = False
 
     @classmethod
-    async def start(cls, state: ServerState, prompts: list, params, rid: str, param: str, fit_max_tokens: bool):
-        """Submit the prompts from a worker thread: tokenization and the size checks of a large
-        prompt never hold up the event loop (other clients' streams, ``/health``).
+    async def start(cls, state: ServerState, items: list, n: int, rid: str, param: str, fit_max_tokens: bool):
+        """Submit ``items``, ``(prompt, params)`` of each choice (``n`` per prompt, in a row), from
+        a worker thread: tokenization and the size checks of a large prompt never hold up the
+        event loop (other clients' streams, ``/health``).
 
         Raises:
             ParamError: a bad prompt or setting (``param``: ``prompt`` or ``messages`` for the
-                prompts), or more prompts than the server can ever hold at once.
+                prompts), or more choices than the server can ever hold at once (named ``n``
+                when ``n > 1``, else the prompts).
             QueueFull, SchedulerClosed, ServerStopped: no room, shutting down.
         """
         call = cls(state, asyncio.get_running_loop())
+        call.n = n
         state.calls.add(call)
         try:
-            await run_in_threadpool(call._submit, prompts, params, rid, param, fit_max_tokens)
+            await run_in_threadpool(call._submit, items, rid, param, fit_max_tokens)
         finally:
             call.submitted = True
             call._check_ended()
         return call
 
-    def _submit(self, prompts: list, params, rid: str, param: str, fit_max_tokens: bool):
-        llm = self.state.llm
+    def _submit(self, items: list, rid: str, param: str, fit_max_tokens: bool):
+        llm, n = self.state.llm, self.n
         s = llm.scheduler
-        if len(prompts) > s.max_rows + s.max_waiting:  # could never be queued at once: not worth a retry
-            raise ParamError(param, f"{len(prompts)} prompts in one request, but this server holds at most "
-                                    f"{s.max_rows + s.max_waiting} at once ({s.max_rows} rows + --max-waiting "
-                                    f"{s.max_waiting}): send them in several requests")
+        room = s.max_rows + s.max_waiting
+        if len(items) > room:  # could never be queued at once: not worth a retry
+            what = (f"{len(items) // n} prompts x n={n} = {len(items)} completions" if n > 1
+                    else f"{len(items)} prompts")
+            raise ParamError("n" if n > 1 else param,
+                             f"{what} in one request, but this server holds at most {room} at once ({s.max_rows} "
+                             f"rows + --max-waiting {s.max_waiting}): send them in several requests")
         try:
-            for i, p in enumerate(prompts):
+            for i, (p, params) in enumerate(items):
                 if self.stopped:
                     raise ServerStopped("the server is shutting down")
                 try:
                     self.handles.append(llm.submit(p, params, listener=partial(self.put, i),
-                                                   request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                                                   request_id=rid if len(items) == 1 else f"{rid}-{i}",
                                                    fit_max_tokens=fit_max_tokens))
                 except ParamError as exc:
                     name = param if exc.param in ("prompt", "messages") else exc.param
-                    raise ParamError(name, (f"prompt {i}: " if len(prompts) > 1 else "") + exc.template) from None
+                    where = f"prompt {i // n}: " if len(items) > n else ""
+                    raise ParamError(name, where + exc.template) from None
         except BaseException:
             self.cancel()
             raise

@@ -97,7 +97,7 @@ def test_stop_strings_and_stop_token_ids(llms):
     (lambda: SamplingParams(threshold=0.5), "threshold"),
     (lambda: SamplingParams(strategy="dynamic", threshold=1.5), "threshold"),
     (lambda: SamplingParams(max_tokens=True), "max_tokens"),
-    (lambda: SamplingParams(n=2), "n"),
+    (lambda: SamplingParams(n=17), "n"),  # more than MAX_N completions (test_n.py)
     (lambda: SamplingParams(n=0), "n"),
     (lambda: SamplingParams(block_length=8), "block_length"),
     (lambda: SamplingParams(max_tokens=8, fold_commit=True), "fold_commit"),
@@ -204,13 +204,13 @@ def test_closing_a_stream_cancels_its_request(llms):
 
 
 def test_vllm_habits_get_errors_that_say_what_to_do():
-    """vLLM's ``n`` is accepted at 1 (and None) and refused otherwise; an LLM(...) setting passed
+    """vLLM's ``n`` is 1 by default (None too), at most MAX_N; an LLM(...) setting passed
     to SamplingParams is refused when it is built, with where it belongs: every LLM keyword but
     the defaults (the fields of EngineArgs) is such a setting."""
     from simsd.config.engine import EngineArgs
     assert SamplingParams(n=1) == SamplingParams(n=None) == SamplingParams() and SamplingParams(n=None).n == 1
-    with pytest.raises(ParamError, match=r"n=2: simsd returns one completion per request \(n=1\)"):
-        SamplingParams(n=2)
+    with pytest.raises(ParamError, match=r"n must be an integer in \[1, 16\], got 17"):
+        SamplingParams(n=17)
     names = [f.name for f in dataclasses.fields(EngineArgs)]
     assert {"block_length", "on_reject", "device", "max_gamma", "mask_token_id", "mode"} <= set(names)
     for name in names:
@@ -219,7 +219,7 @@ def test_vllm_habits_get_errors_that_say_what_to_do():
             SamplingParams(**{name: 8})
     with pytest.raises(TypeError, match="batchsize"):  # a mistyped LLM keyword: Python's own error
         LLM(batchsize=2)
-    with pytest.raises(ParamError, match="best_of=2 .* one completion per request"):  # vLLM's, refused by name
+    with pytest.raises(ParamError, match="best_of=2 .* returns all n completions"):  # vLLM's, refused by name
         SamplingParams(best_of=2)
     with pytest.raises(TypeError, match="bestof"):  # a mistyped name: Python's own error
         SamplingParams(bestof=2)

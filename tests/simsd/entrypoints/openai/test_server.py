@@ -216,8 +216,8 @@ BAD = [
     ({"model": NAME, "prompt": [11] * 2000, "max_tokens": 100}, "max_tokens", "exceeds"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, "n", "n=2: simsd returns one completion per request (n=1)"),
-    ({"model": NAME, "prompt": "hi", "n": 0}, "n", "n must be an integer >= 1, got 0"),
+    ({"model": NAME, "prompt": "hi", "n": 17}, "n", "n must be an integer in [1, 16], got 17"),  # test_n_echo.py
+    ({"model": NAME, "prompt": "hi", "n": 0}, "n", "n must be an integer in [1, 16], got 0"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
