@@ -56,7 +56,7 @@ def test_vllm_offline_example_runs_unchanged(llms, capsys):
                                                                               o.stop_reason)
     assert c.text is o.text and c.token_ids is o.token_ids
     assert (c.cumulative_logprob, c.logprobs, c.lora_request) == (None, None, None)
-    assert o.text and o.request_id
+    assert o.token_ids and o.request_id  # (a fresh seed: the text may be empty, a stop token first)
     again = llms["simsd"].generate(o.prompt, SamplingParams(temperature=0.8, top_p=0.95, seed=o.seed))[0]
     assert (again.token_ids, again.text) == (o.token_ids, o.text)
 
