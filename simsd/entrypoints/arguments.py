@@ -127,7 +127,7 @@ COMMANDS = {
     "serve": ({"models and engine": _MODEL + ("mode",) + _SPECULATIVE + ("batch_size", "max_model_len",
                                                                         "kv_cache_memory", "max_waiting",
                                                                         "max_gamma"),
-               "request defaults (a request's own fields override them)": _REQUEST + ("generation_config",),
+               "request defaults (a request's own fields override them)": _REQUEST + ("seed", "generation_config"),
                "HTTP": ("host", "port", "served_model_name", "log_level", "api_key", "allowed_origins",
                         "allowed_headers", "allowed_methods", "disable_docs", "max_request_bytes", "max_header_bytes",
                         "request_read_timeout", "round_timeout", "shutdown_timeout"),
