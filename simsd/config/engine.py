@@ -15,6 +15,7 @@ from .vocabulary import SPECULATIVE, Rule, Setting, check_fields, check_modes, c
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "cuda", "triton", "torch")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ class EngineArgs:
                                        "pair)", low=1).field(None)
     scheduler_thread: bool | None = Setting(bool, "run the scheduler on its own thread (default, unless tp > 1); "
                                                   "off: on the thread that waits for a result").field(None)
+    generation_config: str = Setting(str, "auto: the temperature, top_k and top_p of the target's "
+                                          "generation_config.json are the defaults of requests that do not give "
+                                          "them (vLLM's --generation-config auto); none: simsd's own (greedy)",
+                                     choices=GENERATION_CONFIGS).field("auto")
 
     def __post_init__(self):
         check_fields(self)

@@ -48,7 +48,8 @@ class Lacks:
 _LOCAL = ("simsd loads local checkpoint directories only: download one first (huggingface-cli download "
           "JetLM/SDAR-1.7B-Chat --local-dir DIR) and pass the directory")
 _SEED = ("simsd has no engine seed: each request samples with its own SamplingParams(seed=...) (None: a fresh one, "
-         "reported in RequestOutput.seed), its noise a function of that seed alone")
+         "reported in RequestOutput.seed), its noise a function of that seed alone; a default for requests that "
+         "give none: default_params=SamplingParams(seed=N), simsd serve --seed N")
 _MEMORY = ("simsd sizes its KV caches by kv_cache_memory (bytes; default: batch_size rows of max_model_len "
            "positions), not by a share of the device's memory")
 

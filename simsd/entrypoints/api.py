@@ -33,7 +33,7 @@ from ..config.engine import EngineArgs
 from ..config.request import SamplingParams, split_choices
 from ..config.vllm_names import CHAT, ENGINE, translate
 from ..engine.scheduler import QueueFull, Scheduler, SchedulerClosed  # noqa: F401  (re-exported)
-from .builder import build_engine
+from .builder import build_engine, default_params_of
 from .driver import Driver, Totals
 from .encoding import ChatPrompt, is_ids, is_messages
 from .errors import ParamError
@@ -65,7 +65,10 @@ class LLM:
             every rank of the ``torch.distributed`` group creates the LLM with the same settings
             and submits the same requests (:mod:`simsd.engine.tp`).
         default_params: the :class:`SamplingParams` of requests that give none (checked as a
-            request before any weight loads).
+            request before any weight loads); default: simsd's (greedy, 128 tokens) with the
+            temperature, top_k and top_p of the target's ``generation_config.json`` under
+            ``generation_config="auto"``, vLLM's ``--generation-config auto``
+            (:func:`~simsd.entrypoints.builder.default_params_of`).
 
     vLLM's (and SGLang's) keywords are taken where simsd does the same thing
     (:data:`simsd.config.vllm_names.ENGINE`, docs/vllm.md): ``model`` for ``target``,
@@ -100,7 +103,8 @@ class LLM:
         self.mode, self.scheduler_thread, self.tp = mode, config.scheduler_thread, config.tp
         self.max_model_len = self.config.max_model_len
         self.tokenizer = self.target.tokenizer
-        self.default_params = default_params if default_params is not None else SamplingParams()
+        self.default_params = default_params if default_params is not None else \
+            default_params_of(self.config, self.target)
         self.verifier_class = None
         self.scheduler = Scheduler(self.engine, config.max_waiting)
         self.driver = Driver(self.scheduler, self.scheduler_thread)
@@ -108,10 +112,16 @@ class LLM:
         self.requests = RequestBuilder(built)
 
     @classmethod
-    def from_config(cls, config: EngineArgs, default_params: SamplingParams | None = None) -> "LLM":
-        """The LLM of an :class:`EngineArgs` (the command line's way)."""
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
-                   default_params=default_params)
+    def from_config(cls, config: EngineArgs, default_params: SamplingParams | None = None,
+                    given=None) -> "LLM":
+        """The LLM of an :class:`EngineArgs` (the command line's way). ``given``: the fields of
+        ``default_params`` the caller set (the typed options); the others take the target's
+        generation config as when no ``default_params`` are given (None: all were set)."""
+        llm = cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                  default_params=default_params)
+        if default_params is not None and given is not None:
+            llm.default_params = default_params_of(llm.config, llm.target, default_params, given)
+        return llm
 
     @property
     def block_length(self) -> int:

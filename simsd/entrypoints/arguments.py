@@ -114,7 +114,7 @@ HTTP_OPTIONS = {"serve": ("max_header_bytes", "request_read_timeout")}
 #: each command's options, by help group, and the defaults that differ from the settings'
 COMMANDS = {
     "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
-                  "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "output": ("json",),
+                  "decoding": _REQUEST + ("seed", "generation_config") + _SPECULATIVE, "output": ("json",),
                   "scaling out": RAY_OPTIONS["generate"]},
                  {"mode": "vanilla", "batch_size": 1, "num_workers": 1}),
     "bench": ({"models and engine": _MODEL + ("tp", "batch_size"), "prompts": _PROMPTS,
@@ -127,7 +127,7 @@ COMMANDS = {
     "serve": ({"models and engine": _MODEL + ("mode",) + _SPECULATIVE + ("batch_size", "max_model_len",
                                                                         "kv_cache_memory", "max_waiting",
                                                                         "max_gamma"),
-               "request defaults (a request's own fields override them)": _REQUEST,
+               "request defaults (a request's own fields override them)": _REQUEST + ("seed", "generation_config"),
                "HTTP": ("host", "port", "served_model_name", "log_level", "api_key", "allowed_origins",
                         "allowed_headers", "allowed_methods", "disable_docs", "max_request_bytes", "max_header_bytes",
                         "request_read_timeout", "round_timeout", "shutdown_timeout"),

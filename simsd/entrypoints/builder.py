@@ -124,6 +124,7 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     dtype = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     config = dataclasses.replace(config, device=device, draft_device=draft_device if spec else None, dtype=dtype,
                                  block_length=block_length, max_model_len=max_model_len)
+    generation_defaults(config, infos["target"])  # a value a request could not give: refused before weights load
     if default_params is not None:
         resolve(default_params, config, infos["target"].config.vocab_size)  # check_request, then the configs
         if default_params.max_tokens >= max_model_len:
@@ -134,18 +135,60 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     return config, infos
 
 
-def run_warnings(target, draft, block_length: int | None) -> list:
+#: the sampling fields of the target's ``generation_config.json`` that are the defaults of
+#: requests under ``generation_config="auto"`` (vLLM's ``--generation-config auto`` applies these
+#: and its penalties, min_p and max_new_tokens, which simsd does not have or keeps its own of)
+GENERATION_DEFAULTS = ("temperature", "top_k", "top_p")
+
+
+def generation_defaults(config: EngineArgs, target) -> dict:
+    """``{field: value}``: the :data:`GENERATION_DEFAULTS` the target's ``generation_config.json``
+    sets, as :class:`SamplingParams` fields (vLLM's ``top_k`` -1, off, is 0), when
+    ``config.generation_config`` is ``auto``; ``{}`` under ``none``. ``target``: a
+    :class:`CheckpointInfo` or :class:`Checkpoint`.
+
+    Raises:
+        CheckpointError: a value a request could not give (naming the file and the field).
+    """
+    from ..models.config import CheckpointError
+    if config.generation_config == "none":
+        return {}
+    given = {k: v for k, v in getattr(target, "generation_sampling", {}).items() if k in GENERATION_DEFAULTS}
+    try:
+        params = SamplingParams(**given)
+    except ParamError as exc:
+        raise CheckpointError(f"{target.path / 'generation_config.json'}: {exc}") from None
+    return {k: getattr(params, k) for k in given}
+
+
+def default_params_of(config: EngineArgs, target, params: SamplingParams | None = None, given=()) -> SamplingParams:
+    """The :class:`SamplingParams` of requests that give none: ``params`` (None: simsd's defaults)
+    with the target's :func:`generation_defaults` in the fields not named in ``given`` (the
+    command line's typed options). The one place the checkpoint's sampling defaults apply: the
+    Python API's ``default_params`` when the caller gives none, ``simsd serve``'s request
+    defaults and ``simsd generate``'s options not typed."""
+    params = SamplingParams() if params is None else params
+    return dataclasses.replace(params, **{k: v for k, v in generation_defaults(config, target).items()
+                                          if k not in given})
+
+
+def run_warnings(target, draft, block_length: int | None, generation_config: str = "auto") -> list:
     """What a run is allowed to do but should say, one line each: a ``block_length`` (the caller's)
     other than the target's ``block_size``, a draft trained for another block length than the
     target, a draft with more parameters than the target, the sampling fields of a
-    checkpoint's ``generation_config.json`` that are not applied (checkpoints or infos)."""
+    checkpoint's ``generation_config.json`` that are not applied (checkpoints or infos): under
+    ``generation_config`` ``auto`` the target's ``do_sample`` (as vLLM, which reads the
+    temperature) and the draft's fields; none under ``none`` (the caller's choice)."""
     notes, tb = [], target.config.block_size
-    for ck in (target, draft):
-        ignored = getattr(ck, "ignored_sampling", None)
+    for ck in (target, draft) if generation_config == "auto" else ():
+        sampling = getattr(ck, "generation_sampling", None) or {}
+        ignored = {k: v for k, v in sampling.items() if ck is draft or k not in GENERATION_DEFAULTS}
         if ignored:
+            why = ("the target's generation_config.json gives the defaults of requests" if ck is draft else
+                   "requests sample at its temperature, top_k and top_p unless they give their own, as vLLM "
+                   "does; greedy without a temperature")
             notes.append(f"{ck.path / 'generation_config.json'}: {', '.join(f'{k}={v!r}' for k, v in ignored.items())} "
-                         f"not applied: a request samples with its own settings (greedy unless it sets a "
-                         f"temperature)")
+                         f"not applied: {why}")
     if block_length is not None and tb is not None and block_length != tb:
         notes.append(f"block length {block_length} differs from the target's block_size {tb} (SDAR checkpoints "
                      f"are trained for one block length)")
@@ -208,7 +251,7 @@ def build_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     from ..engine.tp import shard_model, world
     given_block_length = config.block_length
     config, infos = check_engine(config, default_params)
-    for note in run_warnings(infos["target"], infos.get("draft"), given_block_length):
+    for note in run_warnings(infos["target"], infos.get("draft"), given_block_length, config.generation_config):
         warnings.warn(note, SimsdWarning, stacklevel=stacklevel + 1)
     apply_threads([i.config for i in infos.values()], config.threads)
     size = engine_size(config, infos)

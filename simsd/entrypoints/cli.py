@@ -81,7 +81,7 @@ def check_options(args, modes: list) -> None:
     # paper mode's release variant); what has no effect is said, as a warning
     engine = dataclasses.replace(args.engine, paper_variant="release") if release else args.engine
     for name, note in check_request(params, engine):
-        if name in args.typed:
+        if name in args.typed and not (args.command == "serve" and name == "seed"):  # (for sampled requests)
             warnings.warn(ParamError(name, note).render(namer(args)), SimsdWarning)
     ray = getattr(args, "ray", False)  # (simsd bench has no Ray options)
     check_rules(COMMAND_LINE_RULES, args, {

@@ -31,7 +31,7 @@ from ..config.vocabulary import ParamError, opt
 from ..decoding.config import DecodeConfig, resolve
 from ..models.loading import CheckpointInfo
 from .api import LLM
-from .builder import check_engine
+from .builder import check_engine, default_params_of
 from .errors import SimsdWarning
 from .run_modes import RUN_MODES
 
@@ -168,6 +168,8 @@ def prepare(args, modes: list) -> Run:
         warnings.warn(f"{args.typed.get('threads', '--threads')} {threads} exceeds this machine's "
                       f"{os.cpu_count()} CPU cores (oversubscribed threads wait for each other)", SimsdWarning)
     apply_threads([c.config for c in infos.values()], threads)
+    if args.command == "generate":  # the options not typed: the target's generation config (bench, eval: simsd's)
+        args.params = default_params_of(config, target, args.params, args.typed)
     cfg = resolve(args.params, config, target.config.vocab_size)[0]
     encode_prompts(prompts, args, target.tokenizer, target.mask_token_id)
     check_prompts(prompts, list(infos.values()), cfg, target.mask_token_id)

@@ -32,9 +32,10 @@ from .errors import MissingPackageError
 def build_llm(args):
     """The :class:`~simsd.entrypoints.api.LLM` of ``simsd serve``'s options (checked by
     :func:`~simsd.entrypoints.cli.check_options`; the rest, the request defaults among them, is
-    checked by the LLM before any weight loads)."""
+    checked by the LLM before any weight loads). The request defaults not typed are the target's
+    generation config's (:func:`~simsd.entrypoints.builder.default_params_of`)."""
     from .api import LLM
-    return LLM.from_config(args.engine, default_params=args.params)
+    return LLM.from_config(args.engine, default_params=args.params, given=set(args.typed))
 
 
 def serving_summary(llm) -> str:

@@ -181,8 +181,9 @@ class CheckpointInfo:
     mask_token_id: int
     stop_ids: list = field(default_factory=list)
     #: the sampling fields of generation_config.json (:data:`GENERATION_SAMPLING_FIELDS`) that
-    #: it sets and simsd does not apply, with their values
-    ignored_sampling: dict = field(default_factory=dict)
+    #: it sets, with their values (the target's temperature, top_k and top_p are the defaults of
+    #: requests: :func:`simsd.entrypoints.builder.generation_defaults`)
+    generation_sampling: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -193,7 +194,7 @@ class Checkpoint:
     tokenizer: object
     mask_token_id: int
     stop_ids: list = field(default_factory=list)
-    ignored_sampling: dict = field(default_factory=dict)  # as CheckpointInfo's
+    generation_sampling: dict = field(default_factory=dict)  # as CheckpointInfo's
 
     @property
     def config(self) -> ModelConfig:
@@ -255,8 +256,10 @@ def _ids(value, where: Path, field: str) -> list:
     raise CheckpointError(f"{where}: {field} = {value!r} must be a token id or a list of token ids")
 
 
-#: the sampling fields of ``generation_config.json`` simsd does not apply (named once per run:
-#: :func:`simsd.entrypoints.builder.run_warnings`); a request's own settings decide
+#: the sampling fields of ``generation_config.json`` a checkpoint reports
+#: (:attr:`CheckpointInfo.generation_sampling`): the target's temperature, top_k and top_p are the
+#: defaults of requests (:func:`simsd.entrypoints.builder.generation_defaults`); the others are
+#: named once per run as not applied (:func:`simsd.entrypoints.builder.run_warnings`)
 GENERATION_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k")
 
 
@@ -368,8 +371,8 @@ def read_checkpoint(path, with_tokenizer: bool = True, *, block_length=None,
         raise CheckpointError(f"{source}: mask_token_id = {mask_id} is also a stop id (eos_token_id in "
                               f"{where(mask_id)}); the mask token cannot end generation")
     scan_weights(path, config)
-    ignored = {k: generation[k] for k in GENERATION_SAMPLING_FIELDS if generation.get(k) is not None}
-    return CheckpointInfo(path, config, tokenizer, int(mask_id), list(stops), ignored)
+    sampling = {k: generation[k] for k in GENERATION_SAMPLING_FIELDS if generation.get(k) is not None}
+    return CheckpointInfo(path, config, tokenizer, int(mask_id), list(stops), sampling)
 
 
 def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True,
@@ -384,4 +387,4 @@ def load_checkpoint(path, dtype="float32", device="cpu", with_tokenizer=True,
     """
     info = info or read_checkpoint(path, with_tokenizer, block_length=block_length, mask_token_id=mask_token_id)
     model = load_model(info.path, dtype, device, config=info.config)
-    return Checkpoint(info.path, model, info.tokenizer, info.mask_token_id, info.stop_ids, info.ignored_sampling)
+    return Checkpoint(info.path, model, info.tokenizer, info.mask_token_id, info.stop_ids, info.generation_sampling)

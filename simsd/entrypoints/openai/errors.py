@@ -5,6 +5,8 @@ exception into its status (:data:`EXCEPTION_HANDLERS`, given to the app by
 
 * :class:`ParamError`: 400, ``param`` the setting or field (a bad body's first error:
   :func:`~simsd.entrypoints.openai.protocol.parse_request`);
+* :class:`ModelNotFound`: 404, type ``NotFoundError``, ``param`` ``model``, code 404 (vLLM's
+  answer for a model it does not serve; OpenAI's clients raise ``openai.NotFoundError``);
 * ``QueueFull``: 503 ``server_busy`` with ``Retry-After``
   (:meth:`~simsd.entrypoints.openai.state.ServerState.retry_after`);
 * ``SchedulerClosed``: 503 ``server_busy``, the server is shutting down;
@@ -25,24 +27,32 @@ from ..errors import ParamError
 from ..outputs import RequestError
 
 
+class ModelNotFound(LookupError):
+    """A request named a model the server does not serve (a 404, as vLLM answers it)."""
+
+
 class ServerStopped(RuntimeError):
     """A request in flight was cancelled because the server is shutting down (a 503)."""
 
 
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
-               code: str | None = None) -> dict:
+               code: str | int | None = None) -> dict:
     """OpenAI's error body (a response's, or a stream's error chunk)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                   headers: dict | None = None, code: str | None = None) -> JSONResponse:
+                   headers: dict | None = None, code: str | int | None = None) -> JSONResponse:
     """OpenAI's error body (:func:`error_body`) with ``status``."""
     return JSONResponse(error_body(message, param, type_, code), status_code=status, headers=headers)
 
 
 async def on_param(request, exc: ParamError):
     return error_response(400, str(exc), exc.param)
+
+
+async def on_model_not_found(request, exc: ModelNotFound):
+    return error_response(404, str(exc), "model", type_="NotFoundError", code=404)
 
 
 async def on_queue_full(request, exc: QueueFull):
@@ -74,6 +84,6 @@ async def on_other(request, exc: Exception):
 
 
 #: the app's exception handlers (FastAPI's ``exception_handlers``)
-EXCEPTION_HANDLERS = {ParamError: on_param, QueueFull: on_queue_full, SchedulerClosed: on_closed,
-                      ServerStopped: on_stopped, RequestError: on_request_error, StarletteHTTPException: on_http,
-                      Exception: on_other}
+EXCEPTION_HANDLERS = {ParamError: on_param, ModelNotFound: on_model_not_found, QueueFull: on_queue_full,
+                      SchedulerClosed: on_closed, ServerStopped: on_stopped, RequestError: on_request_error,
+                      StarletteHTTPException: on_http, Exception: on_other}

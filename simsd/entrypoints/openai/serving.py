@@ -25,20 +25,19 @@ from starlette.requests import ClientDisconnect
 
 from ...config.request import split_choices
 from ...engine.scheduler import SchedulerClosed
-from ..errors import ParamError
 from ..outputs import json_safe, request_failure
-from .errors import ServerStopped, error_body
+from .errors import ModelNotFound, ServerStopped, error_body
 from .protocol import parse_request
 from .state import Call, ServerState
 
 
 def check_model(state: ServerState, body) -> None:
     """Refuse a request while the server drains (:class:`SchedulerClosed`, a 503) or for another
-    model than the one served (:class:`ParamError` naming ``model``)."""
+    model than the one served (:class:`ModelNotFound`, a 404 naming ``model``, as vLLM answers)."""
     if state.draining:
         raise SchedulerClosed("draining")
     if body.model != state.model_name:
-        raise ParamError("model", f"model {body.model!r} is not served here (served: {state.model_name!r})")
+        raise ModelNotFound(f"The model `{body.model}` does not exist (served: {state.model_name!r})")
 
 
 def parsed(model, raw: bytes) -> tuple:
@@ -55,8 +54,8 @@ async def serve(request: Request, model, chat: bool):
     streams or ``/health``.
 
     Raises:
-        ParamError, QueueFull, SchedulerClosed, ServerStopped, RequestError: answered by the
-            app's exception handlers (:mod:`simsd.entrypoints.openai.errors`).
+        ParamError, ModelNotFound, QueueFull, SchedulerClosed, ServerStopped, RequestError:
+            answered by the app's exception handlers (:mod:`simsd.entrypoints.openai.errors`).
     """
     state = request.app.state.simsd
     try:

@@ -301,3 +301,32 @@ def test_bad_connection_options_fail_in_one_line(capsys, argv, words):
     code = main(["serve", *argv])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("simsd: error: ") and words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("seed", [7, None])
+def test_serve_seed_is_the_seed_of_requests_that_give_none(seed, recwarn):
+    """``simsd serve --seed N`` (vLLM's ``--seed``): requests without a seed sample with N, so two
+    identical sampled requests answer the same text; without it each gets a fresh seed. A request's
+    own seed still wins. No warning that greedy decoding ignores the seed (requests sample)."""
+    httpx = pytest.importorskip("httpx")
+    from simsd.entrypoints.cli import parse
+    from simsd.entrypoints.serve import app_of, build_llm
+    from tests.simsd.entrypoints.serving import running_server
+    argv = ["serve", "--mode", "vanilla", "--device", "cpu", "--dtype", "float32", "--batch-size", "1"]
+    args = parse(argv + (["--seed", str(seed)] if seed is not None else []))
+    assert not [w for w in recwarn if "seed" in str(w.message)]
+    llm = build_llm(args)
+    body = {"model": "tiny-sdar-target", "prompt": [11, 12, 13], "max_tokens": 24, "temperature": 1.5}
+    try:
+        with running_server(app_of(args, llm)) as url:
+            a, b = (httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+                    for _ in range(2))
+            own = httpx.post(url + "/v1/completions", json={**body, "seed": 3}, timeout=TIMEOUT).json()["choices"][0]
+    finally:
+        assert llm.shutdown(timeout=60)
+    assert own["simsd"]["seed"] == 3
+    if seed is None:
+        assert a["simsd"]["seed"] != b["simsd"]["seed"]  # fresh seeds
+    else:
+        assert a["simsd"]["seed"] == b["simsd"]["seed"] == seed and a["text"] == b["text"]
+        assert a["text"] != own["text"]  # (another seed draws other tokens here)

@@ -248,23 +248,26 @@ def test_stop_ids_are_the_union_of_generation_config_and_config(ck):
     refused(ck, ck / "config.json", f"eos_token_id {10 ** 6} is outside the vocabulary")
 
 
-def test_generation_config_sampling_fields_are_named_as_ignored(ck):
-    """generation_config.json's temperature / top_p / top_k / do_sample are not applied (docs/checkpoints.md,
-    "Checkpoints"): the checkpoint reports them and a run names them once."""
+def test_generation_config_sampling_fields_are_reported_and_do_sample_named_as_ignored(ck):
+    """generation_config.json's temperature / top_p / top_k are the defaults of requests
+    (docs/checkpoints.md "Checkpoints and MoE"; tests/simsd/entrypoints/test_generation_config.py);
+    do_sample is not applied, as vLLM: the checkpoint reports the fields and a run names
+    do_sample once."""
     import warnings
 
     from simsd import LLM, SimsdWarning
-    edit_json(ck / "generation_config.json", lambda d: {**d, "temperature": 0.6, "top_p": 0.95, "top_k": None})
+    edit_json(ck / "generation_config.json", lambda d: {**d, "temperature": 0.6, "top_p": 0.95, "top_k": None,
+                                                        "do_sample": False})
     info = read_checkpoint(ck)
-    assert info.ignored_sampling == {"temperature": 0.6, "top_p": 0.95}
+    assert info.generation_sampling == {"do_sample": False, "temperature": 0.6, "top_p": 0.95}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         llm = LLM(ck, mode="vanilla", dtype="float32", device="cpu", batch_size=1)
-        assert llm.generate([[11, 12, 13]])[0].token_ids  # greedy (the request's default), not temperature 0.6
+        assert (llm.default_params.temperature, llm.default_params.top_p) == (0.6, 0.95)
         assert llm.shutdown(timeout=60)
     notes = [str(w.message) for w in seen]
     assert len(notes) == 1 and issubclass(seen[0].category, SimsdWarning), notes
-    assert "generation_config.json" in notes[0] and "temperature=0.6, top_p=0.95 not applied" in notes[0]
+    assert "generation_config.json" in notes[0] and "do_sample=False not applied" in notes[0]
 
 
 @pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "default"}])

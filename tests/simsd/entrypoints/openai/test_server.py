@@ -211,7 +211,6 @@ def test_models_health_metrics(url):
 
 BAD = [
     (b'{"model": "tiny-sdar-target", "prompt": ', None, "malformed JSON"),
-    ({"model": "gpt-4", "prompt": "hi"}, "model", "not served"),
     ({"model": NAME, "prompt": [11] * 2048}, "prompt", "max_model_len"),
     ({"model": NAME, "prompt": [11] * 2000, "max_tokens": 100}, "max_tokens", "exceeds"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
@@ -234,6 +233,27 @@ BAD = [
     # more prompts than 4 rows + 64 waiting can ever hold: a 400 (a 503 would be retried in vain)
     ({"model": NAME, "prompt": [[11, 12]] * 69, "max_tokens": 2}, "prompt", "at most 68 at once"),
 ]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}),
+])
+def test_an_unknown_model_is_404_as_vllm_answers(url, path, body):
+    """vLLM answers a model it does not serve with a 404: type ``NotFoundError``, param ``model``,
+    code 404 (OpenAI's client raises ``openai.NotFoundError``)."""
+    r = httpx.post(url + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("NotFoundError", "model", 404)
+    assert "gpt-4" in err["message"] and NAME in err["message"]
+
+
+def test_an_unknown_model_raises_not_found_in_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)
 
 
 @pytest.mark.parametrize("body,param,words", BAD)
