@@ -267,3 +267,17 @@ def namer(args):
             return f"{flag} {({'True': 'on', 'False': 'off'}).get(value, 'auto')}"
         return f"{flag} {value}"
     return name
+
+
+def warn_without_effect(args, params, engine) -> None:
+    """Warn, one line each, of the typed options that will have no effect with the request
+    settings ``params`` on an engine of ``engine`` (the notes of
+    :func:`~simsd.config.request.check_request`: a seed, top-k or top-p under greedy decoding);
+    ``simsd serve``'s ``--seed`` is the default of requests that may sample."""
+    import warnings
+
+    from ..config.request import check_request
+    from .errors import SimsdWarning
+    for name, note in check_request(params, engine):
+        if name in args.typed and not (args.command == "serve" and name == "seed"):
+            warnings.warn(ParamError(name, note).render(namer(args)), SimsdWarning)

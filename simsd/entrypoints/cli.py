@@ -28,6 +28,7 @@ from .arguments import (
     namer,
     options_of,
     typed_options,
+    warn_without_effect,
 )
 from .errors import SimsdWarning
 from .run_modes import RUN_MODES, base_modes, needs_draft_model
@@ -78,11 +79,13 @@ def check_options(args, modes: list) -> None:
             args.self_width = SETTINGS["speculation_width"].check("speculation_width", engine.pop("speculation_width"))
     args.engine = EngineArgs(mode=mode, **engine)
     # the request's rules, as the API and the server run them (eval's paper-release column is
-    # paper mode's release variant); what has no effect is said, as a warning
+    # paper mode's release variant); what has no effect is said, as a warning (simsd generate's
+    # once the checkpoint's generation config has given the options not typed: commands.prepare)
     engine = dataclasses.replace(args.engine, paper_variant="release") if release else args.engine
-    for name, note in check_request(params, engine):
-        if name in args.typed and not (args.command == "serve" and name == "seed"):  # (for sampled requests)
-            warnings.warn(ParamError(name, note).render(namer(args)), SimsdWarning)
+    if args.command == "generate":
+        check_request(params, engine)
+    else:
+        warn_without_effect(args, params, engine)
     ray = getattr(args, "ray", False)  # (simsd bench has no Ray options)
     check_rules(COMMAND_LINE_RULES, args, {
         "single": getattr(args, "prompt", None) is not None or getattr(args, "prompt_ids", None) is not None,

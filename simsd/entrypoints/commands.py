@@ -31,6 +31,7 @@ from ..config.vocabulary import ParamError, opt
 from ..decoding.config import DecodeConfig, resolve
 from ..models.loading import CheckpointInfo
 from .api import LLM
+from .arguments import warn_without_effect
 from .builder import check_engine, default_params_of
 from .errors import SimsdWarning
 from .run_modes import RUN_MODES
@@ -170,6 +171,7 @@ def prepare(args, modes: list) -> Run:
     apply_threads([c.config for c in infos.values()], threads)
     if args.command == "generate":  # the options not typed: the target's generation config (bench, eval: simsd's)
         args.params = default_params_of(config, target, args.params, args.typed)
+        warn_without_effect(args, args.params, config)
     cfg = resolve(args.params, config, target.config.vocab_size)[0]
     encode_prompts(prompts, args, target.tokenizer, target.mask_token_id)
     check_prompts(prompts, list(infos.values()), cfg, target.mask_token_id)

@@ -108,3 +108,19 @@ def test_simsd_generate_takes_the_file_for_options_not_typed(ck, capsys):
     assert auto == tokens("--temperature", "1.5", "--top-p", "0.9")  # (--seed 0 by default)
     assert auto != tokens("--generation-config", "none")
     assert tokens("--temperature", "0") == tokens("--generation-config", "none")  # a typed option wins
+
+
+def test_simsd_generate_warns_of_greedy_only_when_the_run_is_greedy(ck, capsys):
+    """--top-p and --seed typed without --temperature: the checkpoint's temperature makes the run
+    sampled, so they take effect and nothing is said of them; with --temperature 0 (or the
+    generation config off) the run is greedy and each is named as ignored."""
+    def said(*extra):
+        code = main(["generate", "--target", str(ck), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens",
+                     "4", "--top-p", "0.8", "--seed", "3", *extra])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        return [line.split("simsd: warning: ")[1].split(":")[0].split(" ")[0] for line in err.splitlines()
+                if line.startswith("simsd: warning: --")]
+    assert said() == []
+    assert said("--temperature", "0") == ["--top-p", "--seed"]
+    assert said("--generation-config", "none") == ["--top-p", "--seed"]
