@@ -85,9 +85,10 @@ class Step:
     tokens and the results have a leading ``C``), or at the steps of ``index`` when it is a list
     of ``C`` ints (a proposal tree's copies, :mod:`simsd.speculative.tree`), with ``key`` one
     per state when it is a list. ``keep_logits``: the
-    result also carries the step's logits (MASK made impossible), ``(new_block, revealed, probs,
-    logits)``, for a row that proposes its next steps from them (self-speculation,
-    :mod:`simsd.speculative.self_draft`)."""
+    result also carries the step's logits (MASK made impossible) and its noise (None when
+    greedy), ``(new_block, revealed, probs, logits, noise)``, for a row that proposes from them
+    (self-speculation, :mod:`simsd.speculative.self_draft`; a draft step's alternatives,
+    :mod:`simsd.speculative.spec_row`)."""
     block: torch.Tensor
     index: int | list
     cfg: DecodeConfig
@@ -148,8 +149,9 @@ class Step:
                 noise = step_noise(keys, index, L, batch.shape[2], batch.device)
             new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, index, noise)
             group = [steps[j] for j in rows]
-            kept = batch if any(s.keep_logits for s in group) else None  # masked in place by the step
-            for j, result in zip(rows, _per_step(group, new, revealed, probs, kept)):
+            keep = any(s.keep_logits for s in group)
+            kept = (batch, noise) if keep else (None, None)  # the logits masked in place by the step
+            for j, result in zip(rows, _per_step(group, new, revealed, probs, *kept)):
                 out[j] = result if steps[j].keep_logits else result[:3]
         return out
 

@@ -16,7 +16,7 @@ import torch
 from simsd_kernels import TAU_INF
 
 from ..config.speculative import MAX_ALTERNATIVES
-from ..decoding.noise import PAPER_DRAFT, SAMPLE, NoiseKey, step_noise
+from ..decoding.noise import PAPER_DRAFT, SAMPLE, NoiseKey
 from ..decoding.program import BlockState, RowProgram
 from ..decoding.step import Step
 from ..engine.batching import Row
@@ -238,7 +238,7 @@ class SpecRow(RowProgram):
         round without proposals."""
         before = blk.host
         step = Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start), keep_logits=True)
-        blk.block, _, _, self.verifier.draft.logits = yield self.layouts.denoise("target", blk.block, step)
+        blk.block, _, _, self.verifier.draft.logits, _ = yield self.layouts.denoise("target", blk.block, step)
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
         self.stats.rounds += 1
@@ -289,10 +289,8 @@ class SpecRow(RowProgram):
                 "draft", state, Step(state, index, step_cfg, self.mask_id, key, keep_logits=bool(self.alternatives)))
             new, revealed, p = out[:3]
             if self.alternatives:  # the step's other outcomes on the same logits and noise
-                noise = None if step_cfg.sampling.greedy else \
-                    step_noise([key], [index], L, out[3].shape[-1], out[3].device)[0]
-                siblings.append(step_candidates(out[3], state, self.mask_id, step_cfg, index, noise, self.alternatives,
-                                                masks, primary=(new, revealed)))
+                siblings.append(step_candidates(out[3], state, self.mask_id, step_cfg, index, out[4],
+                                                self.alternatives, masks, primary=(new, revealed)))
             state = new
             tau.masked_fill_(revealed, c + 1)
             if probs is not None:
