@@ -24,16 +24,10 @@ TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm():  # this module's: two rows (the conftest's has four)
     llm = LLM(mode="exact", dtype="float32", device="cpu", batch_size=2)
     yield llm
     assert llm.shutdown(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def url(llm):
-    with running_server(build_app(llm, shutdown_llm=False)) as url:
-        yield url
 
 
 def test_a_body_is_parsed_and_validated_off_the_event_loop(url, monkeypatch):

@@ -9,28 +9,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from simsd import LLM  # noqa: E402
 from simsd.config.request import choice_seed  # noqa: E402
-from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
-from tests.simsd.entrypoints.serving import running_server  # noqa: E402
 
 NAME = "tiny-sdar-target"
 TIMEOUT = 120
 CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 IDS = [11, 12, 13, 14, 15]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    llm = LLM(mode="exact", dtype="float32", device="cpu", batch_size=4)
-    yield llm
-    assert llm.shutdown(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def url(llm):
-    with running_server(build_app(llm, shutdown_llm=False)) as url:
-        yield url
 
 
 def post(url, path, **body):

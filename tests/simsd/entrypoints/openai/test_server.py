@@ -29,19 +29,6 @@ TIMEOUT = 120
 CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    llm = LLM(mode="exact", dtype="float32", device="cpu", batch_size=4)
-    yield llm
-    assert llm.shutdown(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def url(llm):
-    with running_server(build_app(llm, shutdown_llm=False)) as url:
-        yield url
-
-
 @pytest.fixture
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
