@@ -87,7 +87,7 @@ class SelfDraft:
         or hang below a full state are dropped."""
         logits, self.logits = self.logits, None
         if logits is None or masks == 0:
-            return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0])
+            return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0], masks=masks)
         per_step = self.per_step(block_step)
         if self.alternatives is None:
             plan = self.policy.plan(masks, per_step, self.cfg.strategy in ("static", "dynamic"), self.policy.rows(),
@@ -182,7 +182,7 @@ class SelfDraft:
             states, parent, depths, left, kind, finish = self._prune(states, parent, depths, kind, finish)
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
         return ProposalTree(torch.stack(states), parent, depths, [m > 0 for m in left], proposed, kind,
-                            finish if finish is not None and left[finish] == 0 else None)
+                            finish if finish is not None and left[finish] == 0 else None, masks)
 
     def _prune(self, states: list, parent: list, depth: list, kind: list, finish) -> tuple:
         """The nodes whose step revealed something and whose parent had MASK, from one host read
@@ -204,7 +204,7 @@ class SelfDraft:
         while j >= 0:
             valid.append(j)
             j = tree.parent[j]
-        self.policy.observe(tree.parent, tree.depth, tree.kind, valid)
+        self.policy.observe(tree.masks, tree.parent, tree.depth, tree.kind, valid)
 
 
 class SelfExactVerifier(ExactVerifier):

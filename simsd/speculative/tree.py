@@ -48,6 +48,8 @@ class ProposalTree:
     #: the filled node that carries a lookahead (the block's commit and the next block's first
     #: step, :class:`~simsd.speculative.self_draft.SelfExactVerifier`), or None
     finish: int | None = None
+    #: the MASK count of the round's block (a host int), or None
+    masks: int | None = None
 
     @property
     def nodes(self) -> int:

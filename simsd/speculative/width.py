@@ -8,9 +8,10 @@ cost more than the steps it saves. :class:`WidthPolicy` grows every round's tree
 * **a node's value** is the probability that it is valid (its state is the target's own step on
   its parent, and so on up to the round's block): the product, along its path, of the rate at
   which a node of its kind (the primary proposal, or the ``k``-th alternative of
-  :data:`~simsd.config.speculative.ALTERNATIVES`) at its depth is its parent's target step given
-  that the parent is valid, estimated from the row's own verdicts (:meth:`WidthPolicy.observe`,
-  with a prior, :data:`PRIOR`). Siblings are exclusive, so these are rates of one outcome each;
+  :data:`~simsd.config.speculative.ALTERNATIVES`) at its depth, in a round whose block had as
+  many MASK, is its parent's target step given that the parent is valid, estimated from the
+  row's own verdicts (:meth:`WidthPolicy.observe`, with a prior, :data:`PRIOR`). Siblings are
+  exclusive, so these are rates of one outcome each;
 * **expected steps** of a tree: the round's own step plus the value of every node with MASK
   left (a valid node is one step accepted; a node that fills the block saves nothing, because
   the target's step on its parent would have filled it in the same forward), plus, when the
@@ -26,8 +27,9 @@ cost more than the steps it saves. :class:`WidthPolicy` grows every round's tree
   is taken as flat.
 
 ``width`` N caps the tree at N block copies (the verify forward's query tokens over the block
-length) and takes the best-first tree of that size; ``"auto"`` keeps the prefix of the
-best-first order with the most expected steps per second, within :func:`auto_copies`.
+length) and takes the best-first tree of that size; ``"auto"`` grows it, within
+:func:`auto_copies`, while a node adds expected steps per second (the candidates' values per
+copy only fall as the tree grows, so the first that does not pay ends it).
 """
 from __future__ import annotations
 
@@ -79,8 +81,8 @@ class WidthPolicy:
 
     def __init__(self, width, gamma: int, block_length: int, cost=None):
         self.width, self.gamma, self.L, self.cost = width, gamma, block_length, cost
-        # per depth (1..gamma) and kind: [successes, trials]
-        self.hits = [[list(p) for p in PRIOR] for _ in range(gamma)]
+        # per (the round's MASK count, depth 1..gamma), per kind: [successes, trials]
+        self.hits = {}
         self.per_node = 0.0  # seconds the row spends proposing one node (running mean)
 
     def proposing(self, seconds: float, nodes: int) -> None:
@@ -89,10 +91,18 @@ class WidthPolicy:
         if nodes:
             self.per_node = seconds / nodes if not self.per_node else 0.8 * self.per_node + 0.2 * seconds / nodes
 
-    def rates(self, depth: int) -> list:
-        """The estimated rate at which a node of each kind at ``depth`` (1-based) is its parent's
-        target step, given that the parent is valid."""
-        return [s / t for s, t in self.hits[depth - 1]]
+    def counts(self, masks: int, depth: int) -> list:
+        """The ``[successes, trials]`` per kind of nodes at ``depth`` (1-based) in rounds whose block
+        had ``masks`` MASK (how far the block is decoded changes how well old logits predict a
+        step: the bundled target's next step was the primary 65% of the time with one MASK left,
+        21% with three), from :data:`PRIOR`."""
+        return self.hits.setdefault((masks, depth), [list(p) for p in PRIOR])
+
+    def rates(self, masks: int, depth: int) -> list:
+        """The estimated rate at which a node of each kind at ``depth`` (1-based), in a round
+        whose block had ``masks`` MASK, is its parent's target step, given that the parent is
+        valid."""
+        return [s / t for s, t in self.counts(masks, depth)]
 
     def plan(self, masks: int, per_step: list, positional: bool, rows: int = 1, lookahead: bool = False) -> TreePlan:
         """The next round's tree on a block with ``masks`` MASK left (module doc): ``per_step`` the
@@ -102,7 +112,7 @@ class WidthPolicy:
         share; ``lookahead``: a filled node may carry the block's commit and the next block's
         first step (two more copies)."""
         cap = auto_copies(self.gamma) + 2 * lookahead if self.width == "auto" else int(self.width)
-        rates = [self.rates(d) for d in range(1, self.gamma + 1)]
+        rates = [self.rates(masks, d) for d in range(1, self.gamma + 1)]
         plan = TreePlan([-1], [0], [0])
         left, value = [masks], [1.0]
         heap, order = [], 0  # candidates: (-value per copy, order, parent, kind, copies)
@@ -123,11 +133,13 @@ class WidthPolicy:
 
         offer(0)
         copies, steps = 1, 1.0
-        best = (steps / self.seconds(copies, rows), 1)  # (value, nodes kept)
         while heap:
             gain, _, j, k, cost = heapq.heappop(heap)
             if copies + cost > cap or (cost == 2 and plan.finish is not None):
                 continue
+            if self.width == "auto" and (steps - gain * cost) / self.seconds(copies + cost, rows) <= \
+                    steps / self.seconds(copies, rows) * (1 + 1e-9):
+                break  # no better per second: the values per copy only fall from here
             d = plan.depth[j] + 1
             plan.parent.append(j)
             plan.kind.append(k)
@@ -138,15 +150,7 @@ class WidthPolicy:
                 plan.finish = len(plan.parent) - 1
             copies, steps = copies + cost, steps - gain * cost
             offer(len(plan.parent) - 1)
-            if self.width == "auto":
-                score = steps / self.seconds(copies, rows)
-                if score > best[0] * (1 + 1e-9):
-                    best = (score, len(plan.parent))
-            else:
-                best = (steps, len(plan.parent))
-        n = best[1]
-        finish = plan.finish if plan.finish is not None and plan.finish < n else None
-        return TreePlan(plan.parent[:n], plan.kind[:n], plan.depth[:n], finish)
+        return plan
 
     def rows(self) -> int:
         """Rows of the target's last forward (the share of its fixed cost), 1 without a cost."""
@@ -161,13 +165,14 @@ class WidthPolicy:
         a, b = fit
         return max(a / max(rows, 1) + b * copies * self.L + self.per_node * (copies - 1), 1e-9)
 
-    def observe(self, parent: list, depth: list, kind: list, valid: list) -> None:
-        """Count a round's outcome: the tree's ``parent``, ``depth`` and ``kind`` per node, and
-        ``valid`` the nodes on the valid path (the root first). Every child of a valid node was
-        tried: a trial of its kind at its depth, a success when it is valid too."""
+    def observe(self, masks: int, parent: list, depth: list, kind: list, valid: list) -> None:
+        """Count a round's outcome: ``masks`` the MASK of its block, the tree's ``parent``,
+        ``depth`` and ``kind`` per node, and ``valid`` the nodes on the valid path (the root
+        first). Every child of a valid node was tried: a trial of its kind at its depth, a
+        success when it is valid too."""
         on_path = set(valid)
         for j in range(1, len(parent)):
             if parent[j] in on_path:
-                hit = self.hits[depth[j] - 1][kind[j]]
+                hit = self.counts(masks, depth[j])[kind[j]]
                 hit[1] += 1
                 hit[0] += j in on_path

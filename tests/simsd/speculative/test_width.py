@@ -23,11 +23,12 @@ class Fixed:
         return self.ab
 
 
-def with_rates(policy, *levels):
-    """Set the policy's rates by hand: ``levels[d - 1]`` the per-kind rates at depth ``d`` (kinds
-    not given: 0), as counts over 100 trials."""
-    for d, rates in enumerate(levels, 1):
-        policy.hits[d - 1] = [[100 * r, 100] for r in list(rates) + [0.0] * (1 + MAX_ALTERNATIVES - len(rates))]
+def with_rates(policy, *levels, masks=(1, 2, 3, 4)):
+    """Set the policy's rates by hand for rounds of ``masks`` MASK: ``levels[d - 1]`` the per-kind
+    rates at depth ``d`` (kinds not given: 0), as counts over 100 trials."""
+    for m in masks:
+        for d, rates in enumerate(levels, 1):
+            policy.hits[(m, d)] = [[100 * r, 100] for r in list(rates) + [0.0] * (1 + MAX_ALTERNATIVES - len(rates))]
     return policy
 
 
@@ -111,19 +112,23 @@ def test_auto_is_wide_when_width_is_free_and_narrow_when_it_is_not():
 
 def test_observed_outcomes_move_the_rates():
     policy = WidthPolicy("auto", 4, 4)
-    before = [policy.rates(d) for d in (1, 2)]
+    prior = [s / t for s, t in PRIOR]
     # a tree: root 0; its children 1 (primary), 2 (alternative 1); under 1: 3 (primary), 4 (alternative 2)
     parent, depth, kind = [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0, 0, 1, 0, 2]
     for _ in range(10):
-        policy.observe(parent, depth, kind, [0, 1, 4])  # the primary, then alternative 2 under it
-    assert policy.hits[0][0] == [PRIOR[0][0] + 10, PRIOR[0][1] + 10]
-    assert policy.hits[0][1] == [PRIOR[1][0], PRIOR[1][1] + 10]  # tried, failed
-    assert policy.hits[1][0] == [PRIOR[0][0], PRIOR[0][1] + 10] and policy.hits[1][2] == [PRIOR[2][0] + 10,
-                                                                                      PRIOR[2][1] + 10]
-    policy.observe(parent, depth, kind, [0, 2])  # alternative 1 was right: nothing under it was tried
-    assert policy.hits[0][1][0] == PRIOR[1][0] + 1 and policy.hits[1][0][1] == PRIOR[0][1] + 10
-    assert policy.rates(1)[0] > before[0][0] and policy.rates(2)[2] > before[1][2]
-    assert policy.rates(3) == [s / t for s, t in PRIOR]  # depth 3 never tried
+        policy.observe(3, parent, depth, kind, [0, 1, 4])  # the primary, then alternative 2 under it
+    assert policy.counts(3, 1)[0] == [PRIOR[0][0] + 10, PRIOR[0][1] + 10]
+    assert policy.counts(3, 1)[1] == [PRIOR[1][0], PRIOR[1][1] + 10]  # tried, failed
+    assert policy.counts(3, 2)[0] == [PRIOR[0][0], PRIOR[0][1] + 10]
+    assert policy.counts(3, 2)[2] == [PRIOR[2][0] + 10, PRIOR[2][1] + 10]
+    policy.observe(3, parent, depth, kind, [0, 2])  # alternative 1 was right: nothing under it was tried
+    assert policy.counts(3, 1)[1][0] == PRIOR[1][0] + 1 and policy.counts(3, 2)[0][1] == PRIOR[0][1] + 10
+    assert policy.rates(3, 1)[0] > prior[0] and policy.rates(3, 2)[2] > prior[2]
+    assert policy.rates(3, 3) == prior and policy.rates(4, 1) == prior  # never tried: the prior
+    # the plan reads the rates of its round's MASK count: with 3 MASK the alternative is likelier
+    policy = with_rates(WidthPolicy(2, 4, 4), [0.6, 0.1], masks=(4,))
+    with_rates(policy, [0.1, 0.6], masks=(3,))
+    assert policy.plan(4, ONE, positional=True).kind == [0, 0] and policy.plan(3, ONE, positional=True).kind == [0, 1]
 
 
 def test_forward_cost_fit():
