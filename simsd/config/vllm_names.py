@@ -11,7 +11,7 @@ to it, with the values spelt otherwise mapped too: vLLM's ``top_k=-1`` is simsd'
 something simsd does not do (:class:`Lacks`: refused with a :class:`ParamError` naming it and what
 simsd offers, except at the values that ask for what simsd does anyway, vLLM's defaults, which
 are accepted and ignored). Names that are the same in simsd (``max_model_len``, ``temperature``,
-``seed`` of a request ...) are not listed. docs/vllm.md shows the tables; the command line takes
+``seed`` of a request, ``presence_penalty`` ...) are not listed. docs/vllm.md shows the tables; the command line takes
 vLLM's spellings of its options as aliases (:func:`cli_aliases`). Torch-free.
 """
 from __future__ import annotations
@@ -83,17 +83,15 @@ ENGINE = {
     "mem_fraction_static": Lacks(_MEMORY, (), "SGLang"),
 }
 
-_NO_PENALTY = "simsd samples from the model's distribution shaped by temperature, top_k and top_p only"
+_NO_MIN_P = ("simsd shapes the model's distribution by its penalties, temperature, top_k and top_p (min_p: use "
+             "top_p or top_k)")
 _STOP = ("simsd's text ends before a stop string (token_ids keep the tokens up to and including the one that "
          "completed it)")
 _NONE = (None,)
 #: :class:`~simsd.config.request.SamplingParams`' fields as vLLM's (and SGLang's) spell them
 REQUEST = {
     "top_k": Same("top_k", ((-1, 0),)),
-    "presence_penalty": Lacks(_NO_PENALTY, (0.0,)),
-    "frequency_penalty": Lacks(_NO_PENALTY, (0.0,)),
-    "repetition_penalty": Lacks(_NO_PENALTY, (1.0,)),
-    "min_p": Lacks(_NO_PENALTY + " (min_p: use top_p or top_k)", (0.0,)),
+    "min_p": Lacks(_NO_MIN_P, (0.0,)),
     "logprobs": Lacks("simsd returns no log-probabilities", _NONE),
     "prompt_logprobs": Lacks("simsd returns no log-probabilities", _NONE),
     "best_of": Lacks("simsd returns all n completions, ranking none (it computes no log-probabilities)", (None, 1)),
@@ -107,9 +105,9 @@ REQUEST = {
     "detokenize": Lacks("simsd always decodes the text (None only for a checkpoint without a tokenizer)", (True,)),
     "logits_processors": Lacks("simsd runs no logits processors (the sampling noise is keyed by seed, position, "
                                "step and token; docs/exactness.md)", _NONE),
-    "logit_bias": Lacks("simsd changes no logits besides temperature, top_k and top_p", _NONE),
-    "allowed_token_ids": Lacks("simsd changes no logits besides temperature, top_k and top_p", _NONE),
-    "bad_words": Lacks("simsd changes no logits besides temperature, top_k and top_p", _NONE),
+    "logit_bias": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
+    "allowed_token_ids": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
+    "bad_words": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
     "guided_decoding": Lacks("simsd has no structured output", _NONE),
     "structured_outputs": Lacks("simsd has no structured output", _NONE),
     "truncate_prompt_tokens": Lacks("simsd never changes a prompt: a prompt longer than max_model_len is refused",
