@@ -85,9 +85,15 @@ ENGINE = {
 
 _NO_MIN_P = ("simsd shapes the model's distribution by its penalties, temperature, top_k and top_p (min_p: use "
              "top_p or top_k)")
+#: why structured output (a JSON ``response_format``, vLLM's guided decoding, SGLang's regex) is refused
+STRUCTURED = ("simsd has no structured output (constrained decoding) in any mode: vanilla, paper and exact decoding "
+              "sample every step from the model's distribution, with no grammar or JSON schema masking tokens; ask "
+              "for JSON in the prompt")
 _STOP = ("simsd's text ends before a stop string (token_ids keep the tokens up to and including the one that "
          "completed it)")
 _NONE = (None,)
+#: OpenAI's ``response_format`` that asks for plain text (what simsd returns)
+TEXT = {"type": "text"}
 #: :class:`~simsd.config.request.SamplingParams`' fields as vLLM's (and SGLang's) spell them
 REQUEST = {
     "top_k": Same("top_k", ((-1, 0),)),
@@ -108,16 +114,17 @@ REQUEST = {
     "logit_bias": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
     "allowed_token_ids": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
     "bad_words": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
-    "guided_decoding": Lacks("simsd has no structured output", _NONE),
-    "structured_outputs": Lacks("simsd has no structured output", _NONE),
+    "guided_decoding": Lacks(STRUCTURED, _NONE),
+    "structured_outputs": Lacks(STRUCTURED, _NONE),
+    "response_format": Lacks(STRUCTURED, (TEXT, None), "OpenAI"),
     "truncate_prompt_tokens": Lacks("simsd never changes a prompt: a prompt longer than max_model_len is refused",
                                     _NONE),
     "max_new_tokens": Same("max_tokens", source="SGLang"),
     "min_new_tokens": Lacks("simsd stops at the first stop id or string (ignore_eos=True with max_tokens gives a "
                             "fixed length)", (0,), "SGLang"),
     "no_stop_trim": Lacks(_STOP, (False,), "SGLang"),
-    "regex": Lacks("simsd has no structured output", _NONE, "SGLang"),
-    "json_schema": Lacks("simsd has no structured output", _NONE, "SGLang"),
+    "regex": Lacks(STRUCTURED, _NONE, "SGLang"),
+    "json_schema": Lacks(STRUCTURED, _NONE, "SGLang"),
 }
 
 #: :meth:`simsd.LLM.chat`'s options as vLLM's ``LLM.chat`` spells them (``add_generation_prompt``

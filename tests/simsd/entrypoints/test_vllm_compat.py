@@ -4,6 +4,7 @@ engine and tokens as simsd's spelling, each refused name raises a ParamError nam
 spellings of one setting are refused naming both, chat() is generate() of the conversations,
 RequestOutput.outputs[0] is the output's own completion (the bundled pair, float32, CPU)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,9 +104,11 @@ REFUSED_REQUEST = [(n, e.noop[0] if e.noop else 0) for n, e in REQUEST.items() i
 @pytest.mark.parametrize("name, noop", REFUSED_REQUEST)
 def test_each_lacking_request_name_is_refused_naming_it(name, noop):
     assert SamplingParams(**{name: noop}) == SamplingParams()
-    bad = 3 if noop is None else (not noop) if isinstance(noop, bool) else noop + 0.5
-    with pytest.raises(ParamError, match=rf"^SamplingParams\(\.\.\.\): {name}={bad!r} \((vLLM|SGLang)'s\) has no simsd "
-                                         rf"equivalent: .+ \(only {name}={noop!r}, what simsd does, is accepted\)$"
+    bad = 3 if noop is None else (not noop) if isinstance(noop, bool) else \
+        {"type": "json_object"} if isinstance(noop, dict) else noop + 0.5
+    with pytest.raises(ParamError, match=rf"^SamplingParams\(\.\.\.\): {re.escape(f'{name}={bad!r}')} "
+                                         rf"\((vLLM|SGLang|OpenAI)'s\) has no simsd equivalent: .+ \(only "
+                                         rf"{re.escape(f'{name}={noop!r}')}, what simsd does, is accepted\)$"
                        ) as exc:
         SamplingParams(**{name: bad})
     assert exc.value.param == name
