@@ -116,7 +116,7 @@ COMMANDS = {
     "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
                   "decoding": _REQUEST + ("seed", "generation_config") + _SPECULATIVE, "output": ("json",),
                   "scaling out": RAY_OPTIONS["generate"]},
-                 {"mode": "vanilla", "batch_size": 1, "num_workers": 1}),
+                 {"batch_size": 1, "num_workers": 1}),
     "bench": ({"models and engine": _MODEL + ("tp", "batch_size"), "prompts": _PROMPTS,
                "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "bench": ("modes", "warmup", "repeats", "json_file")},
               {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "repeats": 3}),
