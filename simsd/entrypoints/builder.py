@@ -144,9 +144,10 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
 
 
 #: the sampling fields of the target's ``generation_config.json`` that are the defaults of
-#: requests under ``generation_config="auto"`` (vLLM's ``--generation-config auto`` applies these
-#: and its penalties, min_p and max_new_tokens, which simsd does not have or keeps its own of)
-GENERATION_DEFAULTS = ("temperature", "top_k", "top_p")
+#: requests under ``generation_config="auto"`` (vLLM's ``--generation-config auto``,
+#: ``ModelConfig.get_diff_sampling_param``, applies these and min_p and max_new_tokens, which simsd
+#: does not have or keeps its own of)
+GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "repetition_penalty")
 
 
 def generation_defaults(config: EngineArgs, target) -> dict:
@@ -193,7 +194,8 @@ def run_warnings(target, draft, block_length: int | None, generation_config: str
         ignored = {k: v for k, v in sampling.items() if ck is draft or k not in GENERATION_DEFAULTS}
         if ignored:
             why = ("the target's generation_config.json gives the defaults of requests" if ck is draft else
-                   "requests sample at its temperature, top_k and top_p unless they give their own, as vLLM "
+                   "requests sample at its temperature, top_k, top_p and repetition_penalty unless they give "
+                   "their own, as vLLM "
                    "does; greedy without a temperature")
             notes.append(f"{ck.path / 'generation_config.json'}: {', '.join(f'{k}={v!r}' for k, v in ignored.items())} "
                          f"not applied: {why}")
