@@ -22,6 +22,10 @@ decoding applies at that state, and exact mode stays vanilla's token for token
 (:class:`~simsd.decoding.step.Step` carries each state's :class:`TokenHistory`). The prompt
 (repetition only) is the whole prompt, its tail included.
 
+Proposals drawn from logits kept from an earlier step (self-speculation's proposals, a draft
+step's alternatives) use them as penalised for the state they were computed on: they are
+proposals only, which exact verification accepts only as the target's own steps.
+
 A request without penalties (``StepSampling.penalized`` False) builds no history and runs none
 of this: no op and no host read are added to its steps.
 """
