@@ -11,7 +11,8 @@ versions written here (transformers computes both in float32 whatever the model 
 * :func:`schedule`: tokens per denoising step.
 * :func:`filtered`, :func:`confidences`, :func:`choose`: the sampling rule, the confidence
   rule and the four remasking strategies.
-* :func:`reference_generate`: greedy block decoding with stops (returns a trace of every step).
+* :func:`reference_generate`: greedy block decoding with stops (returns a trace of every step),
+  optionally with vLLM's presence, frequency and repetition penalties (:func:`penalized`).
 * :func:`reference_paper_generate`: greedy SimSD in the paper's layout (§4): the draft's steps,
   the ``[leftover | D | M]`` query with the four-quadrant mask and the RoPE copy, acceptance
   in the draft's temporal order, gamma and the fallback.
@@ -226,9 +227,27 @@ class ReferenceResult:
         return [len(p) for blk in self.trace for p, _ in blk]
 
 
+def penalized(row: torch.Tensor, prompt: list, output: list, presence: float, frequency: float,
+              repetition: float) -> torch.Tensor:
+    """One logit row with vLLM's penalties, written from vLLM's description (its sampler's
+    ``apply_penalties``): a token of the prompt or of ``output`` has its logit divided by
+    ``repetition`` when positive, multiplied by it otherwise; then each token loses ``frequency``
+    per time ``output`` holds it and ``presence`` once if ``output`` holds it. Float64, a loop
+    over the vocabulary."""
+    out = row.clone().to(torch.float64)
+    for t in range(out.shape[0]):
+        c = output.count(t)
+        x = float(out[t])
+        if t in prompt or c:
+            x = x / repetition if x > 0 else x * repetition
+        out[t] = x - frequency * c - presence * (1 if c else 0)
+    return out
+
+
 def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, steps: int | None = None,
                        strategy: str = "static", threshold: float | None = None, max_new_tokens: int = 16,
-                       stop_ids=None) -> ReferenceResult:
+                       stop_ids=None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0) -> ReferenceResult:
     """Greedy SDAR block decoding, recomputing the whole sequence at every step.
 
     Blocks are aligned to position 0; the unaligned prompt tail opens the first block. Each step
@@ -236,6 +255,10 @@ def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, 
     excluded) and entropy, reveals the positions ``choose`` picks. After a block with no MASK
     left: stop if one of its generated tokens is a stop id or ``max_new_tokens`` are reached.
     The returned ids end at the first stop id (kept) and at ``max_new_tokens``.
+
+    Penalties (any away from 0, 0, 1): before the argmax every position's logits get
+    :func:`penalized` with the output so far of the block's state: the tokens generated in earlier
+    blocks and those revealed in this block (not the prompt tail, not MASK).
     """
     B = block_length
     sched = schedule(B, steps or B)
@@ -250,6 +273,10 @@ def reference_generate(ref: ReferenceModel, prompt: list, *, block_length: int, 
         tail, steps_of_block, step = [], [], 0
         while ref.mask_id in block:
             logits = ref.block_logits(context, block, B)
+            if (presence_penalty, frequency_penalty, repetition_penalty) != (0.0, 0.0, 1.0):
+                output = generated + [t for t in block[first:] if t != ref.mask_id]
+                logits = torch.stack([penalized(logits[i], prompt, output, presence_penalty, frequency_penalty,
+                                                repetition_penalty) for i in range(B)])
             masked = [t == ref.mask_id for t in block]
             best = [int(torch.argmax(logits[i])) for i in range(B)]
             conf = [softmax64(logits[i], 1.0)[best[i]] for i in range(B)]

@@ -34,7 +34,8 @@ class EngineArgs:
                                    "target").field(None)
     draft: object = Setting(object, "draft SDAR checkpoint, as the target (paper/exact modes), or 'self': the "
                                     "target proposes its own next steps, no draft model (exact mode); a directory "
-                                    "named self is ./self; default: the bundled tiny draft",
+                                    "named self is ./self; default: the bundled tiny draft with the bundled target, "
+                                    "'self' with any other target",
                             modes=SPECULATIVE, parse=parse_draft,
                             text="a checkpoint directory, 'self', or a read or loaded checkpoint").field(None)
     mode: str = SETTINGS["mode"].field("exact")

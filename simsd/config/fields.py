@@ -82,6 +82,14 @@ SETTINGS = {
     "top_k": Setting(int, "keep the k most likely tokens; 0 = off, 1 = greedy (at any temperature)", low=0,
                      text="an integer >= 0 (0 = off, 1 = greedy)"),
     "top_p": Setting(float, "nucleus sampling mass; 1 = off", low=0, high=1, open_low=True),
+    # vLLM's penalties, with vLLM's ranges (vllm/sampling_params.py); simsd.decoding.penalties applies them
+    "presence_penalty": Setting(float, "subtracted from the logit of every token the output holds so far "
+                                       "(vLLM's and OpenAI's presence_penalty); 0 = off", low=-2, high=2),
+    "frequency_penalty": Setting(float, "subtracted from a token's logit once per time the output holds it so far "
+                                        "(vLLM's and OpenAI's frequency_penalty); 0 = off", low=-2, high=2),
+    "repetition_penalty": Setting(float, "divides the positive logits (multiplies the others) of every token of the "
+                                         "prompt or the output so far (vLLM's repetition_penalty); 1 = off", low=0,
+                                  open_low=True),
     "max_tokens": Setting(int, "most tokens generated per request (up to and including the stop token)", low=1),
     "seed": Setting(int, "seed of the request's sampling noise (sampling only; its randomness depends on it "
                          "alone)", low=0, high=2 ** 63 - 1),
@@ -124,10 +132,16 @@ SETTINGS = {
 class StepSampling:
     """A denoising step's sampling: ``temperature`` (finite, >= 0; 0 = greedy), ``top_k``
     (>= 0; 0 = off, 1 = greedy), ``top_p`` (in (0, 1]; 1 = off). A temperature below
-    ``MIN_TEMPERATURE`` is greedy too. Raises :class:`ParamError` naming the field and its range."""
+    ``MIN_TEMPERATURE`` is greedy too. vLLM's penalties, applied to the logits before all of these
+    (greedy decoding too; :mod:`simsd.decoding.penalties`): ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2]; 0 = off) and ``repetition_penalty`` (finite, > 0; 1 = off),
+    vLLM's ranges. Raises :class:`ParamError` naming the field and its range."""
     temperature: float = SETTINGS["temperature"].field(0.0)
     top_k: int = SETTINGS["top_k"].field(0)
     top_p: float = SETTINGS["top_p"].field(1.0)
+    presence_penalty: float = SETTINGS["presence_penalty"].field(0.0)
+    frequency_penalty: float = SETTINGS["frequency_penalty"].field(0.0)
+    repetition_penalty: float = SETTINGS["repetition_penalty"].field(1.0)
 
     def __post_init__(self):
         check_fields(self)
@@ -135,3 +149,9 @@ class StepSampling:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (any away from its neutral value): only then does a step count
+        the tokens so far (nothing is computed for a request without penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

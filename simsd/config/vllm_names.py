@@ -11,7 +11,7 @@ to it, with the values spelt otherwise mapped too: vLLM's ``top_k=-1`` is simsd'
 something simsd does not do (:class:`Lacks`: refused with a :class:`ParamError` naming it and what
 simsd offers, except at the values that ask for what simsd does anyway, vLLM's defaults, which
 are accepted and ignored). Names that are the same in simsd (``max_model_len``, ``temperature``,
-``seed`` of a request ...) are not listed. docs/vllm.md shows the tables; the command line takes
+``seed`` of a request, ``presence_penalty`` ...) are not listed. docs/vllm.md shows the tables; the command line takes
 vLLM's spellings of its options as aliases (:func:`cli_aliases`). Torch-free.
 """
 from __future__ import annotations
@@ -83,17 +83,21 @@ ENGINE = {
     "mem_fraction_static": Lacks(_MEMORY, (), "SGLang"),
 }
 
-_NO_PENALTY = "simsd samples from the model's distribution shaped by temperature, top_k and top_p only"
+_NO_MIN_P = ("simsd shapes the model's distribution by its penalties, temperature, top_k and top_p (min_p: use "
+             "top_p or top_k)")
+#: why structured output (a JSON ``response_format``, vLLM's guided decoding, SGLang's regex) is refused
+STRUCTURED = ("simsd has no structured output (constrained decoding) in any mode: vanilla, paper and exact decoding "
+              "sample every step from the model's distribution, with no grammar or JSON schema masking tokens; ask "
+              "for JSON in the prompt")
 _STOP = ("simsd's text ends before a stop string (token_ids keep the tokens up to and including the one that "
          "completed it)")
 _NONE = (None,)
+#: OpenAI's ``response_format`` that asks for plain text (what simsd returns)
+TEXT = {"type": "text"}
 #: :class:`~simsd.config.request.SamplingParams`' fields as vLLM's (and SGLang's) spell them
 REQUEST = {
     "top_k": Same("top_k", ((-1, 0),)),
-    "presence_penalty": Lacks(_NO_PENALTY, (0.0,)),
-    "frequency_penalty": Lacks(_NO_PENALTY, (0.0,)),
-    "repetition_penalty": Lacks(_NO_PENALTY, (1.0,)),
-    "min_p": Lacks(_NO_PENALTY + " (min_p: use top_p or top_k)", (0.0,)),
+    "min_p": Lacks(_NO_MIN_P, (0.0,)),
     "logprobs": Lacks("simsd returns no log-probabilities", _NONE),
     "prompt_logprobs": Lacks("simsd returns no log-probabilities", _NONE),
     "best_of": Lacks("simsd returns all n completions, ranking none (it computes no log-probabilities)", (None, 1)),
@@ -107,19 +111,20 @@ REQUEST = {
     "detokenize": Lacks("simsd always decodes the text (None only for a checkpoint without a tokenizer)", (True,)),
     "logits_processors": Lacks("simsd runs no logits processors (the sampling noise is keyed by seed, position, "
                                "step and token; docs/exactness.md)", _NONE),
-    "logit_bias": Lacks("simsd changes no logits besides temperature, top_k and top_p", _NONE),
-    "allowed_token_ids": Lacks("simsd changes no logits besides temperature, top_k and top_p", _NONE),
-    "bad_words": Lacks("simsd changes no logits besides temperature, top_k and top_p", _NONE),
-    "guided_decoding": Lacks("simsd has no structured output", _NONE),
-    "structured_outputs": Lacks("simsd has no structured output", _NONE),
+    "logit_bias": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
+    "allowed_token_ids": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
+    "bad_words": Lacks("simsd changes no logits besides its penalties, temperature, top_k and top_p", _NONE),
+    "guided_decoding": Lacks(STRUCTURED, _NONE),
+    "structured_outputs": Lacks(STRUCTURED, _NONE),
+    "response_format": Lacks(STRUCTURED, (TEXT, None), "OpenAI"),
     "truncate_prompt_tokens": Lacks("simsd never changes a prompt: a prompt longer than max_model_len is refused",
                                     _NONE),
     "max_new_tokens": Same("max_tokens", source="SGLang"),
     "min_new_tokens": Lacks("simsd stops at the first stop id or string (ignore_eos=True with max_tokens gives a "
                             "fixed length)", (0,), "SGLang"),
     "no_stop_trim": Lacks(_STOP, (False,), "SGLang"),
-    "regex": Lacks("simsd has no structured output", _NONE, "SGLang"),
-    "json_schema": Lacks("simsd has no structured output", _NONE, "SGLang"),
+    "regex": Lacks(STRUCTURED, _NONE, "SGLang"),
+    "json_schema": Lacks(STRUCTURED, _NONE, "SGLang"),
 }
 
 #: :meth:`simsd.LLM.chat`'s options as vLLM's ``LLM.chat`` spells them (``add_generation_prompt``

@@ -149,7 +149,8 @@ def resolve(params, config, vocab_size: int) -> tuple:
     seed = secrets.randbelow(2 ** 62) if params.seed is None else params.seed  # a fresh one is reported back
     cfg = DecodeConfig(block_length=config.block_length, steps=params.steps, strategy=params.strategy,
                        threshold=params.threshold,
-                       sampling=StepSampling(params.temperature, params.top_k, params.top_p),
+                       sampling=StepSampling(params.temperature, params.top_k, params.top_p, params.presence_penalty,
+                                             params.frequency_penalty, params.repetition_penalty),
                        max_new_tokens=params.max_tokens, seed=seed, fold_commit=config.fold_commit)
     spec = None
     if config.mode != "vanilla":

@@ -22,6 +22,7 @@ from ..engine.host_sync import to_device
 from ..engine.scheduler import Request, decode_span, run_requests
 from .config import BatchResult, DecodeConfig, GenerationResult, finish
 from .layouts import RowLayouts
+from .penalties import TokenHistory
 
 
 @dataclass
@@ -48,7 +49,9 @@ class RowProgram:
         seed: the row seed of the keyed sampling noise (:mod:`simsd.decoding.noise`).
 
     ``generated``: the decoded ids so far (whole blocks, before any cut); ``blocks``: blocks
-    finished. Subclasses define :meth:`advance` (one step of the block) and may extend
+    finished; ``history``: the :class:`~simsd.decoding.penalties.TokenHistory` before the current
+    block when the request has penalties (None otherwise), which its steps carry.
+    Subclasses define :meth:`advance` (one step of the block) and may extend
     :meth:`commit`, :meth:`finish_block` and :meth:`stats_for`.
     """
     mode = "vanilla"
@@ -61,6 +64,7 @@ class RowProgram:
         self.stop_ids = list(stop_ids)
         self.generated: list = []
         self.blocks = 0
+        self.history = None
 
     def program(self, tail: list, on_block=None):
         """The row's decoding as a :mod:`simsd.engine.batching` program; returns ``generated``.
@@ -73,6 +77,9 @@ class RowProgram:
         Raises:
             RuntimeError: a step (or round) that changes nothing: decoding would not progress.
         """
+        if self.cfg.sampling.penalized:
+            self.history = TokenHistory.start(self.row.prompt, len(tail), self.cfg.block_length, self.mask_id,
+                                              self.row.devices["target"])
         while True:
             blk = self.new_block(tail)
             tail = []
@@ -90,6 +97,8 @@ class RowProgram:
             self.finish_block(blk)
             if (on_block is not None and on_block(new)) or done:
                 return self.generated  # the last block's K/V is never read: no commit forward
+            if self.history is not None:
+                self.history = self.history.after(blk.block)
             yield from self.commit(blk)
 
     def new_block(self, tail: list) -> BlockState:

@@ -20,6 +20,7 @@ import torch
 from ..engine.host_sync import to_device
 from .config import DecodeConfig
 from .noise import NoiseKey, step_noise
+from .penalties import penalize_
 from .sampling import sample
 from .strategies import select_positions
 
@@ -46,11 +47,15 @@ def tokens_to_reveal(cfg: DecodeConfig, step, device):
 
 
 def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: DecodeConfig, step,
-                 noise: torch.Tensor | None = None):
+                 noise: torch.Tensor | None = None, histories: list | None = None):
     """One denoising step on ``block (L,)`` from ``logits (L, V)``, or on a batch of blocks
     ``(C, L)`` from ``(C, L, V)`` with ``step`` an int or ``C`` host ints (their 0-based steps).
 
-    The MASK token is excluded from sampling (``logits`` are changed in place). ``noise``: the
+    The MASK token is excluded from sampling and, when ``cfg.sampling`` has penalties, they are
+    applied (:func:`~simsd.decoding.penalties.penalize_`, each block state with its own
+    :class:`~simsd.decoding.penalties.TokenHistory` of ``histories``, one per state): this is
+    where a step's logits become its distribution, for vanilla decoding, the draft and exact
+    verification alike (``logits`` are changed in place). ``noise``: the
     ``Exp(1)`` draws of the exponential race, ``(..., L, V)`` float32 on the logits' device
     (:func:`~simsd.decoding.noise.step_noise`); needed when sampling, unused when greedy. Runs on the logits' device
     without host reads. Returns ``(new_block, revealed bool, probs (..., L, V) or None)``:
@@ -63,6 +68,10 @@ def denoise_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, cfg: D
         raise ValueError("a sampling step needs its noise tensor (simsd.decoding.noise.step_noise)")
     masked = block == mask_id
     logits = without_mask_token_(logits, mask_id)
+    if cfg.sampling.penalized:
+        if histories is None or any(h is None for h in histories):
+            raise ValueError("a step with penalties needs the token history of each state")
+        penalize_(logits.view(-1, *logits.shape[-2:]), block.view(-1, block.shape[-1]), histories, cfg.sampling)
     tokens, conf, ent, probs = sample(logits, cfg.sampling, noise, with_probs=False,
                                       with_entropy=cfg.strategy == "entropy",
                                       with_confidence=cfg.strategy in ("static", "dynamic"))
@@ -88,13 +97,17 @@ class Step:
     result also carries the step's logits (MASK made impossible) and its noise (None when
     greedy), ``(new_block, revealed, probs, logits, noise)``, for a row that proposes from them
     (self-speculation, :mod:`simsd.speculative.self_draft`; a draft step's alternatives,
-    :mod:`simsd.speculative.spec_row`)."""
+    :mod:`simsd.speculative.spec_row`). ``history``: the row's
+    :class:`~simsd.decoding.penalties.TokenHistory` before this block (needed when ``cfg.sampling``
+    has penalties; None otherwise), or one per state when it is a list (a tree's copy of the next
+    block counts the finished block)."""
     block: torch.Tensor
     index: int | list
     cfg: DecodeConfig
     mask_id: int
     key: NoiseKey | list | None = None
     keep_logits: bool = False
+    history: object = None
 
     @property
     def states(self) -> int:
@@ -109,6 +122,10 @@ class Step:
         """The noise key of each state the step covers (``key`` may be one per state: a tree's copy
         of the next block draws that block's noise)."""
         return list(self.key) if isinstance(self.key, list) else [self.key] * self.states
+
+    def histories(self) -> list:
+        """The token history of each state the step covers (as :meth:`keys`)."""
+        return list(self.history) if isinstance(self.history, list) else [self.history] * self.states
 
     @staticmethod
     def run_batch(steps: list, logits: torch.Tensor) -> list:
@@ -147,7 +164,10 @@ class Step:
                 if any(k is None for k in keys):
                     raise ValueError("a sampling Step needs its noise key")
                 noise = step_noise(keys, index, L, batch.shape[2], batch.device)
-            new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, index, noise)
+            histories = None
+            if first.cfg.sampling.penalized:
+                histories = [h if h is None else h.to(batch.device) for j in rows for h in steps[j].histories()]
+            new, revealed, probs = denoise_step(batch, blocks, first.mask_id, first.cfg, index, noise, histories)
             group = [steps[j] for j in rows]
             keep = any(s.keep_logits for s in group)
             kept = (batch, noise) if keep else (None, None)  # the logits masked in place by the step

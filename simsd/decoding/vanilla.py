@@ -15,7 +15,7 @@ class VanillaRow(RowProgram):
     the new block (the step's decision) with the non-finite-logits flags."""
 
     def advance(self, blk: BlockState):
-        step = Step(blk.block, blk.step, self.cfg, self.mask_id, NoiseKey(self.seed, blk.start))
+        step = Step(blk.block, blk.step, self.cfg, self.mask_id, NoiseKey(self.seed, blk.start), history=self.history)
         blk.block, _, _ = yield self.layouts.denoise("target", blk.block, step)
         blk.host = self.read([blk.block], blk)
         blk.step += 1

@@ -148,6 +148,8 @@ class Row:
     costs: dict = field(default_factory=dict)
     nonfinite: torch.Tensor | None = None
     dtypes: dict = field(default_factory=dict)
+    #: the request's prompt ids (set by :meth:`BatchEngine.prefill`; the repetition penalty reads them)
+    prompt: list = field(default_factory=list)
 
     def nonfinite_flags(self, device) -> torch.Tensor:
         """``(M,)`` bool on ``device``: per model (in the engine's order, ``dtypes``' keys), true
@@ -274,6 +276,7 @@ class BatchEngine:
         """Prefill row ``index`` in every model (separately per row): the block-aligned part of
         the prompt, block-causal, written to the cache. Returns the prompt tail (the rest)."""
         row = self.rows[index]
+        row.prompt = list(prompt_ids)
         L = self.block_length
         aligned = (len(prompt_ids) // L) * L
         for name, model in self.models.items():

@@ -66,7 +66,7 @@ class LLM:
             and submits the same requests (:mod:`simsd.engine.tp`).
         default_params: the :class:`SamplingParams` of requests that give none (checked as a
             request before any weight loads); default: simsd's (greedy, 128 tokens) with the
-            temperature, top_k and top_p of the target's ``generation_config.json`` under
+            temperature, top_k, top_p and repetition_penalty of the target's ``generation_config.json`` under
             ``generation_config="auto"``, vLLM's ``--generation-config auto``
             (:func:`~simsd.entrypoints.builder.default_params_of`).
 

@@ -103,8 +103,8 @@ _MODEL = ("target", "draft", "mask_token_id", "device", "draft_device", "dtype",
           "cuda_graphs", "threads", "block_length")
 _SOURCES = ("prompt", "prompts_file", "prompt_ids", "prompt_set")  # one of them
 _PROMPTS = _SOURCES + ("raw", "limit")
-_REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "steps", "strategy", "threshold", "gamma",
-            "draft_strategy", "draft_threshold")
+_REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "steps", "strategy", "threshold", "gamma", "draft_strategy", "draft_threshold")
 _SPECULATIVE = ("fold_commit", "on_reject", "rope_copy", "optimistic", "speculation_width", "paper_variant")
 #: the options of running on Ray (docs/scaling.md), per command
 RAY_OPTIONS = {"generate": ("ray", "num_workers"), "eval": ("ray", "num_workers"),
@@ -116,7 +116,7 @@ COMMANDS = {
     "generate": ({"models and engine": _MODEL + ("mode", "tp", "batch_size"), "prompts": _PROMPTS,
                   "decoding": _REQUEST + ("seed", "generation_config") + _SPECULATIVE, "output": ("json",),
                   "scaling out": RAY_OPTIONS["generate"]},
-                 {"mode": "vanilla", "batch_size": 1, "num_workers": 1}),
+                 {"batch_size": 1, "num_workers": 1}),
     "bench": ({"models and engine": _MODEL + ("tp", "batch_size"), "prompts": _PROMPTS,
                "decoding": _REQUEST + ("seed",) + _SPECULATIVE, "bench": ("modes", "warmup", "repeats", "json_file")},
               {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "repeats": 3}),

@@ -57,6 +57,21 @@ def read_info(spec, config: EngineArgs):
     return spec
 
 
+def draft_of(config: EngineArgs):
+    """The draft of an engine: ``config.draft`` when given; else the bundled tiny draft for the
+    bundled target (the pair it was distilled for) and ``"self"`` for any other target
+    (self-speculation: the target proposes its own steps, no draft model; exact mode still gives
+    vanilla decoding's tokens). The one rule of the default draft, so that exact mode, the
+    default mode of every surface, runs on any target without a draft model."""
+    from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    if config.draft is not None:
+        return config.draft
+    target = config.target if config.target is not None else DEFAULT_TARGET
+    if isinstance(target, Checkpoint):
+        target = target.path
+    return DEFAULT_DRAFT if Path(target).resolve() == DEFAULT_TARGET.resolve() else SELF_DRAFT
+
+
 def check_engine(config: EngineArgs, default_params: SamplingParams | None = None) -> tuple:
     """The checks of an engine's settings that need torch and the checkpoints' small files, before
     any weight loads: the devices, CUDA graphs, the process group of ``tp``, the attention
@@ -66,19 +81,20 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     leave a position for a prompt).
 
     Returns:
-        ``(config, infos)``: ``config`` with the device, draft device, dtype, block length and
-        ``max_model_len`` it resolves to; ``{"target": ..., "draft": ...}`` checkpoints as given
+        ``(config, infos)``: ``config`` with the draft (:func:`draft_of`), device, draft device,
+        dtype, block length and ``max_model_len`` it resolves to; ``{"target": ..., "draft": ...}`` checkpoints as given
         or read (:class:`CheckpointInfo`).
 
     Raises:
         ParamError: naming the setting; :class:`~simsd.models.config.CheckpointError` for a bad
-            checkpoint; ``ValueError`` for a pair that does not share the tokenizer (a
-            ``ParamError`` naming ``draft`` when the draft is the default, the bundled one).
+            checkpoint; ``ValueError`` for a pair that does not share the tokenizer.
     """
     from simsd_kernels.backends import resolve_backend
 
-    from ..assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from ..assets import DEFAULT_TARGET
     from ..engine.tp import check_tp, rank_device, world
+    if config.mode != "vanilla":
+        config = dataclasses.replace(config, draft=draft_of(config))
     spec = config.mode != "vanilla" and not is_self_draft(config.draft)  # a draft model to read and load
     device = check_device("device", config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if config.tp > 1:
@@ -99,16 +115,8 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
                                                   f"{exc}") from exc
     infos = {"target": read_info(config.target or DEFAULT_TARGET, config)}
     if spec:
-        infos["draft"] = read_info(config.draft or DEFAULT_DRAFT, config)
-        try:
-            check_pair(infos["target"], infos["draft"])
-        except ValueError as exc:
-            if config.draft is not None:
-                raise
-            raise ParamError("draft", f"{exc} (the default draft is the bundled tiny one, which pairs with the "
-                                      f"bundled target only: give {opt('draft')} a draft checkpoint directory, vLLM's "
-                                      f"speculative_model, or {opt('draft', 'self')}: the target drafts for itself, or "
-                                      f"{opt('mode', 'vanilla')})") from None
+        infos["draft"] = read_info(config.draft, config)
+        check_pair(infos["target"], infos["draft"])
     limit = min(i.config.max_position_embeddings for i in infos.values())
     block_length = config.block_length if config.block_length is not None else infos["target"].config.block_size
     if block_length >= limit:
@@ -136,9 +144,10 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
 
 
 #: the sampling fields of the target's ``generation_config.json`` that are the defaults of
-#: requests under ``generation_config="auto"`` (vLLM's ``--generation-config auto`` applies these
-#: and its penalties, min_p and max_new_tokens, which simsd does not have or keeps its own of)
-GENERATION_DEFAULTS = ("temperature", "top_k", "top_p")
+#: requests under ``generation_config="auto"`` (vLLM's ``--generation-config auto``,
+#: ``ModelConfig.get_diff_sampling_param``, applies these and min_p and max_new_tokens, which simsd
+#: does not have or keeps its own of)
+GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "repetition_penalty")
 
 
 def generation_defaults(config: EngineArgs, target) -> dict:
@@ -185,7 +194,8 @@ def run_warnings(target, draft, block_length: int | None, generation_config: str
         ignored = {k: v for k, v in sampling.items() if ck is draft or k not in GENERATION_DEFAULTS}
         if ignored:
             why = ("the target's generation_config.json gives the defaults of requests" if ck is draft else
-                   "requests sample at its temperature, top_k and top_p unless they give their own, as vLLM "
+                   "requests sample at its temperature, top_k, top_p and repetition_penalty unless they give "
+                   "their own, as vLLM "
                    "does; greedy without a temperature")
             notes.append(f"{ck.path / 'generation_config.json'}: {', '.join(f'{k}={v!r}' for k, v in ignored.items())} "
                          f"not applied: {why}")

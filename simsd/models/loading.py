@@ -181,8 +181,8 @@ class CheckpointInfo:
     mask_token_id: int
     stop_ids: list = field(default_factory=list)
     #: the sampling fields of generation_config.json (:data:`GENERATION_SAMPLING_FIELDS`) that
-    #: it sets, with their values (the target's temperature, top_k and top_p are the defaults of
-    #: requests: :func:`simsd.entrypoints.builder.generation_defaults`)
+    #: it sets, with their values (the target's temperature, top_k, top_p and repetition_penalty
+    #: are the defaults of requests: :func:`simsd.entrypoints.builder.generation_defaults`)
     generation_sampling: dict = field(default_factory=dict)
 
 
@@ -257,10 +257,10 @@ def _ids(value, where: Path, field: str) -> list:
 
 
 #: the sampling fields of ``generation_config.json`` a checkpoint reports
-#: (:attr:`CheckpointInfo.generation_sampling`): the target's temperature, top_k and top_p are the
-#: defaults of requests (:func:`simsd.entrypoints.builder.generation_defaults`); the others are
-#: named once per run as not applied (:func:`simsd.entrypoints.builder.run_warnings`)
-GENERATION_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k")
+#: (:attr:`CheckpointInfo.generation_sampling`): the target's temperature, top_k, top_p and
+#: repetition_penalty are the defaults of requests (:func:`simsd.entrypoints.builder.generation_defaults`);
+#: the others are named once per run as not applied (:func:`simsd.entrypoints.builder.run_warnings`)
+GENERATION_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
 
 
 def read_generation_config(path: Path) -> dict:

@@ -25,7 +25,7 @@ from simsd_kernels import KIND_KNOWN, TAU_INF
 
 from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
-from ..decoding.step import Step, without_mask_token_
+from ..decoding.step import Step
 from .tree import ProposalTree, step_candidates, step_draws
 from .verification import exact_layout, tree_verdict
 from .verifiers import ExactVerifier, PaperVerifier, Verdict
@@ -244,8 +244,11 @@ class SelfExactVerifier(ExactVerifier):
                                                                                           rnd.start + 2 * L))
         labels = [(KIND_KNOWN, C + 1, C)] * L + list(labels) + [(KIND_KNOWN, 0, C + 1)] * L  # F: grp C, sees
         fwd = layouts.exact("target", ids, positions, labels, write=L)  # grp C + 1 (its subtree); next: C + 1
+        history = None  # the next block's copy counts the proposed finished block as output
+        if rnd.history is not None:
+            history = [rnd.history] * C + [rnd.history.after(tree.states[leaf])]
         fwd.step = Step(torch.cat([copies, nxt[None]]), indices + [0], self.cfg, self.mask_id,
-                        keys + [self.key(rnd.start + L)], keep_logits=True)
+                        keys + [self.key(rnd.start + L)], keep_logits=True, history=history)
         return fwd
 
     def judge(self, rnd, out):
@@ -276,6 +279,7 @@ class SelfPaperVerifier(PaperVerifier):
         self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, spec.speculation_width, 0)
 
     def judge(self, rnd, logits):
-        verdict = super().judge(rnd, logits)
-        self.draft.logits = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)
+        at = self.slots(rnd, logits)
+        verdict = self.accept(rnd, *self.verdicts(rnd, at))
+        self.draft.logits = at
         return verdict

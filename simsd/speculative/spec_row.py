@@ -209,9 +209,10 @@ class SpecRow(RowProgram):
                                                 self.key(blk.start), lookahead)
         elif draft is None:
             masks = blk.host.count(self.mask_id)
-            draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index))
+            draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index, self.history))
             draft = draft.to(self.row.devices["target"])
-        rnd = Round(blk.block, blk.host, blk.step, blk.start, draft, self.round_index, lookahead=lookahead)
+        rnd = Round(blk.block, blk.host, blk.step, blk.start, draft, self.round_index, lookahead=lookahead,
+                    history=self.history)
         self.stats.rounds += 1
         logits = yield from self.verifier.verify(self.layouts, rnd)
         if self.optimistic:  # before the decision is read
@@ -226,7 +227,8 @@ class SpecRow(RowProgram):
         self.carried = None
         before = blk.host
         blk.block, _, _ = yield self.layouts.denoise(
-            "target", blk.block, Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start)))
+            "target", blk.block, Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start),
+                                      history=self.history))
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
         self.stats.fallback_steps += 1
@@ -237,7 +239,8 @@ class SpecRow(RowProgram):
         read: its new block) whose logits the next round's proposal is drawn from; counted as a
         round without proposals."""
         before = blk.host
-        step = Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start), keep_logits=True)
+        step = Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start), keep_logits=True,
+                    history=self.history)
         blk.block, _, _, self.verifier.draft.logits, _ = yield self.layouts.denoise("target", blk.block, step)
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
@@ -265,10 +268,13 @@ class SpecRow(RowProgram):
                 yield fwd
 
     # -- draft ---------------------------------------------------------------------------
-    def propose(self, block: torch.Tensor, block_step: int, masks: int, start: int, round_index: int):
+    def propose(self, block: torch.Tensor, block_step: int, masks: int, start: int, round_index: int,
+                history=None):
         """Draft up to gamma steps from ``block`` (``masks`` MASK positions), the block at
         absolute position ``start`` after ``block_step`` steps, for round ``round_index``;
-        returns a :class:`Draft`. Draft step ``c`` is block step ``block_step + c`` (its schedule
+        returns a :class:`Draft`. ``history``: the row's token history before that block (the
+        draft's steps apply the request's penalties as the target's do; None without penalties).
+        Draft step ``c`` is block step ``block_step + c`` (its schedule
         entry and noise key), unless the verifier schedules it otherwise (:meth:`Verifier.draft_step`)."""
         dev = self.row.devices["draft"]
         dcfg = self.plan.draft_cfg
@@ -286,7 +292,8 @@ class SpecRow(RowProgram):
             states.append(state)
             step_cfg, index = self.verifier.draft_step(dcfg, block_step, c, masks)
             out = yield self.layouts.denoise(
-                "draft", state, Step(state, index, step_cfg, self.mask_id, key, keep_logits=bool(self.alternatives)))
+                "draft", state, Step(state, index, step_cfg, self.mask_id, key, keep_logits=bool(self.alternatives),
+                                     history=history))
             new, revealed, p = out[:3]
             if self.alternatives:  # the step's other outcomes on the same logits and noise
                 siblings.append(step_candidates(out[3], state, self.mask_id, step_cfg, index, out[4],
@@ -366,7 +373,10 @@ class SpecRow(RowProgram):
             yield self.layouts.commit("draft", committed.to(self.row.devices["draft"]))
         masks = rnd.draft.remaining if committed is None else block.shape[0]
         next_start = rnd.start if committed is None else rnd.start + block.shape[0]
-        proposal = yield from self.propose(block, step, masks, next_start, self.round_index + 1)
+        history = self.history
+        if history is not None and committed is not None:  # a draft of the next block: this one is output
+            history = history.after(committed)
+        proposal = yield from self.propose(block, step, masks, next_start, self.round_index + 1, history)
         self.stats.speculations += 1
         return Speculation(block, step, proposal, cached, committed)
 

@@ -26,6 +26,7 @@ import torch
 from ..decoding.config import DecodeConfig
 from ..decoding.layouts import RowLayouts
 from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, step_noise, uniform
+from ..decoding.penalties import penalize_
 from ..decoding.step import Step, without_mask_token_
 from ..engine.batching import Fwd
 from .verification import (
@@ -47,7 +48,8 @@ class Round:
     rounds before this one (paper mode's noise keys). ``layout``: what :meth:`Verifier.request`
     computed for :meth:`Verifier.judge`. ``lookahead``: the next block will be decoded (a
     self-speculative tree may then take its first step in this round,
-    :class:`~simsd.speculative.self_draft.SelfExactVerifier`)."""
+    :class:`~simsd.speculative.self_draft.SelfExactVerifier`). ``history``: the row's
+    :class:`~simsd.decoding.penalties.TokenHistory` before the block (None: no penalties)."""
     block: torch.Tensor
     host: list
     step: int
@@ -56,6 +58,7 @@ class Round:
     index: int
     layout: object = None
     lookahead: bool = False
+    history: object = None
 
 
 class Verdict(NamedTuple):
@@ -144,7 +147,8 @@ class ExactVerifier(Verifier):
         shape, copies, indices = self.tree_copies(tree, rnd)
         rnd.layout = (tree, shape, None)
         fwd = layouts.exact("target", *exact_layout(copies, rnd.start))
-        fwd.step = Step(copies, indices, self.cfg, self.mask_id, self.key(rnd.start), keep_logits=self.keep_logits)
+        fwd.step = Step(copies, indices, self.cfg, self.mask_id, self.key(rnd.start), keep_logits=self.keep_logits,
+                        history=rnd.history)
         return fwd
 
     def judge(self, rnd: Round, out) -> Verdict:
@@ -158,7 +162,11 @@ class PaperVerifier(Verifier):
     mask; each proposal is judged at its M slot (greedy matching or rejection sampling with
     the ``ACCEPT`` and ``RESIDUAL`` noise of the round) and accepted in the draft's temporal
     order (:func:`~simsd.speculative.verification.accept_in_order`). A pending commit runs as
-    its own forward first (the layout has no place for it)."""
+    its own forward first (the layout has no place for it).
+
+    Penalties (:mod:`simsd.decoding.penalties`) apply to each M slot's logits with the output so
+    far of the state that slot sees: the leftover and the draft tokens revealed before its
+    position's (``tau_j < tau_i``, the mask's M row), as the draft's own steps had them."""
     rejection_sampling = True
 
     def verify(self, layouts: RowLayouts, rnd: Round):
@@ -175,12 +183,21 @@ class PaperVerifier(Verifier):
         rnd.layout = m_index
         return Fwd("target", ids, positions, labels, "paper", tau=taus)
 
-    def verdicts(self, rnd: Round, logits: torch.Tensor) -> tuple:
-        """Per-position verdicts ``(ok (L,), replacement (L,))`` of the round's proposals, each
-        read at its M slot (greedy matching, or rejection sampling with the round's ``ACCEPT``
-        and ``RESIDUAL`` noise)."""
-        d = rnd.draft
+    def slots(self, rnd: Round, logits: torch.Tensor) -> torch.Tensor:
+        """``(L, V)``: each position's logits at its M slot, MASK made impossible and the
+        penalties of the state the slot sees applied (class doc)."""
         at = without_mask_token_(logits.index_select(0, rnd.layout), self.mask_id)
+        if rnd.history is not None:
+            d = rnd.draft
+            seen = torch.where(d.tau[None, :] < d.tau[:, None], d.final[None, :], rnd.block[None, :])  # (L, L)
+            penalize_(at[:, None], seen, [rnd.history] * seen.shape[0], self.cfg.sampling)
+        return at
+
+    def verdicts(self, rnd: Round, at: torch.Tensor) -> tuple:
+        """Per-position verdicts ``(ok (L,), replacement (L,))`` of the round's proposals from
+        their M slots' logits ``at`` (:meth:`slots`): greedy matching, or rejection sampling with
+        the round's ``ACCEPT`` and ``RESIDUAL`` noise."""
+        d = rnd.draft
         rng = None
         if not self.cfg.sampling.greedy:
             L, V = at.shape
@@ -189,8 +206,11 @@ class PaperVerifier(Verifier):
         return token_verdicts(at, d.final, d.probs, self.cfg.sampling, rng)
 
     def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
+        return self.accept(rnd, *self.verdicts(rnd, self.slots(rnd, logits)))
+
+    def accept(self, rnd: Round, ok: torch.Tensor, repl: torch.Tensor) -> Verdict:
+        """The round's verdict from the per-position verdicts (the draft's temporal order)."""
         d = rnd.draft
-        ok, repl = self.verdicts(rnd, logits)
         new, _, taken, acc = accept_in_order(rnd.block, d.final, d.tau, d.n, ok, repl)
         return Verdict(new, taken, acc)
 
@@ -229,9 +249,8 @@ class ReleaseVerifier(PaperVerifier):
     def acceptance_order(self, tau: list, n: int) -> list:
         return [i for i, t in enumerate(tau) if t <= n]
 
-    def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
+    def accept(self, rnd: Round, ok: torch.Tensor, repl: torch.Tensor) -> Verdict:
         d = rnd.draft
-        ok, repl = self.verdicts(rnd, logits)
         new, acc = accept_in_position_order(rnd.block, d.final, d.tau <= d.n, ok, repl)
         return Verdict(new, torch.zeros_like(acc), acc)
 

@@ -3,12 +3,13 @@
 
 Fields follow OpenAI's Completions and Chat Completions APIs. Unknown fields are refused
 (400 naming the field): nothing a client asks for is silently ignored. OpenAI fields simsd
-cannot honour are accepted only at their neutral value (``logprobs`` off, penalties 0, no
-``logit_bias``, no tools, text responses). ``n`` (at most
+cannot honour are accepted only at their neutral value (``logprobs`` off, no ``logit_bias``, no
+tools, text responses; a JSON ``response_format`` is refused naming it). ``n`` (at most
 :data:`~simsd.config.request.MAX_N`) and a completion's ``echo`` are served
 (:mod:`simsd.entrypoints.openai.serving`). Every field of
 :class:`SamplingParams` is a request field under its name (generated from it: OpenAI's
-``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, and simsd's ``top_k``,
+``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, ``presence_penalty``,
+``frequency_penalty``, vLLM's ``repetition_penalty``, and simsd's ``top_k``,
 ``stop_token_ids``, ``ignore_eos``, ``steps``, ``strategy``, ``threshold``, ``gamma``,
 ``draft_strategy``, ``draft_threshold``); the server's defaults fill what a request leaves out.
 
@@ -36,6 +37,7 @@ from pydantic import (
 )
 
 from ...config.request import SamplingParams
+from ...config.vllm_names import STRUCTURED, TEXT
 from ...config.vocabulary import settings_of
 from ..encoding import ChatPrompt
 from ..errors import ParamError
@@ -85,10 +87,9 @@ class _OpenAI(_Body):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     user: str | None = None
+    response_format: dict | None = None
 
 
 def _json_type(setting):
@@ -103,11 +104,15 @@ _Fields = create_model("_Fields", __base__=_OpenAI,
 
 class _Common(_Fields):
     #: OpenAI features simsd does not have, and the values that ask for none of them
-    NEUTRAL: ClassVar[dict] = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (None, {})}
+    NEUTRAL: ClassVar[dict] = {"logit_bias": (None, {})}
 
     def check_unsupported(self) -> None:
         """``ParamError`` for OpenAI features away from their neutral value (``n``: checked by
-        :class:`SamplingParams`)."""
+        :class:`SamplingParams`); a ``response_format`` other than ``{"type": "text"}`` (JSON,
+        a JSON schema) in every mode, saying why (:data:`~simsd.config.vllm_names.STRUCTURED`)."""
+        if self.response_format not in (None, TEXT):
+            raise ParamError("response_format", f"response_format {json.dumps(self.response_format)} is not "
+                                                f"supported: {STRUCTURED} (only {json.dumps(TEXT)} is accepted)")
         for name, neutral in self.NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise ParamError(name, f"{name} is not supported by simsd (got {json.dumps(getattr(self, name))}; "
@@ -202,12 +207,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None
     NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (False,), "top_logprobs": (None, 0), "tools": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+               "tool_choice": (None, "none")}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

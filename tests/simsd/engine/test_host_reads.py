@@ -75,6 +75,26 @@ def test_vanilla_reads_one_block_per_step(pair):
     assert reads.count == steps
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "exact", "paper", "exact-self"])
+def test_penalties_add_no_read(pair, mode):
+    """A request with penalties counts its output on the device (simsd.decoding.penalties): the
+    same reads as without, one per round (vanilla: per step)."""
+    target, draft = pair
+    sampling = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    cfg = DecodeConfig(block_length=4, max_new_tokens=24, sampling=sampling)
+    with HostReads(trace=True) as reads:
+        if mode == "vanilla":
+            out = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, [])
+        else:
+            spec = SpecConfig(mode=mode.split("-")[0], speculation_width=7 if mode == "exact-self" else "auto")
+            out = speculative_generate_batch(target, "self" if mode == "exact-self" else draft, PROMPTS, cfg, spec)
+    if mode == "vanilla":
+        want = totals(out, "target_forwards") - sum(r.stats["blocks"] - 1 for r in out.results)
+    else:
+        want = totals(out, "rounds")
+    assert reads.count == want, [w for _, w in reads.where[:3]]
+
+
 def test_counter_sees_the_usual_reads():
     x = torch.arange(4)
     with HostReads() as reads:

@@ -160,7 +160,7 @@ def test_tp_refuses_odd_expert_channels():
 
 def test_cli_tp2_spawns_ranks():
     path = ckpt_path()
-    common = [sys.executable, "-m", "simsd.entrypoints.cli", "generate", "--target", str(path),
+    common = [sys.executable, "-m", "simsd.entrypoints.cli", "generate", "--mode", "vanilla", "--target", str(path),
               "--prompt-ids", "5,6,7,8,9",
               "--max-new-tokens", "8", "--json", "--device", "cpu", "--attention-backend", "torch"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -39,7 +39,7 @@ def chat_ids(ck, text):
 
 
 def test_generate_json(ckdir, capsys):
-    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt", "def add(a, b):",
+    code, out, err = run(capsys, "generate", "--mode", "vanilla", "--target", str(ckdir), "--prompt", "def add(a, b):",
                          "--max-new-tokens", "10", "--json")
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
@@ -72,7 +72,7 @@ def test_a_whitespace_prompt_is_text(ckdir, capsys, tmp_path):
 
 
 def test_generate_text_summary(ckdir, capsys):
-    code, out, _ = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6,7,8,9",
+    code, out, _ = run(capsys, "generate", "--mode", "vanilla", "--target", str(ckdir), "--prompt-ids", "5,6,7,8,9",
                        "--max-new-tokens", "6")
     assert code == 0
     want, ck = api_run(ckdir, [5, 6, 7, 8, 9], 6)
@@ -81,6 +81,24 @@ def test_generate_text_summary(ckdir, capsys):
     fwd = want.stats["target_forwards"] / 6
     assert re.fullmatch(rf"\[vanilla\] 6 tokens in [0-9.]+ s \([0-9.]+ tokens/s\), target forwards/token {fwd:.3f}",
                         lines[-1]), lines[-1]
+
+
+def test_generate_defaults_to_exact_mode(ckdir, capsys):
+    """simsd generate's default mode is exact, as simsd serve's and simsd.LLM()'s (EngineArgs.mode);
+    a target other than the bundled one, given without a draft, drafts for itself (draft="self":
+    no draft model, no draft forward) and prints vanilla decoding's tokens."""
+    from simsd.config.engine import EngineArgs
+    from simsd.entrypoints.arguments import build_parser
+    assert EngineArgs().mode == "exact"
+    for command in ("generate", "serve"):
+        assert build_parser().parse_args([command]).mode == "exact"  # EngineArgs' default, one for every command
+    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6,7,8,9",
+                         "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    s = json.loads(out)["stats"]
+    want, _ = api_run(ckdir, [5, 6, 7, 8, 9], 8)
+    assert json.loads(out)["token_ids"] == want.token_ids
+    assert s["mode"] == "exact" and s["draft_forwards"] == 0 and "and draft" not in err
 
 
 @pytest.mark.parametrize("mode", ["paper", "exact"])
@@ -405,8 +423,8 @@ def test_broken_pipe_is_quiet(ckdir, tmp_path):
 
 
 def test_vanilla_refuses_speculative_options(ckdir, capsys):
-    code, out, err = run(capsys, "generate", "--target", str(ckdir), "--prompt-ids", "5,6", "--gamma", "2",
-                         "--on-reject", "fallback")
+    code, out, err = run(capsys, "generate", "--mode", "vanilla", "--target", str(ckdir), "--prompt-ids", "5,6",
+                         "--gamma", "2", "--on-reject", "fallback")
     assert code == 2 and out == "" and "--gamma, --on-reject: used by the paper and exact modes only" in err
 
 

@@ -1,7 +1,8 @@
 """The target's generation_config.json sampling fields as the defaults of requests (vLLM's
-``--generation-config auto``; issue 38 item 3): temperature, top_k (vLLM's -1: off) and top_p,
-in the Python API, the server and ``simsd generate``; ``generation_config="none"`` keeps simsd's
-own (greedy)."""
+``--generation-config auto``; issue 38 item 3): temperature, top_k (vLLM's -1: off), top_p and
+repetition_penalty, in the Python API, the server and ``simsd generate``;
+``generation_config="none"`` keeps simsd's own (greedy)."""
+import dataclasses
 import json
 import shutil
 import warnings
@@ -12,7 +13,7 @@ from simsd import LLM, SamplingParams
 from simsd.entrypoints.cli import main
 from tests.helpers import random_checkpoint
 
-FILE = {"eos_token_id": 1, "do_sample": True, "temperature": 1.5, "top_k": -1, "top_p": 0.9}
+FILE = {"eos_token_id": 1, "do_sample": True, "temperature": 1.5, "top_k": -1, "top_p": 0.9, "repetition_penalty": 1.3}
 PROMPT = [11, 12, 13, 14]
 
 
@@ -35,11 +36,14 @@ def llm_of(ck, **kw):
 def test_the_file_gives_the_api_defaults_and_a_request_samples_with_them(ck):
     llm, notes = llm_of(ck)
     try:
-        assert (llm.default_params.temperature, llm.default_params.top_k, llm.default_params.top_p) == (1.5, 0, 0.9)
+        d = llm.default_params
+        assert (d.temperature, d.top_k, d.top_p, d.repetition_penalty) == (1.5, 0, 0.9, 1.3)
         assert llm.default_params.max_tokens == SamplingParams().max_tokens  # max_new_tokens is not taken
         out = llm.generate([PROMPT])[0]
-        explicit = SamplingParams(temperature=1.5, top_p=0.9, seed=out.seed)
+        explicit = SamplingParams(temperature=1.5, top_p=0.9, repetition_penalty=1.3, seed=out.seed)
         assert llm.generate([PROMPT], explicit)[0].outputs[0].token_ids == out.outputs[0].token_ids
+        unpenalized = dataclasses.replace(explicit, repetition_penalty=1.0)  # the file's penalty acts
+        assert llm.generate([PROMPT], unpenalized)[0].outputs[0].token_ids != out.outputs[0].token_ids
         greedy = llm.generate([PROMPT], SamplingParams())[0].outputs[0].token_ids
         assert greedy != out.outputs[0].token_ids  # (the file's temperature draws other tokens here)
         # given default_params are the caller's: the file does not change them
@@ -107,7 +111,9 @@ def test_simsd_generate_takes_the_file_for_options_not_typed(ck, capsys):
     auto = tokens()
     assert auto == tokens("--temperature", "1.5", "--top-p", "0.9")  # (--seed 0 by default)
     assert auto != tokens("--generation-config", "none")
-    assert tokens("--temperature", "0") == tokens("--generation-config", "none")  # a typed option wins
+    none = tokens("--generation-config", "none")
+    assert tokens("--temperature", "0", "--repetition-penalty", "1") == none  # typed options win
+    assert tokens("--temperature", "0") != none  # greedy, with the file's repetition_penalty (as vLLM)
 
 
 def test_simsd_generate_warns_of_greedy_only_when_the_run_is_greedy(ck, capsys):

@@ -4,6 +4,7 @@ engine and tokens as simsd's spelling, each refused name raises a ParamError nam
 spellings of one setting are refused naming both, chat() is generate() of the conversations,
 RequestOutput.outputs[0] is the output's own completion (the bundled pair, float32, CPU)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,9 +104,11 @@ REFUSED_REQUEST = [(n, e.noop[0] if e.noop else 0) for n, e in REQUEST.items() i
 @pytest.mark.parametrize("name, noop", REFUSED_REQUEST)
 def test_each_lacking_request_name_is_refused_naming_it(name, noop):
     assert SamplingParams(**{name: noop}) == SamplingParams()
-    bad = 3 if noop is None else (not noop) if isinstance(noop, bool) else noop + 0.5
-    with pytest.raises(ParamError, match=rf"^SamplingParams\(\.\.\.\): {name}={bad!r} \((vLLM|SGLang)'s\) has no simsd "
-                                         rf"equivalent: .+ \(only {name}={noop!r}, what simsd does, is accepted\)$"
+    bad = 3 if noop is None else (not noop) if isinstance(noop, bool) else \
+        {"type": "json_object"} if isinstance(noop, dict) else noop + 0.5
+    with pytest.raises(ParamError, match=rf"^SamplingParams\(\.\.\.\): {re.escape(f'{name}={bad!r}')} "
+                                         rf"\((vLLM|SGLang|OpenAI)'s\) has no simsd equivalent: .+ \(only "
+                                         rf"{re.escape(f'{name}={noop!r}')}, what simsd does, is accepted\)$"
                        ) as exc:
         SamplingParams(**{name: bad})
     assert exc.value.param == name
@@ -161,16 +164,24 @@ def test_a_hub_id_says_simsd_loads_local_directories():
         LLM(model="/nowhere/x", mode="vanilla")
 
 
-def test_a_target_without_a_draft_names_the_draft_options():
-    """The default draft is the bundled one, which pairs with the bundled target only: a
-    target of another tokenizer with no draft says what to give (vLLM's example names a model
-    and no draft)."""
+def test_a_target_without_a_draft_runs_exact_mode_drafting_for_itself():
+    """vLLM's example names a model and no draft: exact mode (the default) drafts for itself
+    (draft="self"; the bundled tiny draft pairs with the bundled target only), loads no draft
+    model and gives vanilla decoding's tokens; a draft given explicitly that does not pair is still
+    refused naming the tokenizers."""
     other = random_checkpoint("vllm-names", tokenizer=False)
-    want = (r"^draft vocab_size \d+ != target vocab_size \d+: they must share the tokenizer \(the default draft is "
-            r"the bundled tiny one.*draft=self: .* mode=vanilla\)$")
-    with pytest.raises(ParamError, match=want) as exc:
-        LLM(model=str(other))
-    assert exc.value.param == "draft"
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=2)
+    llm = LLM(model=str(other), dtype="float32", device="cpu", invariant=True, batch_size=1, scheduler_thread=False)
+    assert llm.config.mode == "exact" and llm.config.draft == "self" and llm.draft is None
+    got = llm.generate([prompt], params)[0]
+    llm.shutdown()
+    vanilla = LLM(model=str(other), mode="vanilla", dtype="float32", device="cpu", invariant=True, batch_size=1,
+                  scheduler_thread=False)
+    assert got.token_ids == vanilla.generate([prompt], params)[0].token_ids and got.stats["draft_forwards"] == 0
+    vanilla.shutdown()
+    with pytest.raises(ValueError, match=r"^draft vocab_size \d+ != target vocab_size \d+: they must share"):
+        LLM(model=str(other), draft=str(DEFAULT_DRAFT))
 
 
 def test_chat_is_generate_of_the_conversations(llms):
