@@ -45,6 +45,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple:
     return chosen[:, 0], rank, top[0], top[1]
 
 
+def packed(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`token_logprobs` as one ``(N, 2 + 2k)`` float64 tensor (one host read for all;
+    ids and ranks are exact in float64), read back by :func:`entries`."""
+    lp, rank, top, ids = token_logprobs(logits, tokens, k)
+    return torch.cat([lp[:, None].double(), rank[:, None].double(), top.double(), ids.double()], dim=1)
+
+
+def entries(rows: list, k: int) -> list:
+    """The host rows of :func:`packed` as entries ``(logprob, rank, [(token_id, logprob), ...] of
+    the top k)``, one per token."""
+    return [(r[0], int(r[1]), [(int(t), v) for v, t in zip(r[2:2 + k], r[2 + k:])]) for r in rows]
+
+
 class BlockLogprobs:
     """The log-probabilities of one block's tokens as its steps reveal them, on the device: each
     :meth:`note` writes the positions it is given; :meth:`read` returns them on the host (one
@@ -58,18 +71,11 @@ class BlockLogprobs:
     def note(self, logits: torch.Tensor, tokens: torch.Tensor, where: torch.Tensor) -> None:
         """Record the positions ``where (L,)`` bool of a step: their tokens ``tokens (L,)`` were
         revealed from ``logits (L, V)`` (row ``i``: the logits of position ``i``; MASK excluded)."""
-        lp, rank, top, ids = token_logprobs(logits, tokens, self.k)
-        row = torch.cat([lp[:, None].double(), rank[:, None].double(), top.double(), ids.double()], dim=1)
-        self.values = torch.where(where[:, None], row, self.values)
+        self.values = torch.where(where[:, None], packed(logits, tokens, self.k), self.values)
 
     def read(self, first: int) -> list:
-        """The entries of positions ``first ..`` (the generated tokens): per position ``(logprob,
-        rank, [(token_id, logprob), ...] of the top k)``."""
-        k = self.k
-        out = []
-        for row in self.values[first:].tolist():
-            out.append((row[0], int(row[1]), [(int(t), v) for v, t in zip(row[2:2 + k], row[2 + k:])]))
-        return out
+        """The :func:`entries` of positions ``first ..`` (the generated tokens), one host read."""
+        return entries(self.values[first:].tolist(), self.k)
 
 
 def as_vllm(token_id: int, entry: tuple, decode=None) -> dict:
