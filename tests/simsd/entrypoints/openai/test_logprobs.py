@@ -101,6 +101,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(llm, url):
     assert other[:len(ctx)] == lp["token_logprobs"][:len(ctx)]  # the shared context scores the same
 
 
+def test_streamed_echo_sends_the_prompts_logprobs_first(url):
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 2}
+    whole = post(url, "/v1/completions", **body)
+    chunks = events(url, "/v1/completions", **body)
+    for i, c in enumerate(whole["choices"]):
+        mine = [x for ch in chunks for x in ch["choices"] if x["index"] == i]
+        assert mine[0]["text"] == PROMPT and mine[0]["logprobs"]["token_logprobs"][0] is None
+        assert "".join(x["text"] for x in mine) == c["text"]
+        parts = [x["logprobs"] for x in mine if x["logprobs"]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [y for p in parts for y in p[key]] == c["logprobs"][key], key
+
+
 def test_vllm_prompt_logprobs_field(llm, url):
     r = post(url, "/v1/completions", prompt=[11, 12, 13, 14, 15], max_tokens=2, prompt_logprobs=2)
     got = r["choices"][0]["prompt_logprobs"]
