@@ -26,10 +26,10 @@ from simsd_kernels import KIND_KNOWN, TAU_INF
 from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
 from ..decoding.step import Step, without_mask_token_
-from .tree import ProposalTree, step_candidates
+from .tree import ProposalTree, step_candidates, step_draws
 from .verification import exact_layout, tree_verdict
 from .verifiers import ExactVerifier, PaperVerifier, Verdict
-from .width import WidthPolicy
+from .width import TreePlan, WidthPolicy
 
 
 class SelfDraft:
@@ -40,13 +40,17 @@ class SelfDraft:
         mask_id: the MASK token id.
         gamma: the most steps a round proposes (the tree's depth).
         width: ``speculation_width``, ``"auto"`` or the most block copies of a verify forward:
-            each round's depth and alternatives (siblings beside each proposed step,
-            :func:`~simsd.speculative.tree.step_candidates`) are :class:`~simsd.speculative.width.WidthPolicy`'s
-            choice.
-        alternatives: a fixed shape instead (depth ``gamma``, this many alternatives), for tests.
+            each round's tree (candidates of each node's step, the primary and its alternatives,
+            :func:`~simsd.speculative.tree.step_candidates`) is grown best first by
+            :class:`~simsd.speculative.width.WidthPolicy` (:meth:`~simsd.speculative.width.WidthPolicy.plan`).
+        alternatives: a fixed shape instead (a spine of ``gamma`` primaries, this many
+            alternatives beside each, :meth:`fixed_plan`), for tests.
 
     ``logits``: ``(L, V)`` the kept logits (MASK made impossible), on the target's device, or
-    None (a fresh block); set by :meth:`keep`, used up by :meth:`propose`. ``policy``: the
+    None (a fresh block); set by :meth:`keep`, used up by :meth:`propose`. ``upcoming``: ``(L,
+    V)`` the logits of the next block's first step under a finished block a lookahead proposed
+    and the target did not take (a block one token away, most often: its predictions of the
+    next block are proposals like any other), for the next block's first round. ``policy``: the
     :class:`~simsd.speculative.width.WidthPolicy` (its ``cost`` set by the row: the engine's).
     """
 
@@ -54,38 +58,61 @@ class SelfDraft:
         self.cfg, self.mask_id, self.gamma, self.alternatives = cfg, mask_id, gamma, alternatives
         self.policy = WidthPolicy(width, gamma, cfg.block_length)
         self.logits: torch.Tensor | None = None
+        self.upcoming: torch.Tensor | None = None
 
     def keep(self, logits: torch.Tensor, copy: torch.Tensor) -> None:
         """Keep the logits of one verify copy: ``logits (C, L, V)`` of a verify forward's copies,
         ``copy`` a 0-d int64 device tensor (the copy whose step gave the new block); no host read."""
         self.logits = logits.index_select(0, copy.view(1))[0]
 
-    def drop(self) -> None:
-        """Forget the kept logits (the block is finished or its state moved on without them)."""
-        self.logits = None
+    def new_block(self, begun: bool) -> None:
+        """A new block starts: ``begun`` by a lookahead (its logits kept by the round), or not:
+        then its first proposals come from :attr:`upcoming` if a round of the last block computed
+        it, never from the last block's own logits."""
+        if not begun:
+            self.logits = self.upcoming
+        self.upcoming = None
 
     def propose(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey,
                 lookahead: bool = False) -> ProposalTree:
         """The proposal tree of the round starting at ``block (L,)`` after ``block_step`` steps
-        with ``masks`` MASK left: a chain of up to ``gamma`` steps (step ``block_step + d`` applied
-        to the kept logits with that step's noise; ``key``: the row's block key), each step with
-        its alternatives as siblings, the shape chosen by :attr:`policy` (``lookahead``: a chain
-        that finishes the block also takes the next block's first step, two more copies). Without kept logits the
-        tree is the block alone. The ``dynamic`` and ``entropy`` strategies reveal data-dependent
-        counts: the nodes' MASK counts are read in one host read after the tree is grown, and
-        nodes that reveal nothing or hang below a full state are dropped."""
+        with ``masks`` MASK left: up to ``gamma`` steps deep (a node at depth ``d`` is step
+        ``block_step + d`` applied to its parent's state from the kept logits with that step's
+        noise; ``key``: the row's block key), each node one candidate of its parent's step
+        (:func:`~simsd.speculative.tree.step_candidates`), the tree grown best first by
+        :attr:`policy` (``lookahead``: a node that finishes the block may also carry the next
+        block's first step, two more copies). Without kept logits the tree is the block alone.
+        The ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: the nodes' MASK
+        counts are read in one host read after the tree is grown, and nodes that reveal nothing
+        or hang below a full state are dropped."""
         logits, self.logits = self.logits, None
         if logits is None or masks == 0:
             return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0])
         per_step = self.per_step(block_step)
         if self.alternatives is None:
-            depth, alternatives = self.policy.shape(masks, per_step, self.policy.rows(), lookahead)
+            plan = self.policy.plan(masks, per_step, self.cfg.strategy in ("static", "dynamic"), self.policy.rows(),
+                                    lookahead)
         else:
-            depth, alternatives = self.gamma, self.alternatives
+            plan = self.fixed_plan(masks, per_step)
         started = time.perf_counter()
-        tree = self._grow(logits, block, block_step, masks, key, depth, alternatives, per_step)
+        tree = self._grow(logits, block, block_step, masks, key, plan, per_step)
         self.policy.proposing(time.perf_counter() - started, tree.nodes - 1)
         return tree
+
+    def fixed_plan(self, masks: int, per_step: list) -> TreePlan:
+        """The tree of a fixed ``alternatives`` (tests): a spine of ``gamma`` primary steps, each
+        with its first ``alternatives`` candidates beside it, while MASK is left."""
+        plan, spine, left = TreePlan([-1], [0], [0]), 0, masks
+        for d in range(1, self.gamma + 1):
+            if left == 0:
+                break
+            first = len(plan.parent)
+            for k in range(1 + self.alternatives):
+                plan.parent.append(spine)
+                plan.kind.append(k)
+                plan.depth.append(d)
+            spine, left = first, left - min(max(1, per_step[d - 1]), left)
+        return plan
 
     def chain(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey, draft_type, with_probs: bool):
         """Paper mode's proposal: a chain of up to ``gamma`` steps from the kept logits (the
@@ -96,7 +123,14 @@ class SelfDraft:
         logits, self.logits = self.logits, None
         if logits is None or masks == 0:
             return None
-        tree = self._grow(logits, block, block_step, masks, key, self.gamma, 0, self.per_step(block_step))
+        per_step = self.per_step(block_step)
+        depth, left = 0, masks
+        while depth < self.gamma and left > 0:  # the steps that leave MASK to reveal
+            left -= min(max(1, per_step[depth]), left)
+            depth += 1
+        known = self.cfg.strategy in ("sequential", "static")
+        tree = self._grow(logits, block, block_step, masks, key, TreePlan.chain(depth if known else self.gamma),
+                          per_step)
         states = list(tree.states.unbind(0))
         tau = torch.full_like(block, TAU_INF)
         for c in range(1, len(states)):
@@ -110,35 +144,47 @@ class SelfDraft:
         known = self.cfg.strategy in ("sequential", "static")
         return [self.cfg.tokens_for_step(block_step + d) if known else 1 for d in range(self.gamma)]
 
-    def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey, depth: int, alternatives: int,
+    def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey, plan: TreePlan,
               per_step: list) -> ProposalTree:
+        """The tree of ``plan``: each node's state is its kind's candidate of its parent's step
+        (the candidates of one parent drawn together, each step's draws once)."""
         cfg = self.cfg
         known = cfg.strategy in ("sequential", "static")
         states, parent, depths, left, kind = [block], [-1], [0], [masks], [0]
-        spine = 0
-        for d in range(1, depth + 1):
-            if known and left[spine] == 0:
-                break
-            index = block_step + d - 1
-            noise = None if cfg.sampling.greedy else step_noise([key], [index], block.shape[0], logits.shape[-1],
-                                                                 logits.device)[0]
-            cands, kinds = step_candidates(logits, states[spine], self.mask_id, cfg, index, noise, alternatives,
-                                           left[spine] if known else None)
-            k = min(max(1, per_step[d - 1]), left[spine]) if known else None
-            first = len(states)
-            for c, st in zip(kinds, cands):
-                states.append(st)
-                parent.append(spine)
-                depths.append(d)
-                left.append(left[spine] - k if known else None)
-                kind.append(c)
-            spine = first
+        at = {0: 0}  # plan node -> tree node
+        draws, children = {}, {}
+        for j in range(1, len(plan.parent)):
+            p, d = plan.parent[j], plan.depth[j]
+            if p not in at:
+                continue  # its parent's kind did not apply
+            if p not in children:
+                index = block_step + d - 1
+                if d not in draws:
+                    noise = None if cfg.sampling.greedy else step_noise([key], [index], block.shape[0],
+                                                                        logits.shape[-1], logits.device)[0]
+                    draws[d] = (noise, step_draws(logits, self.mask_id, cfg, noise))
+                noise, drawn = draws[d]
+                wanted = [plan.kind[c] for c in range(j, len(plan.parent)) if plan.parent[c] == p]
+                cands, kinds = step_candidates(logits, states[at[p]], self.mask_id, cfg, index, noise, wanted,
+                                               left[at[p]] if known else None, draws=drawn)
+                children[p] = dict(zip(kinds, cands))
+            state = children[p].get(plan.kind[j])
+            if state is None:
+                continue
+            at[j] = len(states)
+            states.append(state)
+            parent.append(at[p])
+            depths.append(d)
+            left.append(left[at[p]] - min(max(1, per_step[d - 1]), left[at[p]]) if known else None)
+            kind.append(plan.kind[j])
+        finish = at.get(plan.finish) if plan.finish is not None else None
         if not known:
-            states, parent, depths, left, kind = self._prune(states, parent, depths, kind)
+            states, parent, depths, left, kind, finish = self._prune(states, parent, depths, kind, finish)
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
-        return ProposalTree(torch.stack(states), parent, depths, [m > 0 for m in left], proposed, kind)
+        return ProposalTree(torch.stack(states), parent, depths, [m > 0 for m in left], proposed, kind,
+                            finish if finish is not None and left[finish] == 0 else None)
 
-    def _prune(self, states: list, parent: list, depth: list, kind: list) -> tuple:
+    def _prune(self, states: list, parent: list, depth: list, kind: list, finish) -> tuple:
         """The nodes whose step revealed something and whose parent had MASK, from one host read
         of every node's MASK count (renumbered, parents kept before children)."""
         left = (torch.stack(states) == self.mask_id).sum(-1).tolist()
@@ -149,18 +195,16 @@ class SelfDraft:
                 new_index[j] = len(keep)
                 keep.append(j)
         return ([states[j] for j in keep], [-1] + [new_index[parent[j]] for j in keep[1:]],
-                [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep])
+                [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep], new_index.get(finish))
 
     def observe(self, tree: ProposalTree, node: int) -> None:
         """Count a round's outcome for the width policy: ``node`` the deepest valid node of
         ``tree`` (read with the decision)."""
-        def level(j: int) -> list:  # the kinds of the children of j
-            return [tree.kind[c] for c in range(tree.nodes) if tree.parent[c] == j]
-        path, j = [], node
-        while j > 0:
-            path.append((tree.kind[j], level(tree.parent[j])))
+        valid, j = [], node
+        while j >= 0:
+            valid.append(j)
             j = tree.parent[j]
-        self.policy.observe(path[::-1], level(node))
+        self.policy.observe(tree.parent, tree.depth, tree.kind, valid)
 
 
 class SelfExactVerifier(ExactVerifier):
@@ -168,8 +212,9 @@ class SelfExactVerifier(ExactVerifier):
     verify step returns its copies' logits, and the deepest valid node's copy's go to
     :attr:`draft`, which proposes up to ``spec.gamma`` (default: the block length) steps.
 
-    **Lookahead** (``rnd.lookahead``: the next block will be decoded): when the tree's chain of
-    primary proposals ends in a finished block ``F``, the forward also carries ``F`` as the
+    **Lookahead** (``rnd.lookahead``: the next block will be decoded): when the tree has a node
+    chosen to carry it (:attr:`~simsd.speculative.tree.ProposalTree.finish`, a finished block
+    ``F``), the forward also carries ``F`` as the
     block's commit (written to the cache, seeing the cache and itself) and the next block, all
     MASK, at the next positions, seeing the cache, ``F`` (its ancestor in the tree mask, as the
     cache would hold it) and itself: its target step is the next block's first step, its logits
@@ -181,22 +226,11 @@ class SelfExactVerifier(ExactVerifier):
         super().__init__(cfg, spec, mask_id, seed)
         self.draft = SelfDraft(cfg, mask_id, spec.gamma or cfg.block_length, spec.speculation_width, alternatives)
 
-    @staticmethod
-    def finished_leaf(tree: ProposalTree) -> int | None:
-        """The node that ends the chain of primary proposals when it finishes the block, else None."""
-        j, last = 0, None
-        while True:
-            children = [c for c in range(tree.nodes) if tree.parent[c] == j and (tree.kind or [0] * tree.nodes)[c] == 0]
-            if not children:
-                break
-            j = last = children[0]
-        return last if last is not None and not tree.copies[last] else None
-
     keep_logits = True
 
     def request(self, layouts, rnd):
         tree = rnd.draft.tree()
-        leaf = self.finished_leaf(tree) if rnd.lookahead else None
+        leaf = tree.finish if rnd.lookahead else None
         if leaf is None:
             return super().request(layouts, rnd)
         shape, copies, indices = self.tree_copies(tree, rnd)
@@ -225,6 +259,8 @@ class SelfExactVerifier(ExactVerifier):
             self.draft.keep(logits, copy)
             return Verdict(new, taken, accepted, valid, node, logits=lp)
         self.draft.keep(logits, torch.where(node == leaf, C, copy))  # finished as proposed: the next block's
+        self.draft.upcoming = logits[C].clone()  # else the
+        # next block's first proposals, if this block ends without a lookahead
         return Verdict(new, taken, accepted, valid, node, mine[C], leaf, lp, None if lp is None else logits[C])
 
 

@@ -172,9 +172,9 @@ class SpecRow(RowProgram):
     def new_block(self, tail: list) -> BlockState:
         self.origin = [None] * self.cfg.block_length  # per position: True = from the draft, False = the target's
         ahead, self.ahead = self.ahead, None
+        if self.dec.self_draft:
+            self.verifier.draft.new_block(ahead is not None)
         if ahead is None:
-            if self.dec.self_draft:
-                self.verifier.draft.drop()  # the last block's logits propose nothing for this one
             return super().new_block(tail)
         # the last round took this block's first step (a lookahead round: its logits are kept)
         block, host, logits = ahead
@@ -295,7 +295,7 @@ class SpecRow(RowProgram):
             new, revealed, p = out[:3]
             if self.alternatives:  # the step's other outcomes on the same logits and noise
                 siblings.append(step_candidates(out[3], state, self.mask_id, step_cfg, index, out[4],
-                                                self.alternatives, masks, primary=(new, revealed)))
+                                                range(1, self.alternatives + 1), masks, primary=(new, revealed)))
             state = new
             tau.masked_fill_(revealed, c + 1)
             if probs is not None:

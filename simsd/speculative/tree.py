@@ -45,6 +45,9 @@ class ProposalTree:
     copies: list
     proposed: object
     kind: list | None = None
+    #: the filled node that carries a lookahead (the block's commit and the next block's first
+    #: step, :class:`~simsd.speculative.self_draft.SelfExactVerifier`), or None
+    finish: int | None = None
 
     @property
     def nodes(self) -> int:
@@ -98,13 +101,32 @@ def tree_constants(parent: tuple, depth: tuple, copies: tuple, device: torch.dev
     return copy_index, parent_t, depth_t, copies_t, rank_t, path_t.view(N, N).bool()
 
 
+def applies(kind: int, positional: bool, masks: int | None) -> bool:
+    """Whether a candidate of ``kind`` exists on a state with ``masks`` MASK (None: unknown): an
+    alternative that leaves ``skip`` positions out needs a positional strategy and ``skip + 1``
+    MASK (:func:`step_candidates`)."""
+    skip = ALTERNATIVES[kind - 1][0] if kind else 0
+    return not skip or (positional and (masks is None or masks > skip))
+
+
+def step_draws(logits: torch.Tensor, mask_id: int, cfg, noise) -> tuple:
+    """What every candidate of one step reads, drawn once for all the states it is applied to:
+    ``(logits, tokens, conf, ent)`` with ``logits (L, V)`` (MASK made impossible in place), each
+    position's token, confidence and (``entropy`` strategy) entropy under the step's ``noise``
+    (its keyed draws, None when greedy)."""
+    logits = without_mask_token_(logits, mask_id)
+    tokens, conf, ent, _ = sample(logits, cfg.sampling, noise, with_probs=False,
+                                  with_entropy=cfg.strategy == "entropy", with_confidence=True)
+    return logits, tokens, conf, ent
+
+
 def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg, index: int, noise,
-                    alternatives: int, masks: int | None, primary: tuple | None = None) -> tuple:
+                    kinds, masks: int | None, primary: tuple | None = None, draws: tuple | None = None) -> tuple:
     """The outcomes of one denoising step on ``state (L,)`` from ``logits (L, V)`` (MASK made
-    impossible in place) proposed as siblings: first the step as the strategy takes it (step
-    ``index`` of the schedule, ``noise`` its keyed draws, None when greedy), then the first
-    ``alternatives`` of :data:`~simsd.config.speculative.ALTERNATIVES` that apply, each
-    ``(skip, rank)``:
+    impossible in place) proposed as siblings, each of a *kind*: 0 the step as the strategy
+    takes it (step ``index`` of the schedule, ``noise`` its keyed draws, None when greedy),
+    ``k >= 1`` the ``k``-th entry ``(skip, rank)`` of
+    :data:`~simsd.config.speculative.ALTERNATIVES`:
 
     * ``skip`` positions left out (``static``, ``dynamic``; needs ``skip + 1`` MASK, ``masks``
       the host count, None: unknown): the step's most confident revealed position and the next
@@ -113,32 +135,34 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
       strategy): greedy, by logit; sampling, by arrival in the exponential race under the step's
       noise (the same draw), the token already there left out.
 
-    ``primary``: ``(new_state, revealed)`` of the step as it was taken (a draft model's step on
-    these logits): the alternatives are built around it and it is not returned. The states
-    differ from each other and from the primary whatever the logits (a left-out position, or a
-    left-out token), so at most one sibling is the target's step.
+    ``kinds``: the kinds wanted, in order (those that do not apply,
+    :func:`applies`, are left out). ``primary``: ``(new_state,
+    revealed)`` of the step as it was taken (a draft model's step on these logits): the
+    alternatives are built around it. ``draws``: :func:`step_draws` of these logits and noise
+    when several states take the same step. The states differ from each other and from the
+    primary whatever the logits (a left-out position, or a left-out token), so at most one
+    sibling is the target's step.
 
-    Returns ``(states, kinds)``: ``(L,)`` states on the logits' device and each one's kind (0 the
-    primary, ``k`` the ``k``-th entry of the table, the same for a kind whatever applies), no host
-    read."""
+    Returns ``(states, kinds)``: ``(L,)`` states on the logits' device and the kind of each, no
+    host read."""
     greedy = cfg.sampling.greedy
     masked = state == mask_id
-    logits = without_mask_token_(logits, mask_id)
+    logits, tokens, conf, ent = draws if draws is not None else step_draws(logits, mask_id, cfg, noise)
     positional = cfg.strategy in ("static", "dynamic")
-    tokens, conf, ent, _ = sample(logits, cfg.sampling, noise, with_probs=False,
-                                  with_entropy=cfg.strategy == "entropy", with_confidence=True)
     k = tokens_to_reveal(cfg, index, logits.device)
-    first = 0 if primary is None else 1  # the primary's own kind is returned only when computed here
     if primary is None:
         revealed = select_positions(cfg.strategy, masked, conf, ent, k, cfg.threshold)
         primary = (torch.where(revealed, tokens, state), revealed)
-    top = conf.masked_fill(~primary[1], float("-inf")).argmax().view(1)  # the step's most confident position
-    states, kinds = [], []
-    for kind, (skip, rank) in list(enumerate(((0, 0),) + ALTERNATIVES[:alternatives]))[first:]:
-        if skip and not (positional and (masks is None or masks > skip)):
+    top = None
+    states, out = [], []
+    for kind in kinds:
+        if not applies(kind, positional, masks):
             continue
+        skip, rank = ALTERNATIVES[kind - 1] if kind else (0, 0)
         new, revealed = primary
         if skip:
+            if top is None:  # the step's most confident position
+                top = conf.masked_fill(~primary[1], float("-inf")).argmax().view(1)
             rest = masked.index_fill(0, top, False)
             drop = torch.cat([top, conf.masked_fill(~rest, float("-inf")).topk(skip - 1).indices])
             revealed = select_positions(cfg.strategy, rest.index_fill(0, drop, False), conf, ent, k, cfg.threshold)
@@ -149,5 +173,5 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
             scores = scores.index_fill(0, new[at], float("-inf"))  # the token there now: not again
             new = new.index_copy(0, at, scores.topk(rank).indices[rank - 1].view(1))
         states.append(new)
-        kinds.append(kind)
-    return states, kinds
+        out.append(kind)
+    return states, out

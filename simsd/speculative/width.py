@@ -1,17 +1,24 @@
-"""How wide a self-speculative round is: the proposal tree's depth and alternatives (docs/design.md §4.4).
+"""How wide a self-speculative round is: which proposal tree it puts to the target (docs/design.md §4.4).
 
 A wider verify forward proposes more and costs more; what it costs depends on the device. On a
 GPU a forward of 16 query tokens costs about what one of 4 does (the weights are read once), so
 the widest useful tree pays; on a CPU the time grows with the query tokens, and a wide tree can
-cost more than the steps it saves. :class:`WidthPolicy` picks, every round, the tree with the
-most expected steps per second:
+cost more than the steps it saves. :class:`WidthPolicy` grows every round's tree best first:
 
-* **expected steps** of a tree of depth ``D`` with ``a`` alternatives beside each proposed step:
-  the round's own step, plus ``sum_{d=1..D} p^(d-1) * s_a`` with ``p`` the rate at which a
-  primary proposal is the target's step and ``s_a = p + (1 - p) (q_1 + (1 - q_1) q_2 ...)`` the
-  rate at which one of the level's candidates is (an accepted alternative ends the path: it has
-  no children), all estimated from the row's own verdicts (:meth:`WidthPolicy.observe`, with a
-  weak prior);
+* **a node's value** is the probability that it is valid (its state is the target's own step on
+  its parent, and so on up to the round's block): the product, along its path, of the rate at
+  which a node of its kind (the primary proposal, or the ``k``-th alternative of
+  :data:`~simsd.config.speculative.ALTERNATIVES`) at its depth is its parent's target step given
+  that the parent is valid, estimated from the row's own verdicts (:meth:`WidthPolicy.observe`,
+  with a prior, :data:`PRIOR`). Siblings are exclusive, so these are rates of one outcome each;
+* **expected steps** of a tree: the round's own step plus the value of every node with MASK
+  left (a valid node is one step accepted; a node that fills the block saves nothing, because
+  the target's step on its parent would have filled it in the same forward), plus, when the
+  round may take the next block's first step (a *lookahead*), the value of the one filled node
+  that carries the commit and the next block (two copies);
+* best first: each addition is the candidate node (a child of the tree's nodes, of a kind that
+  applies) with the most value per copy; children of alternatives are grown as well as the
+  primary's, so a step the primary got wrong can still be followed by accepted steps;
 * **cost** of a forward of ``q`` query tokens: the engine's running fit ``t(q) = a + b q`` of
   its own forwards and their steps (:class:`simsd.engine.costs.ForwardCost`), the row's share of
   a forward over ``R`` rows being ``a / R + b q``, plus the host time the row spends proposing
@@ -19,31 +26,49 @@ most expected steps per second:
   is taken as flat.
 
 ``width`` N caps the tree at N block copies (the verify forward's query tokens over the block
-length) and picks the most expected steps within it; ``"auto"`` also weighs the cost.
+length) and takes the best-first tree of that size; ``"auto"`` keeps the prefix of the
+best-first order with the most expected steps per second, within :func:`auto_copies`.
 """
 from __future__ import annotations
 
+import heapq
+from dataclasses import dataclass
+
 from ..config.speculative import MAX_ALTERNATIVES
+from .tree import applies
 
-#: prior pseudo-counts (successes, trials) of a primary proposal and of each alternative
-#: (:data:`~simsd.config.speculative.ALTERNATIVES`, in order)
-PRIOR = ((1.0, 2.0), (0.6, 2.0), (0.4, 2.0), (0.3, 2.0), (0.3, 2.0), (0.2, 2.0))
+#: prior pseudo-counts (successes, trials) of a node of each kind (the primary proposal, then
+#: :data:`~simsd.config.speculative.ALTERNATIVES` in order) being its parent's target step, the
+#: same at every depth: the measured shares of the bundled target's next steps predicted from
+#: one-step-old logits (46%, 9.3%, 8.7%, 4.1%, 3.9%, 2.8%), weighted as two trials
+PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0))
 
 
-def tree_copies(depth: int, alternatives: int, masks: int, per_step: list) -> int:
-    """Block copies of a spine-and-alternatives tree: the root (it has MASK), and at each depth
-    ``d`` the primary and its alternatives while the state before the level's step leaves MASK
-    after it (``per_step[d - 1]``: the tokens step ``d`` reveals; a full state has no copy)."""
-    copies, left = 1, masks
-    for d in range(1, depth + 1):
-        left -= min(per_step[d - 1], left)
-        if left > 0:
-            copies += 1 + alternatives
-    return copies
+def auto_copies(gamma: int) -> int:
+    """The most block copies of an ``"auto"`` tree without its lookahead: the root and ``1 +``
+    :data:`~simsd.config.speculative.MAX_ALTERNATIVES` per proposed step (the engine sizes its
+    cache margin and graphs by it, :func:`~simsd.config.speculative.max_query_blocks`)."""
+    return 1 + (1 + MAX_ALTERNATIVES) * gamma
+
+
+@dataclass
+class TreePlan:
+    """A round's tree shape, parents before children: node ``j`` is the ``kind[j]`` candidate of
+    node ``parent[j]``'s step, at ``depth[j]`` (node 0: the round's block, parent -1, kind 0,
+    depth 0); ``finish``: the filled node that carries the lookahead, or None."""
+    parent: list
+    kind: list
+    depth: list
+    finish: int | None = None
+
+    @classmethod
+    def chain(cls, depth: int) -> "TreePlan":
+        """``depth`` primary proposals one below the other (paper mode's draft)."""
+        return cls([-1] + list(range(depth)), [0] * (depth + 1), list(range(depth + 1)))
 
 
 class WidthPolicy:
-    """A row's choice of tree shape (module doc).
+    """A row's choice of tree (module doc).
 
     Args:
         width: ``"auto"``, or the most block copies of a verify forward (an int >= 1).
@@ -54,7 +79,8 @@ class WidthPolicy:
 
     def __init__(self, width, gamma: int, block_length: int, cost=None):
         self.width, self.gamma, self.L, self.cost = width, gamma, block_length, cost
-        self.hits = [list(p) for p in PRIOR]  # per kind (primary, the alternatives): [successes, trials]
+        # per depth (1..gamma) and kind: [successes, trials]
+        self.hits = [[list(p) for p in PRIOR] for _ in range(gamma)]
         self.per_node = 0.0  # seconds the row spends proposing one node (running mean)
 
     def proposing(self, seconds: float, nodes: int) -> None:
@@ -63,43 +89,64 @@ class WidthPolicy:
         if nodes:
             self.per_node = seconds / nodes if not self.per_node else 0.8 * self.per_node + 0.2 * seconds / nodes
 
-    def rates(self) -> list:
-        """The estimated success rate of a primary proposal and of each alternative (given the
-        candidates before it failed)."""
-        return [s / t for s, t in self.hits]
+    def rates(self, depth: int) -> list:
+        """The estimated rate at which a node of each kind at ``depth`` (1-based) is its parent's
+        target step, given that the parent is valid."""
+        return [s / t for s, t in self.hits[depth - 1]]
 
-    def expected_steps(self, depth: int, alternatives: int, fills: bool = False) -> float:
-        """Steps a round of this shape is expected to take: the proposed steps accepted, plus the
-        target's own step on the deepest valid node, which it does not take when that node fills
-        the block (``fills``: the tree's last level does)."""
-        p, *q = self.rates()
-        miss = 1.0 - p
-        s = p
-        for r in q[:alternatives]:
-            s += miss * r
-            miss *= 1.0 - r
-        steps = 1.0 + sum(p ** (d - 1) * s for d in range(1, depth + 1))
-        return steps - (p ** (depth - 1) * s if fills and depth else 0.0)
+    def plan(self, masks: int, per_step: list, positional: bool, rows: int = 1, lookahead: bool = False) -> TreePlan:
+        """The next round's tree on a block with ``masks`` MASK left (module doc): ``per_step`` the
+        tokens each of the next steps reveals (the schedule's; estimates where the strategy's
+        counts depend on the data); ``positional``: the strategy picks positions by confidence
+        (the position alternatives apply); ``rows``: the rows sharing the forward, for the cost
+        share; ``lookahead``: a filled node may carry the block's commit and the next block's
+        first step (two more copies)."""
+        cap = auto_copies(self.gamma) + 2 * lookahead if self.width == "auto" else int(self.width)
+        rates = [self.rates(d) for d in range(1, self.gamma + 1)]
+        plan = TreePlan([-1], [0], [0])
+        left, value = [masks], [1.0]
+        heap, order = [], 0  # candidates: (-value per copy, order, parent, kind, copies)
 
-    def shape(self, masks: int, per_step: list, rows: int = 1, lookahead: bool = False) -> tuple:
-        """``(depth, alternatives)`` of the next round with ``masks`` MASK left (``per_step``: the
-        tokens each of the next steps reveals, from the schedule; ``rows``: the rows sharing the
-        forward, for the cost share; ``lookahead``: a chain that finishes the block also carries
-        its commit and the next block's first step: two more copies, and the target's step after
-        the finished block is the next block's)."""
-        best, best_value = (0, 0), None
-        cap = None if self.width == "auto" else int(self.width)
-        for depth in range(0, min(self.gamma, masks) + 1):
-            for a in range(0, MAX_ALTERNATIVES + 1 if depth else 1):
-                fills = sum(per_step[:depth]) >= masks
-                copies = tree_copies(depth, a, masks, per_step) + (2 if fills and lookahead else 0)
-                if cap is not None and copies > cap:
-                    continue
-                steps = self.expected_steps(depth, a, fills and not lookahead)
-                value = steps if cap is not None else steps / self.seconds(copies, rows)
-                if best_value is None or value > best_value * (1 + 1e-9):
-                    best, best_value = (depth, a), value
-        return best
+        def offer(j: int) -> None:
+            nonlocal order
+            d = plan.depth[j] + 1
+            if left[j] == 0 or d > self.gamma:
+                return
+            rest = left[j] - min(max(1, per_step[d - 1]), left[j])
+            if rest == 0 and not lookahead:
+                return  # a filled node saves no step without a lookahead
+            for k in range(1 + MAX_ALTERNATIVES):
+                if applies(k, positional, left[j]) and rates[d - 1][k] > 0:
+                    copies = 1 if rest else 2
+                    heapq.heappush(heap, (-value[j] * rates[d - 1][k] / copies, order, j, k, copies))
+                    order += 1
+
+        offer(0)
+        copies, steps = 1, 1.0
+        best = (steps / self.seconds(copies, rows), 1)  # (value, nodes kept)
+        while heap:
+            gain, _, j, k, cost = heapq.heappop(heap)
+            if copies + cost > cap or (cost == 2 and plan.finish is not None):
+                continue
+            d = plan.depth[j] + 1
+            plan.parent.append(j)
+            plan.kind.append(k)
+            plan.depth.append(d)
+            left.append(left[j] - min(max(1, per_step[d - 1]), left[j]))
+            value.append(value[j] * rates[d - 1][k])
+            if cost == 2:
+                plan.finish = len(plan.parent) - 1
+            copies, steps = copies + cost, steps - gain * cost
+            offer(len(plan.parent) - 1)
+            if self.width == "auto":
+                score = steps / self.seconds(copies, rows)
+                if score > best[0] * (1 + 1e-9):
+                    best = (score, len(plan.parent))
+            else:
+                best = (steps, len(plan.parent))
+        n = best[1]
+        finish = plan.finish if plan.finish is not None and plan.finish < n else None
+        return TreePlan(plan.parent[:n], plan.kind[:n], plan.depth[:n], finish)
 
     def rows(self) -> int:
         """Rows of the target's last forward (the share of its fixed cost), 1 without a cost."""
@@ -114,15 +161,13 @@ class WidthPolicy:
         a, b = fit
         return max(a / max(rows, 1) + b * copies * self.L + self.per_node * (copies - 1), 1e-9)
 
-    def observe(self, path: list, below: list) -> None:
-        """Count a round's outcome: ``path`` the valid nodes below the root, in path order, each
-        as ``(kind, the kinds of its level)`` (0 primary, 1.. the alternatives; the kinds before
-        the valid one were tried and failed); ``below``: the kinds at the level below the deepest
-        valid node (none when the tree ended there), all of which failed."""
-        for kind, level in path:
-            for k in level:
-                if k <= kind:
-                    self.hits[k][1] += 1
-            self.hits[kind][0] += 1
-        for k in below:
-            self.hits[k][1] += 1
+    def observe(self, parent: list, depth: list, kind: list, valid: list) -> None:
+        """Count a round's outcome: the tree's ``parent``, ``depth`` and ``kind`` per node, and
+        ``valid`` the nodes on the valid path (the root first). Every child of a valid node was
+        tried: a trial of its kind at its depth, a success when it is valid too."""
+        on_path = set(valid)
+        for j in range(1, len(parent)):
+            if parent[j] in on_path:
+                hit = self.hits[depth[j] - 1][kind[j]]
+                hit[1] += 1
+                hit[0] += j in on_path

@@ -297,3 +297,34 @@ def test_lookahead_commits_or_rolls_back(target, monkeypatch):
                 assert got.results[i].token_ids == vanilla_ids(target, p, dataclasses.replace(cfg, seed=1 + i))
             kept += sum(r.stats["lookahead_blocks"] for r in got.results)
     assert kept > 0 and rollbacks and set(rollbacks) == {"target"}
+
+
+def test_a_block_without_a_lookahead_proposes_from_the_rolled_back_one():
+    """When a lookahead's finished block was not the target's, the next block's predictions that
+    its copy computed are kept (``SelfDraft.upcoming``) and propose that block's first round:
+    vanilla's tokens, and fewer target forwards than forgetting them (the bundled target)."""
+    from simsd.entrypoints.prompts import load_prompts
+    from simsd.speculative.self_draft import SelfDraft
+    draft = SelfDraft(DecodeConfig(block_length=4), 3, 4, width=9)
+    draft.logits, draft.upcoming = "kept", "upcoming"
+    draft.new_block(begun=True)  # a lookahead began the block: its own logits, nothing older
+    assert (draft.logits, draft.upcoming) == ("kept", None)
+    draft.upcoming = "upcoming"
+    draft.new_block(begun=False)
+    assert (draft.logits, draft.upcoming) == ("upcoming", None)
+    target, _ = bundled_pair("float32")
+    tok = target.tokenizer
+    prompts = [tok(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts("bundled")[:4]]
+    cfg = DecodeConfig(block_length=4, max_new_tokens=48, fold_commit=True)
+    want = [r.token_ids for r in vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
+                                                        target.stop_ids).results]
+    forwards = []
+    for forget in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if forget:  # before: a block no lookahead began had nothing to propose from
+                mp.setattr(SelfDraft, "new_block", lambda self, begun: setattr(self, "upcoming", None) or
+                           (None if begun else setattr(self, "logits", None)))
+            out = speculative_generate_batch(target, "self", prompts, cfg, spec())
+        assert [r.token_ids for r in out.results] == want
+        forwards.append(sum(r.stats["target_forwards"] for r in out.results))
+    assert forwards[0] < forwards[1], forwards

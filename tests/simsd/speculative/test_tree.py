@@ -3,7 +3,7 @@ constants the verdict reads."""
 import torch
 
 from simsd import DecodeConfig, SamplingParams
-from simsd.speculative.tree import ProposalTree, step_candidates
+from simsd.speculative.tree import ProposalTree, step_candidates, step_draws
 
 M = 9  # MASK (vocabulary of 10)
 
@@ -24,17 +24,17 @@ def test_greedy_static_alternatives_by_hand():
     state = torch.tensor([M, 4, M, M])
     logits = logits_for([{1: 5.0, 2: 4.0}, {4: 9.0}, {3: 9.0, 5: 8.0}, {6: 1.0, 7: 0.9}])
     cfg = DecodeConfig(block_length=4, strategy="static")
-    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, 2, masks=3)
+    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, range(3), masks=3)
     assert [s.tolist() for s in out] == [[M, 4, 3, M], [1, 4, M, M], [M, 4, 5, M]] and kinds == [0, 1, 2]
-    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, cfg, 1, None, 1, masks=3)[0]] == \
+    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, cfg, 1, None, range(2), masks=3)[0]] == \
         [[M, 4, 3, M], [1, 4, M, M]]
     # one MASK left: no other position; the token alternative only
     one = torch.tensor([7, 4, M, 8])
-    assert [s.tolist() for s in step_candidates(logits.clone(), one, M, cfg, 3, None, 2, masks=1)[0]] == \
+    assert [s.tolist() for s in step_candidates(logits.clone(), one, M, cfg, 3, None, range(3), masks=1)[0]] == \
         [[7, 4, 3, 8], [7, 4, 5, 8]]
     # sequential: the leftmost MASK is fixed, its runner-up token is the alternative
     seq = DecodeConfig(block_length=4, strategy="sequential")
-    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, seq, 1, None, 2, masks=3)[0]] == \
+    assert [s.tolist() for s in step_candidates(logits.clone(), state, M, seq, 1, None, range(3), masks=3)[0]] == \
         [[1, 4, M, M], [2, 4, M, M]]
 
 
@@ -47,15 +47,20 @@ def test_every_alternative_by_hand():
     state = torch.tensor([M, 4, M, M])
     logits = logits_for([{1: 5.0, 2: 4.5}, {4: 9.0}, {3: 9.0, 5: 8.0, 8: 7.0}, {6: 1.0, 7: 0.9}])
     cfg = DecodeConfig(block_length=4, strategy="static")
-    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, 5, masks=3)
+    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, range(6), masks=3)
     assert [s.tolist() for s in out] == [[M, 4, 3, M], [1, 4, M, M], [M, 4, 5, M], [2, 4, M, M], [M, 4, M, 6],
                                          [M, 4, 8, M]]
     assert kinds == [0, 1, 2, 3, 4, 5]
-    out, kinds = step_candidates(logits.clone(), torch.tensor([7, 4, M, 8]), M, cfg, 3, None, 5, masks=1)
+    out, kinds = step_candidates(logits.clone(), torch.tensor([7, 4, M, 8]), M, cfg, 3, None, range(6), masks=1)
     assert [s.tolist() for s in out] == [[7, 4, 3, 8], [7, 4, 5, 8], [7, 4, 8, 8]] and kinds == [0, 2, 5]
     # two MASK: one position may be left out, not two
-    _, kinds = step_candidates(logits.clone(), torch.tensor([M, 4, M, 8]), M, cfg, 2, None, 5, masks=2)
+    _, kinds = step_candidates(logits.clone(), torch.tensor([M, 4, M, 8]), M, cfg, 2, None, range(6), masks=2)
     assert kinds == [0, 1, 2, 3, 5]
+    # some kinds only, in the order asked (a best-first tree asks for the kinds it grows), from
+    # draws shared by every state of the step: the same states as above
+    draws = step_draws(logits.clone(), M, cfg, None)
+    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, [4, 1], masks=3, draws=draws)
+    assert [s.tolist() for s in out] == [[M, 4, M, 6], [1, 4, M, M]] and kinds == [4, 1]
 
 
 def test_sampled_token_alternative_is_the_race_runner_up():
@@ -69,7 +74,7 @@ def test_sampled_token_alternative_is_the_race_runner_up():
     noise[2, 5], noise[2, 3] = 0.1, 0.5  # token 5 first, 3 second at position 2
     noise[0, 1] = 0.01  # position 0 draws token 1 (probability ~0.73, the most confident drawn token)
     cfg = DecodeConfig(block_length=4, strategy="static", sampling=SamplingParams(temperature=1.0))
-    out, _ = step_candidates(logits.clone(), state, M, cfg, 1, noise, 2, masks=3)
+    out, _ = step_candidates(logits.clone(), state, M, cfg, 1, noise, range(3), masks=3)
     assert out[0].tolist() == [1, 4, M, M]  # the drawn token 1 at position 0 is the most confident
     assert out[2].tolist() == [2, 4, M, M]  # its runner-up under the same noise
 

@@ -4,10 +4,11 @@ a GPU-like flat cost and a CPU-like growing one, and the running fit."""
 import pytest
 import torch
 
-from simsd.config.speculative import MAX_ALTERNATIVES
+from simsd.config.speculative import ALTERNATIVES, MAX_ALTERNATIVES
 from simsd.config.vocabulary import ParamError
 from simsd.engine.costs import ForwardCost
-from simsd.speculative.width import WidthPolicy, tree_copies
+from simsd.speculative.tree import applies
+from simsd.speculative.width import PRIOR, WidthPolicy, auto_copies
 
 ONE = [1, 1, 1, 1]  # one token per step (B = 4, static)
 
@@ -22,66 +23,107 @@ class Fixed:
         return self.ab
 
 
-def test_tree_copies_and_expected_steps_by_hand():
-    # 4 MASK, depth 3, one alternative: the root, then 2 nodes at each depth while MASK remains after
-    # the step (depths 1, 2: 3 and 2 left; depth 3 leaves 1): 1 + 2 + 2 + 2
-    assert tree_copies(3, 1, 4, ONE) == 7
-    assert tree_copies(3, 1, 3, ONE) == 5  # the third step fills the block: no copy
-    assert tree_copies(0, 0, 4, ONE) == 1
-    policy = WidthPolicy(4, 4, 4)
-    policy.hits = [[1, 2], [1, 4], [0, 1]]  # p = 0.5, q1 = 0.25, q2 = 0
-    assert policy.expected_steps(0, 0) == 1.0
-    assert policy.expected_steps(2, 0) == pytest.approx(1 + 0.5 + 0.25)
-    s = 0.5 + 0.5 * 0.25
-    assert policy.expected_steps(2, 1) == pytest.approx(1 + s + 0.5 * s)
+def with_rates(policy, *levels):
+    """Set the policy's rates by hand: ``levels[d - 1]`` the per-kind rates at depth ``d`` (kinds
+    not given: 0), as counts over 100 trials."""
+    for d, rates in enumerate(levels, 1):
+        policy.hits[d - 1] = [[100 * r, 100] for r in list(rates) + [0.0] * (1 + MAX_ALTERNATIVES - len(rates))]
+    return policy
 
 
-def test_a_cap_is_respected_and_filled():
-    policy = WidthPolicy(3, 4, 4)
-    for masks in (1, 2, 4):
-        depth, alts = policy.shape(masks, ONE)
-        assert tree_copies(depth, alts, masks, ONE) <= 3 and depth <= masks
-    assert policy.shape(4, ONE) in ((2, 0), (1, 1))  # three copies: a chain of two, or one step and a sibling
-    assert WidthPolicy(1, 4, 4).shape(4, ONE) == (0, 0)  # one copy: the round's own step only
+def copies(plan, masks, per_step=ONE):
+    """Block copies of a plan: the root, every node with MASK left, two for the lookahead node."""
+    left = [masks]
+    for j in range(1, len(plan.parent)):
+        left.append(left[plan.parent[j]] - min(per_step[plan.depth[j] - 1], left[plan.parent[j]]))
+    return 1 + sum(1 for j in range(1, len(left)) if left[j]) + (2 if plan.finish is not None else 0), left
 
 
-def test_a_lookahead_counts_its_two_copies_within_the_cap():
-    # 2 MASK: a chain of two steps finishes the block; with the lookahead it also carries the
-    # finished block (the commit) and the next block: root + depth 1 + those two = 4 copies
-    for cap in (2, 3, 4, 5):
-        depth, alts = WidthPolicy(cap, 4, 4).shape(2, ONE, lookahead=True)
-        fills = depth >= 2
-        assert tree_copies(depth, alts, 2, ONE) + (2 if fills else 0) <= cap, (cap, depth, alts)
-    assert WidthPolicy(4, 4, 4).shape(2, ONE, lookahead=True) == (2, 0)
+def test_best_first_by_hand():
+    # depth 1: the primary 0.5, the first alternative 0.45; depth 2: the primary 0.9. Value of a
+    # node: the product of the rates on its path
+    policy = with_rates(WidthPolicy(3, 4, 4), [0.5, 0.45], [0.9, 0.0], [0.9, 0.0], [0.9, 0.0])
+    plan = policy.plan(4, ONE, positional=True)
+    assert (plan.parent, plan.kind, plan.depth) == ([-1, 0, 0], [0, 0, 1], [0, 1, 1])  # 0.5, 0.45
+    # two more copies: the primary's child (0.45) and the alternative's (0.405), before the
+    # primary's grandchild (0.405, offered later)
+    policy.width = 5
+    plan = policy.plan(4, ONE, positional=True)
+    assert (plan.parent, plan.kind, plan.depth) == ([-1, 0, 0, 1, 2], [0, 0, 1, 0, 0], [0, 1, 1, 2, 2])
+    assert plan.finish is None
+
+
+def test_a_cap_is_respected_and_no_filled_node_without_a_lookahead():
+    for cap in range(1, 12):
+        for masks in (1, 2, 3, 4):
+            plan = WidthPolicy(cap, 4, 4).plan(masks, ONE, positional=True)
+            n, left = copies(plan, masks)
+            assert n <= cap, (cap, masks)
+            assert all(left[1:]) and plan.finish is None  # a filled node saves no step here
+            assert all(plan.parent[j] < j for j in range(1, len(plan.parent)))
+    assert WidthPolicy(1, 4, 4).plan(4, ONE, positional=True).parent == [-1]  # the round's own step only
+
+
+def test_a_lookahead_node_costs_two_copies_within_the_cap():
+    # 1 MASK: the only useful node is one that fills the block and carries the lookahead
+    assert WidthPolicy(2, 4, 4).plan(1, ONE, positional=True, lookahead=True).parent == [-1]  # 3 copies needed
+    plan = WidthPolicy(3, 4, 4).plan(1, ONE, positional=True, lookahead=True)
+    assert plan.parent == [-1, 0] and plan.finish == 1 and copies(plan, 1)[0] == 3
+    for cap in range(4, 14):  # 2 MASK: a step, then the filled node (with the prior, worth more than siblings)
+        plan = WidthPolicy(cap, 4, 4).plan(2, ONE, positional=True, lookahead=True)
+        n, left = copies(plan, 2)
+        assert n <= cap and plan.finish is not None and left[plan.finish] == 0
+        assert [j for j in range(1, len(left)) if left[j] == 0] == [plan.finish]  # one filled node, at most
+
+
+def test_kinds_that_do_not_apply_are_not_planned():
+    assert [k for k in range(1 + MAX_ALTERNATIVES) if applies(k, True, 2)] == \
+        [k for k in range(1 + MAX_ALTERNATIVES) if k == 0 or ALTERNATIVES[k - 1][0] < 2]
+    assert [k for k in range(1 + MAX_ALTERNATIVES) if not applies(k, False, 4)] == \
+        [k for k in range(1, 1 + MAX_ALTERNATIVES) if ALTERNATIVES[k - 1][0]]  # no position left out
+    plan = WidthPolicy(40, 4, 4).plan(2, ONE, positional=False)
+    assert all(not ALTERNATIVES[k - 1][0] for k in plan.kind[1:] if k)
+    plan = WidthPolicy(40, 4, 4).plan(2, ONE, positional=True)
+    first = [ALTERNATIVES[k - 1] if k else (0, 0) for j, k in enumerate(plan.kind) if plan.depth[j] == 1]
+    second = [ALTERNATIVES[k - 1] if k else (0, 0) for j, k in enumerate(plan.kind) if plan.depth[j] == 2]
+    assert (1, 0) in first and all(skip < 2 for skip, _ in first)  # 2 MASK: one position may be left out
+    assert second == [] and plan.finish is None  # a second step fills the block: no lookahead asked
+    plan = WidthPolicy(40, 4, 4).plan(3, ONE, positional=True)
+    assert all(ALTERNATIVES[k - 1][0] < 2 for j, k in enumerate(plan.kind) if k and plan.depth[j] == 2)  # 2 MASK
 
 
 def test_auto_is_wide_when_width_is_free_and_narrow_when_it_is_not():
     flat = WidthPolicy("auto", 4, 4, Fixed(0.006, 0.0))  # a GPU: the weights are read once whatever the width
-    assert flat.shape(4, ONE) == (3, MAX_ALTERNATIVES)  # every alternative
+    n, _ = copies(flat.plan(4, ONE, positional=True), 4)
+    assert n == auto_copies(4)  # every node the budget holds
     steep = WidthPolicy("auto", 4, 4, Fixed(0.001, 0.001))  # every query token costs as much as the fixed part
-    assert steep.shape(4, ONE) == (0, 0)
-    assert WidthPolicy("auto", 4, 4).shape(4, ONE) == (3, MAX_ALTERNATIVES)  # no fit yet: taken as flat
+    assert steep.plan(4, ONE, positional=True).parent == [-1]
+    assert copies(WidthPolicy("auto", 4, 4).plan(4, ONE, positional=True), 4)[0] == auto_copies(4)  # no fit: flat
     # proposing costs host time per node: a slow proposer narrows the tree
     slow = WidthPolicy("auto", 4, 4, Fixed(0.006, 0.0))
     slow.proposing(0.06, 2)
-    assert slow.shape(4, ONE) == (0, 0)
+    assert slow.plan(4, ONE, positional=True).parent == [-1]
+    # a middling cost keeps the nodes worth their copies: the most likely ones
+    mid = with_rates(WidthPolicy("auto", 4, 4, Fixed(0.004, 0.00025)), [0.8, 0.1], [0.8, 0.1], [0.8], [0.8])
+    plan = mid.plan(4, ONE, positional=True)
+    assert plan.kind[1:] == [0] * (len(plan.kind) - 1) and len(plan.parent) >= 2
 
 
 def test_observed_outcomes_move_the_rates():
     policy = WidthPolicy("auto", 4, 4)
-    before = policy.rates()
-    for _ in range(20):
-        policy.observe([(0, [0, 1, 2]), (0, [0, 1, 2])], [])  # two primaries accepted, the tree ended there
-    mid = policy.rates()[0]
-    assert mid == pytest.approx((1 + 40) / (2 + 40)) and mid > before[0]
-    for _ in range(20):
-        policy.observe([], [0, 1, 2])  # the root's three candidates all failed
-    p, q1, q2, *later = policy.rates()
-    assert p == pytest.approx(41 / 62) and q1 < before[1] and q2 < before[2] and later == before[3:]
-    policy.observe([(1, [0, 1, 2])], [])  # the primary failed, its first alternative was right
-    assert policy.hits[1] == [1.6, 23.0] and policy.hits[2] == [0.4, 22.0]  # the later one was not tried
-    policy.observe([(3, [0, 2, 3])], [])  # alternative 1 did not apply (one MASK): not counted as tried
-    assert policy.hits[1] == [1.6, 23.0] and policy.hits[2] == [0.4, 23.0] and policy.hits[3] == [1.3, 3.0]
+    before = [policy.rates(d) for d in (1, 2)]
+    # a tree: root 0; its children 1 (primary), 2 (alternative 1); under 1: 3 (primary), 4 (alternative 2)
+    parent, depth, kind = [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0, 0, 1, 0, 2]
+    for _ in range(10):
+        policy.observe(parent, depth, kind, [0, 1, 4])  # the primary, then alternative 2 under it
+    assert policy.hits[0][0] == [PRIOR[0][0] + 10, PRIOR[0][1] + 10]
+    assert policy.hits[0][1] == [PRIOR[1][0], PRIOR[1][1] + 10]  # tried, failed
+    assert policy.hits[1][0] == [PRIOR[0][0], PRIOR[0][1] + 10] and policy.hits[1][2] == [PRIOR[2][0] + 10,
+                                                                                      PRIOR[2][1] + 10]
+    policy.observe(parent, depth, kind, [0, 2])  # alternative 1 was right: nothing under it was tried
+    assert policy.hits[0][1][0] == PRIOR[1][0] + 1 and policy.hits[1][0][1] == PRIOR[0][1] + 10
+    assert policy.rates(1)[0] > before[0][0] and policy.rates(2)[2] > before[1][2]
+    assert policy.rates(3) == [s / t for s, t in PRIOR]  # depth 3 never tried
 
 
 def test_forward_cost_fit():
