@@ -136,6 +136,7 @@ SR, VER = "simsd/speculative/spec_row.py", "simsd/speculative/verification.py"
 VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
 LAY = "simsd/decoding/layouts.py"
+LOGPROBS_MODES = "tests/simsd/speculative/test_logprobs_modes.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
 OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
@@ -877,6 +878,18 @@ MUTANTS = [
     m("draft alternatives", "simsd/speculative/tree.py", 'scores = scores.index_fill(0, new[at], float("-inf"))',
       "pass", TREE, "tests/simsd/speculative/test_draft_alternatives.py",
       note="a token alternative may repeat the token the step took (two valid siblings)"),
+    m("logprobs", VER, "score = ((states == mask_id) & on_path[:, None]).long() * (depth[:, None] + 1)",
+      "score = ((states == mask_id) & on_path[:, None]).long() * (1 - depth[:, None])", LOGPROBS_MODES,
+      note="exact mode reads a token's logprobs from the shallowest masked copy, not the one that revealed it"),
+    m("logprobs", "simsd/speculative/spec_row.py", "blk.lp.note(logits, block, block != self.mask_id)", "pass",
+      LOGPROBS_MODES, note="a lookahead round's first step of the next block leaves its tokens unscored"),
+    m("logprobs", "simsd/decoding/prompt_logprobs.py",
+      "states = [block[:j] + [mask_id] * (L - j) for j in range(first, n)]",
+      "states = [block[:j + 1] + [mask_id] * (L - j - 1) for j in range(first, n)]",
+      "tests/simsd/decoding/test_logprobs.py", note="a prompt token scored with itself revealed"),
+    m("logprobs", "simsd/decoding/logprobs.py", "lp = torch.log_softmax(logits.float(), dim=-1)",
+      "lp = torch.log_softmax(logits.float() / 0.9, dim=-1)", "tests/simsd/decoding/test_logprobs.py",
+      note="logprobs of a temperature-scaled distribution, not the raw one"),
 ]
 
 

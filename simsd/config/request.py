@@ -22,6 +22,9 @@ SEED_MAX = SETTINGS["seed"].high
 #: text of every request is searched for its stop strings after each generated token, on the
 #: thread that runs every request's rounds (OpenAI allows 4 strings, TGI 4 by default)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
+#: the most top log-probabilities a request may ask for per token (vLLM's default ``max_logprobs``;
+#: OpenAI's bound of chat ``top_logprobs``)
+MAX_LOGPROBS = 20
 #: the most completions one request may ask for (``n``): each is an engine request of its own, so
 #: one request cannot fill the queue (OpenAI's limit is 128; vLLM has none)
 MAX_N = 16
@@ -59,6 +62,12 @@ class SamplingParams(StepSampling):
     draft_threshold: float | None = SETTINGS["draft_threshold"].field(None)
     n: int | None = Setting(int, f"completions per request (None = 1), at most {MAX_N}; choice i samples with "
                                  f"choice_seed(seed, i)", low=1, high=MAX_N).field(None)
+    logprobs: int | None = Setting(int, f"return each generated token's log-probability and this many most likely "
+                                        f"tokens' (vLLM's; None: none), at most {MAX_LOGPROBS}", low=0,
+                                   high=MAX_LOGPROBS).field(None)
+    prompt_logprobs: int | None = Setting(int, f"return each prompt token's log-probability and this many most "
+                                               f"likely tokens' (vLLM's; None: none), at most {MAX_LOGPROBS}",
+                                          low=0, high=MAX_LOGPROBS).field(None)
 
     def __new__(cls, *args, **kwargs):
         # runs before the dataclass's __init__, which would refuse these with a bare TypeError

@@ -98,9 +98,8 @@ TEXT = {"type": "text"}
 REQUEST = {
     "top_k": Same("top_k", ((-1, 0),)),
     "min_p": Lacks(_NO_MIN_P, (0.0,)),
-    "logprobs": Lacks("simsd returns no log-probabilities", _NONE),
-    "prompt_logprobs": Lacks("simsd returns no log-probabilities", _NONE),
-    "best_of": Lacks("simsd returns all n completions, ranking none (it computes no log-probabilities)", (None, 1)),
+    "best_of": Lacks("simsd returns all n completions, ranking none (give n and rank them by their "
+                     "cumulative_logprob with logprobs=0)", (None, 1)),
     "min_tokens": Lacks("simsd stops at the first stop id or string (ignore_eos=True with max_tokens gives a fixed "
                         "length)", (0,)),
     "include_stop_str_in_output": Lacks(_STOP, (False,)),

@@ -23,7 +23,9 @@ class DecodeConfig:
 
     ``steps`` defaults to ``block_length`` (one token per step for the schedule strategies).
     ``threshold`` is the confidence threshold of ``dynamic`` or the entropy bound of
-    ``entropy`` (nats). Raises :class:`~simsd.config.vocabulary.ParamError` naming the field.
+    ``entropy`` (nats). ``logprobs``: the rows also report each generated token's
+    log-probability and this many top ones (:mod:`simsd.decoding.logprobs`). Raises
+    :class:`~simsd.config.vocabulary.ParamError` naming the field.
     """
     block_length: int = SETTINGS["block_length"].field(4)
     steps: int | None = SETTINGS["steps"].field(None)
@@ -33,6 +35,8 @@ class DecodeConfig:
     max_new_tokens: int = SETTINGS["max_tokens"].field(128)
     seed: int = SETTINGS["seed"].field(0)
     fold_commit: bool = SETTINGS["fold_commit"].field(False)
+    #: top log-probabilities per generated token (:mod:`simsd.decoding.logprobs`); None: none computed
+    logprobs: int | None = None
 
     def __post_init__(self):
         check_fields(self)
@@ -56,10 +60,13 @@ class DecodeConfig:
 
 @dataclass
 class GenerationResult:
-    """``token_ids``: generated ids cut after the first stop id and at ``max_new_tokens``."""
+    """``token_ids``: generated ids cut after the first stop id and at ``max_new_tokens``;
+    ``logprobs``: with ``DecodeConfig.logprobs``, one entry per token of ``token_ids``
+    (:meth:`simsd.decoding.logprobs.BlockLogprobs.read`), else None."""
     token_ids: list
     stats: dict
     text: str | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -151,7 +158,8 @@ def resolve(params, config, vocab_size: int) -> tuple:
                        threshold=params.threshold,
                        sampling=StepSampling(params.temperature, params.top_k, params.top_p, params.presence_penalty,
                                              params.frequency_penalty, params.repetition_penalty),
-                       max_new_tokens=params.max_tokens, seed=seed, fold_commit=config.fold_commit)
+                       max_new_tokens=params.max_tokens, seed=seed, fold_commit=config.fold_commit,
+                       logprobs=params.logprobs)
     spec = None
     if config.mode != "vanilla":
         spec = SpecConfig(mode=config.mode, gamma=params.gamma or config.max_gamma, on_reject=config.on_reject,

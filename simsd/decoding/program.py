@@ -22,6 +22,7 @@ from ..engine.host_sync import to_device
 from ..engine.scheduler import Request, decode_span, run_requests
 from .config import BatchResult, DecodeConfig, GenerationResult, finish
 from .layouts import RowLayouts
+from .logprobs import BlockLogprobs
 from .penalties import TokenHistory
 
 
@@ -30,12 +31,14 @@ class BlockState:
     """The block a row decodes: ``block (L,)`` on the target's device and ``host``, its host
     copy; ``start``: the absolute position of its first token (the noise keys); ``first``: the
     index of its first generated token (after the prompt tail); ``step``: denoising steps taken
-    in the block so far (a SimSD round takes several)."""
+    in the block so far (a SimSD round takes several); ``lp``: the log-probabilities of its
+    revealed tokens when the request asks for them (:class:`~simsd.decoding.logprobs.BlockLogprobs`), else None."""
     block: torch.Tensor
     host: list
     start: int
     first: int
     step: int = 0
+    lp: BlockLogprobs | None = None
 
 
 class RowProgram:
@@ -50,7 +53,9 @@ class RowProgram:
 
     ``generated``: the decoded ids so far (whole blocks, before any cut); ``blocks``: blocks
     finished; ``history``: the :class:`~simsd.decoding.penalties.TokenHistory` before the current
-    block when the request has penalties (None otherwise), which its steps carry.
+    block when the request has penalties (None otherwise), which its steps carry; ``logprobs``:
+    with ``cfg.logprobs``, one entry per id of ``generated`` (:mod:`simsd.decoding.logprobs`; set
+    before ``on_block`` sees the block), else None.
     Subclasses define :meth:`advance` (one step of the block) and may extend
     :meth:`commit`, :meth:`finish_block` and :meth:`stats_for`.
     """
@@ -63,6 +68,7 @@ class RowProgram:
         self.layouts = RowLayouts(row)
         self.stop_ids = list(stop_ids)
         self.generated: list = []
+        self.logprobs: list | None = None if cfg.logprobs is None else []
         self.blocks = 0
         self.history = None
 
@@ -93,6 +99,8 @@ class RowProgram:
             new = blk.host[blk.first:]
             done = self.ends(new)
             self.generated.extend(new)
+            if blk.lp is not None:
+                self.logprobs.extend(blk.lp.read(blk.first))
             self.blocks += 1
             self.finish_block(blk)
             if (on_block is not None and on_block(new)) or done:
@@ -104,7 +112,22 @@ class RowProgram:
     def new_block(self, tail: list) -> BlockState:
         """A fresh block: the prompt ``tail`` then MASK (copied to the device asynchronously)."""
         host = list(tail) + [self.mask_id] * (self.cfg.block_length - len(tail))
-        return BlockState(to_device(host, self.row.devices["target"]), host, self.layouts.start("target"), len(tail))
+        return BlockState(to_device(host, self.row.devices["target"]), host, self.layouts.start("target"), len(tail),
+                          lp=self.block_logprobs())
+
+    def block_logprobs(self) -> BlockLogprobs | None:
+        """A new block's log-probability record (None when the request asks for none)."""
+        if self.cfg.logprobs is None:
+            return None
+        return BlockLogprobs(self.cfg.logprobs, self.cfg.block_length, self.row.devices["target"])
+
+    def stepped(self, blk: BlockState, out: tuple) -> None:
+        """Take the result ``out`` of a target :class:`~simsd.decoding.step.Step` on ``blk``
+        (``keep_logits`` set when the block records log-probabilities): the new block, and the
+        log-probabilities of the tokens it revealed."""
+        if blk.lp is not None:
+            blk.lp.note(out[3], out[0], out[1])
+        blk.block = out[0]
 
     def ends(self, new: list) -> bool:
         """Whether the block whose generated ids are ``new`` ends the generation (a stop id, or
@@ -140,6 +163,10 @@ class RowProgram:
     def token_ids(self) -> list:
         """The generated ids cut after the first stop id and at ``max_new_tokens``."""
         return finish(self.generated, self.stop_ids, self.cfg.max_new_tokens)
+
+    def token_logprobs(self, n: int) -> list | None:
+        """The log-probability entries of the first ``n`` generated ids (None: not asked for)."""
+        return None if self.logprobs is None else self.logprobs[:n]
 
     def stats_for(self, n: int, seconds: float) -> dict:
         """The row's statistics after ``n`` returned tokens in ``seconds`` of decoding (docs/statistics.md,
@@ -208,5 +235,5 @@ def generate_batch(engine: BatchEngine, prompts: list, capacities: list, new_pro
         token_ids = prog.token_ids()
         stats = prog.stats_for(len(token_ids), seconds)
         stats["batch_size"] = len(prompts)
-        results.append(GenerationResult(token_ids, stats))
+        results.append(GenerationResult(token_ids, stats, logprobs=prog.token_logprobs(len(token_ids))))
     return BatchResult(results, batch_stats(results, seconds, engine.forwards))

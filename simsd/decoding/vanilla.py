@@ -12,11 +12,13 @@ class VanillaRow(RowProgram):
     """One row's block decoding with the target alone (:class:`~simsd.decoding.program.RowProgram`).
     Step ``s`` of the block at absolute position ``start`` samples with the noise keyed
     ``NoiseKey(seed, start)`` and ``s`` (:mod:`simsd.decoding.noise`). One host read per step:
-    the new block (the step's decision) with the non-finite-logits flags."""
+    the new block (the step's decision) with the non-finite-logits flags. The log-probabilities
+    of a token (when asked for) are read from the logits of the step that revealed it."""
 
     def advance(self, blk: BlockState):
-        step = Step(blk.block, blk.step, self.cfg, self.mask_id, NoiseKey(self.seed, blk.start), history=self.history)
-        blk.block, _, _ = yield self.layouts.denoise("target", blk.block, step)
+        step = Step(blk.block, blk.step, self.cfg, self.mask_id, NoiseKey(self.seed, blk.start),
+                    keep_logits=blk.lp is not None, history=self.history)
+        self.stepped(blk, (yield self.layouts.denoise("target", blk.block, step)))
         blk.host = self.read([blk.block], blk)
         blk.step += 1
 

@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..decoding.logprobs import as_vllm
 from ..engine.scheduler import Request
 from .detokenize import TextStream
 
@@ -50,8 +51,8 @@ class CompletionOutput:
     """One completion of a request, as vLLM's ``CompletionOutput`` (:attr:`RequestOutput.outputs`):
     ``index`` (0 to ``n - 1``: the choice), ``text``, ``token_ids``,
     ``finish_reason`` and ``stop_reason`` (the choice's, see :class:`RequestOutput`);
-    ``cumulative_logprob``, ``logprobs`` and ``lora_request`` are None (simsd computes no
-    log-probabilities and has no LoRA adapters)."""
+    ``logprobs`` and ``cumulative_logprob`` with ``SamplingParams(logprobs=k)`` (else None; see
+    :class:`RequestOutput`); ``lora_request`` is None (simsd has no LoRA adapters)."""
     index: int
     text: str | None
     token_ids: list
@@ -94,7 +95,13 @@ class RequestOutput:
     ``accepted``, ``acceptance_rate``, ``from_draft``, ``draft_share``, ``rounds``,
     ``accepted_per_round``, ``fallback_steps``, ...) plus ``batch_size`` (the engine's rows),
     ``queue_seconds`` (submission to the end of the prefill) and ``time_to_first_token``
-    (seconds from submission to the first finished block). ``decode_interval``: ``(start,
+    (seconds from submission to the first finished block). ``logprobs`` (vLLM's, with
+    ``SamplingParams(logprobs=k)``, else None): per token of ``token_ids`` a dict ``{token_id:
+    Logprob(logprob, rank, decoded_token)}`` of the token and the ``k`` most likely ones
+    (:class:`simsd.decoding.logprobs.Logprob`; the definition per mode: :mod:`simsd.decoding.logprobs`);
+    ``cumulative_logprob``: the sum of the tokens' log-probabilities (None without ``logprobs``);
+    ``prompt_logprobs`` (with ``SamplingParams(prompt_logprobs=k)``): per prompt token None (the
+    first) or such a dict (:mod:`simsd.decoding.prompt_logprobs`). ``decode_interval``: ``(start,
     end)`` on the scheduler's decode clock; :func:`simsd.engine.scheduler.decode_span` of a run's
     outputs is the run's decode time (the first admission to the last end; prefills excluded).
     """
@@ -109,13 +116,16 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)
     decode_interval: tuple | None = None
     other_choices: tuple = ()
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def outputs(self) -> list:
         """vLLM's ``RequestOutput.outputs``: a :class:`CompletionOutput` per choice, made of the
         choices' fields (choice 0's ``text`` and ``token_ids`` are this output's, the same objects)."""
-        return [CompletionOutput(i, o.text, o.token_ids, None, None, o.finish_reason, o.stop_reason)
-                for i, o in enumerate((self, *self.other_choices))]
+        return [CompletionOutput(i, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason,
+                                 o.stop_reason) for i, o in enumerate((self, *self.other_choices))]
 
     @property
     def finished(self) -> bool:
@@ -126,8 +136,9 @@ class RequestOutput:
 class RequestHandle:
     """A submitted request (:meth:`LLM.submit`): its events, result and cancellation.
 
-    Events, in order: ``("delta", (text, token_ids))`` per finished block (``text`` may be
-    empty while a character or a possible stop string is incomplete), then one of
+    Events, in order: ``("delta", (text, token_ids, logprobs))`` per finished block (``text`` may be
+    empty while a character or a possible stop string is incomplete; ``logprobs``: those of
+    ``token_ids`` as :attr:`RequestOutput.logprobs` has them, None when not asked for), then one of
     ``("done", RequestOutput)``, ``("error", exception)``, ``("cancelled", None)``. With a
     ``listener`` they are passed to ``listener(kind, payload)`` on the scheduling thread;
     otherwise :meth:`events` yields them. Without a scheduling thread
@@ -149,6 +160,8 @@ class RequestHandle:
         self.request: Request | None = None
         #: the row program (a :class:`~simsd.decoding.program.RowProgram`), once admitted
         self.program = None
+        #: the prompt's log-probability entries (:func:`simsd.decoding.prompt_logprobs.prompt_logprobs`), when asked for
+        self.prompt_entries: list | None = None
 
     @property
     def done(self) -> bool:
@@ -209,8 +222,27 @@ class RequestHandle:
         if kept and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         if kept:
-            self._emit("delta", (text, kept))
+            self._emit("delta", (text, kept, self._logprobs(before, len(self.stream.token_ids))))
         return self.stream.finished
+
+    def _decode(self, token_id: int) -> str | None:
+        tok = self.llm.tokenizer
+        return None if tok is None else tok.decode([token_id])
+
+    def _logprobs(self, a: int, b: int) -> list | None:
+        """vLLM's logprob dicts of generated tokens ``a .. b - 1`` (None when not asked for)."""
+        entries = self.program.logprobs
+        if entries is None:
+            return None
+        ids = self.stream.token_ids
+        return [as_vllm(ids[i], entries[i], self._decode) for i in range(a, b)]
+
+    def prompt_logprobs(self) -> list | None:
+        """vLLM's ``prompt_logprobs`` of the request (None when not asked for), once admitted."""
+        if self.prompt_entries is None:
+            return None
+        return [None if e is None else as_vllm(t, e, self._decode)
+                for t, e in zip(self.prompt_token_ids, self.prompt_entries)]
 
     def on_finish(self, req: Request) -> None:
         """The request ended (the scheduler's ``on_finish``): its final event."""
@@ -237,12 +269,15 @@ class RequestHandle:
     def _output(self, req: Request) -> RequestOutput:
         rest = self.stream.finish()
         if rest:
-            self._emit("delta", (rest, []))
+            self._emit("delta", (rest, [], None if self.program.logprobs is None else []))
         stats = self.program.stats_for(len(self.stream.token_ids), req.decode_seconds)
         stats["batch_size"] = self.llm.batch_size
         stats["queue_seconds"] = req.admitted - req.arrived
         stats["time_to_first_token"] = (None if self.first_token_at is None
                                         else self.first_token_at - req.arrived)
+        logprobs = self._logprobs(0, len(self.stream.token_ids))
+        cumulative = None if logprobs is None else sum(e[0] for e in self.program.logprobs[:len(logprobs)])
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.stream.text,
                              list(self.stream.token_ids), self.stream.finish_reason, self.stream.stop_reason,
-                             self.seed, stats, req.decode_interval)
+                             self.seed, stats, req.decode_interval, logprobs=logprobs, cumulative_logprob=cumulative,
+                             prompt_logprobs=self.prompt_logprobs())

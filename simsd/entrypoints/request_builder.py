@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 
 from ..decoding.config import check_prompt, check_prompt_ids, resolve
+from ..decoding.prompt_logprobs import prompt_logprobs
 from ..decoding.vanilla import VanillaRow
 from ..engine.scheduler import Request, SchedulerClosed
 from .builder import BuiltEngine
@@ -88,6 +89,9 @@ class RequestBuilder:
                 return decoder.new_row(row, seed, stop_ids, plan, verifier_class)
 
         def program(row, tail):
+            if params.prompt_logprobs is not None:  # at admission, on a scratch cache (the row's is untouched)
+                handle.prompt_entries = prompt_logprobs(self.target.model, ids, self.config.block_length,
+                                                        self.target.mask_token_id, params.prompt_logprobs)
             handle.program = new_program(row)
             return handle.program.program(tail, handle.on_block)
         handle.request = Request(ids, program, capacity, on_finish=handle.on_finish, request_id=rid)

@@ -257,13 +257,14 @@ class SelfExactVerifier(ExactVerifier):
         C = shape[0].shape[0]
         new, taken, accepted, node, valid = tree_verdict(mine[:C], tree.states, shape)
         copy = shape[4].index_select(0, node.view(1))[0]  # the valid node's copy (a finished one has none)
+        lp = self.revealing_logits(logits[:C], tree, shape, node)
         if leaf is None:
             self.draft.keep(logits, copy)
-            return Verdict(new, taken, accepted, valid, node)
+            return Verdict(new, taken, accepted, valid, node, logits=lp)
         self.draft.keep(logits, torch.where(node == leaf, C, copy))  # finished as proposed: the next block's
         self.draft.upcoming = logits[C].clone()  # else the
         # next block's first proposals, if this block ends without a lookahead
-        return Verdict(new, taken, accepted, valid, node, mine[C], leaf)
+        return Verdict(new, taken, accepted, valid, node, mine[C], leaf, lp, None if lp is None else logits[C])
 
 
 class SelfPaperVerifier(PaperVerifier):
@@ -280,6 +281,6 @@ class SelfPaperVerifier(PaperVerifier):
 
     def judge(self, rnd, logits):
         at = self.slots(rnd, logits)
-        verdict = self.accept(rnd, *self.verdicts(rnd, at))
+        verdict = self.accept(rnd, *self.verdicts(rnd, at), at)
         self.draft.logits = at
         return verdict

@@ -155,7 +155,7 @@ class SpecRow(RowProgram):
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
-        self.ahead = None  # (block, host) of the next block after its first step, taken by a lookahead round
+        self.ahead = None  # (block, host, logits) of the next block after its first step, taken by a lookahead round
         self.stats = Stats()
 
     def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
@@ -177,9 +177,12 @@ class SpecRow(RowProgram):
         if ahead is None:
             return super().new_block(tail)
         # the last round took this block's first step (a lookahead round: its logits are kept)
-        block, host = ahead
+        block, host, logits = ahead
         self.mark([self.mask_id] * len(host), host)
-        return BlockState(block, host, self.layouts.start("target"), 0, 1)
+        blk = BlockState(block, host, self.layouts.start("target"), 0, 1, lp=self.block_logprobs())
+        if blk.lp is not None:  # the first step's tokens, revealed from the lookahead copy's logits
+            blk.lp.note(logits, block, block != self.mask_id)
+        return blk
 
     def advance(self, blk: BlockState):
         """One round of the block, or a target step once it falls back (the paper's
@@ -226,9 +229,9 @@ class SpecRow(RowProgram):
         """One vanilla target step (one host read: its new block)."""
         self.carried = None
         before = blk.host
-        blk.block, _, _ = yield self.layouts.denoise(
-            "target", blk.block, Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start),
-                                      history=self.history))
+        step = Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start), keep_logits=blk.lp is not None,
+                    history=self.history)
+        self.stepped(blk, (yield self.layouts.denoise("target", blk.block, step)))
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
         self.stats.fallback_steps += 1
@@ -241,7 +244,9 @@ class SpecRow(RowProgram):
         before = blk.host
         step = Step(blk.block, blk.step, self.cfg, self.mask_id, self.key(blk.start), keep_logits=True,
                     history=self.history)
-        blk.block, _, _, self.verifier.draft.logits, _ = yield self.layouts.denoise("target", blk.block, step)
+        out = yield self.layouts.denoise("target", blk.block, step)
+        self.verifier.draft.logits = out[3]
+        self.stepped(blk, out)
         blk.host = self.read([blk.block], blk)
         self.mark(before, blk.host)
         self.stats.rounds += 1
@@ -336,7 +341,7 @@ class SpecRow(RowProgram):
             if self.dec.self_draft:
                 self.verifier.draft.observe(tree, node)
             if ahead and node == verdict.finished:  # finished as proposed: committed, the next block begun
-                self.ahead = (verdict.next, nxt)
+                self.ahead = (verdict.next, nxt, verdict.next_logits)
                 self.stats.lookahead_blocks += 1
             elif ahead:  # the proposed finished block was written to the cache: roll it back
                 self.row.truncate("target", self.row.cached["target"] - L)
@@ -348,6 +353,8 @@ class SpecRow(RowProgram):
             self.stats.proposed += len(proposals)
             accepted = set(proposals[:acc])
         self.stats.accepted += acc
+        if blk.lp is not None:  # the round's tokens, each from the logits that revealed it (Verdict.logits)
+            blk.lp.note(verdict.logits, new, new != rnd.block)
         self.mark(rnd.host, block_host, accepted)
         blk.block, blk.host = new, block_host
         blk.step += taken

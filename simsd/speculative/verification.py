@@ -207,3 +207,18 @@ def tree_verdict(mine: torch.Tensor, states: torch.Tensor, shape: tuple):
     new = stepped.index_select(0, valid.view(1))[0]
     taken = depth.index_select(0, valid.view(1))[0] + copies.index_select(0, valid.view(1))[0]
     return new, taken, (valid_state != states[0]).sum(), valid, valid_state
+
+
+def revealing_copies(states: torch.Tensor, shape: tuple, node: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Per block position, the verify copy whose target step revealed it on the path from the root
+    of a proposal tree to ``node`` (a 0-d device tensor: the round's deepest valid node,
+    :func:`tree_verdict`): the deepest node of that path (the root and ``node`` included) where the
+    position is still MASK; its copy's logits are those vanilla decoding revealed the position
+    from. ``states (N, L)``, ``shape``: as :func:`tree_verdict`. Returns ``(L,)`` int64 copy
+    indices on the device (no host read); positions known at the round's start get the root's
+    copy (their value is not read)."""
+    _, _, depth, _, rank, path = shape
+    on_path = path.index_select(0, node.view(1))[0].clone()
+    on_path[0] = True
+    score = ((states == mask_id) & on_path[:, None]).long() * (depth[:, None] + 1)
+    return rank.index_select(0, score.argmax(0))

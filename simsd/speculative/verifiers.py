@@ -34,6 +34,7 @@ from .verification import (
     accept_in_position_order,
     exact_layout,
     paper_layout,
+    revealing_copies,
     token_verdicts,
     tree_verdict,
 )
@@ -68,7 +69,10 @@ class Verdict(NamedTuple):
     from the round's block) and ``node``, its node in the round's proposal tree; a lookahead
     round (:class:`~simsd.speculative.self_draft.SelfExactVerifier`) gives ``next (L,)``, the
     next block after its first step under the proposed finished block (``finished``: that
-    block's node; it stands when ``node`` is it)."""
+    block's node; it stands when ``node`` is it). With log-probabilities asked for
+    (``DecodeConfig.logprobs``; None otherwise): ``logits (L, V)``, row ``i`` the target logits
+    that revealed position ``i`` when it is revealed this round (MASK excluded;
+    :mod:`simsd.decoding.logprobs`), and ``next_logits (L, V)``, those of ``next``."""
     block: torch.Tensor
     taken: torch.Tensor
     accepted: torch.Tensor
@@ -76,6 +80,8 @@ class Verdict(NamedTuple):
     node: torch.Tensor | None = None
     next: torch.Tensor | None = None
     finished: int | None = None
+    logits: torch.Tensor | None = None
+    next_logits: torch.Tensor | None = None
 
 
 class Verifier:
@@ -129,10 +135,20 @@ class ExactVerifier(Verifier):
     step + d`` on its state (with that step's noise: a :class:`~simsd.decoding.step.Step` over
     the copies, run by the engine), and a proposed step is accepted when it is that decision on
     its parent (:func:`~simsd.speculative.verification.tree_verdict`). A pending commit folds
-    into the forward as its shared prefix."""
+    into the forward as its shared prefix. A committed token's log-probability is read from the
+    copy whose step revealed it (:func:`~simsd.speculative.verification.revealing_copies`): that
+    copy is the state vanilla decoding stepped from, with the same logits."""
 
     #: the verify step hands back its copies' logits too (self-speculation proposes from them)
     keep_logits = False
+
+    def revealing_logits(self, logits: torch.Tensor, tree, shape, node: torch.Tensor) -> torch.Tensor | None:
+        """``(L, V)``: per position, the logits of the copy (``logits (C, L, V)``) whose target step
+        revealed it on the path to ``node`` (None when no log-probabilities are asked for)."""
+        if self.cfg.logprobs is None:
+            return None
+        copy = revealing_copies(tree.states, shape, node, self.mask_id)
+        return logits[copy, torch.arange(copy.shape[0], device=copy.device)]
 
     @staticmethod
     def tree_copies(tree, rnd: Round) -> tuple:
@@ -147,14 +163,15 @@ class ExactVerifier(Verifier):
         shape, copies, indices = self.tree_copies(tree, rnd)
         rnd.layout = (tree, shape, None)
         fwd = layouts.exact("target", *exact_layout(copies, rnd.start))
-        fwd.step = Step(copies, indices, self.cfg, self.mask_id, self.key(rnd.start), keep_logits=self.keep_logits,
-                        history=rnd.history)
+        fwd.step = Step(copies, indices, self.cfg, self.mask_id, self.key(rnd.start),
+                        keep_logits=self.keep_logits or self.cfg.logprobs is not None, history=rnd.history)
         return fwd
 
     def judge(self, rnd: Round, out) -> Verdict:
         tree, shape, _ = rnd.layout
         new, taken, accepted, node, valid = tree_verdict(out[0], tree.states, shape)  # out[0]: the copies' steps
-        return Verdict(new, taken, accepted, valid, node)
+        logits = None if self.cfg.logprobs is None else self.revealing_logits(out[3], tree, shape, node)
+        return Verdict(new, taken, accepted, valid, node, logits=logits)
 
 
 class PaperVerifier(Verifier):
@@ -205,14 +222,20 @@ class PaperVerifier(Verifier):
             rng = (u, step_noise([self.key(rnd.start, RESIDUAL, rnd.index)], 0, L, V, at.device)[0])
         return token_verdicts(at, d.final, d.probs, self.cfg.sampling, rng)
 
-    def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
-        return self.accept(rnd, *self.verdicts(rnd, self.slots(rnd, logits)))
+    def lp_logits(self, at: torch.Tensor) -> torch.Tensor | None:
+        """The verdict's ``logits``: the M slots' (None when no log-probabilities are asked for)."""
+        return None if self.cfg.logprobs is None else at
 
-    def accept(self, rnd: Round, ok: torch.Tensor, repl: torch.Tensor) -> Verdict:
-        """The round's verdict from the per-position verdicts (the draft's temporal order)."""
+    def judge(self, rnd: Round, logits: torch.Tensor) -> Verdict:
+        at = self.slots(rnd, logits)
+        return self.accept(rnd, *self.verdicts(rnd, at), at)
+
+    def accept(self, rnd: Round, ok: torch.Tensor, repl: torch.Tensor, at: torch.Tensor) -> Verdict:
+        """The round's verdict from the per-position verdicts (the draft's temporal order); ``at``
+        the M slots' logits (:meth:`slots`), the committed tokens' log-probabilities."""
         d = rnd.draft
         new, _, taken, acc = accept_in_order(rnd.block, d.final, d.tau, d.n, ok, repl)
-        return Verdict(new, taken, acc)
+        return Verdict(new, taken, acc, logits=self.lp_logits(at))
 
 
 class ReleaseVerifier(PaperVerifier):
@@ -249,10 +272,10 @@ class ReleaseVerifier(PaperVerifier):
     def acceptance_order(self, tau: list, n: int) -> list:
         return [i for i, t in enumerate(tau) if t <= n]
 
-    def accept(self, rnd: Round, ok: torch.Tensor, repl: torch.Tensor) -> Verdict:
+    def accept(self, rnd: Round, ok: torch.Tensor, repl: torch.Tensor, at: torch.Tensor) -> Verdict:
         d = rnd.draft
         new, acc = accept_in_position_order(rnd.block, d.final, d.tau <= d.n, ok, repl)
-        return Verdict(new, torch.zeros_like(acc), acc)
+        return Verdict(new, torch.zeros_like(acc), acc, logits=self.lp_logits(at))
 
 
 #: the verifier of each mode

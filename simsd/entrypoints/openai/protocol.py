@@ -3,9 +3,11 @@
 
 Fields follow OpenAI's Completions and Chat Completions APIs. Unknown fields are refused
 (400 naming the field): nothing a client asks for is silently ignored. OpenAI fields simsd
-cannot honour are accepted only at their neutral value (``logprobs`` off, no ``logit_bias``, no
-tools, text responses; a JSON ``response_format`` is refused naming it). ``n`` (at most
-:data:`~simsd.config.request.MAX_N`) and a completion's ``echo`` are served
+cannot honour are accepted only at their neutral value (no ``logit_bias``, no tools, text
+responses; a JSON ``response_format`` is refused naming it). ``n`` (at most
+:data:`~simsd.config.request.MAX_N`), a completion's ``echo`` and log-probabilities (a
+completion's ``logprobs: k``, with ``echo`` the prompt's too; chat's ``logprobs: true`` with
+``top_logprobs: k``; :meth:`_Common.logprob_fields`) are served
 (:mod:`simsd.entrypoints.openai.serving`). Every field of
 :class:`SamplingParams` is a request field under its name (generated from it: OpenAI's
 ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, ``presence_penalty``,
@@ -102,6 +104,10 @@ _Fields = create_model("_Fields", __base__=_OpenAI,
                        **{name: (_json_type(s), None) for name, s in settings_of(SamplingParams).items()})
 
 
+#: the range of a request's top log-probabilities (``SamplingParams.logprobs``'s)
+LOGPROBS = settings_of(SamplingParams)["logprobs"]
+
+
 class _Common(_Fields):
     #: OpenAI features simsd does not have, and the values that ask for none of them
     NEUTRAL: ClassVar[dict] = {"logit_bias": (None, {})}
@@ -131,6 +137,7 @@ class _Common(_Fields):
         """
         self.check_unsupported()
         given = {name: getattr(self, name) for name in settings_of(SamplingParams) if getattr(self, name) is not None}
+        given.update(self.logprob_fields())
         if max_tokens is not None:
             given["max_tokens"] = max_tokens
         if "strategy" in given and "threshold" not in given:
@@ -139,18 +146,30 @@ class _Common(_Fields):
             given["draft_threshold"] = None
         return dataclasses.replace(defaults, **given)
 
+    def logprob_fields(self) -> dict:
+        """The :class:`SamplingParams` log-probability fields the request asks for in OpenAI's
+        spelling (``logprobs``, ``prompt_logprobs``; only those it gives)."""
+        return {}
+
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
     or a list of lists of token ids (``n`` choices per prompt); ``echo``: each choice's text
-    starts with its prompt's (a token id prompt's decoded)."""
+    starts with its prompt's (a token id prompt's decoded); ``logprobs: k``: each token's
+    log-probability and the ``k`` most likely (OpenAI's legacy ``logprobs`` object; with ``echo``
+    the prompt's tokens too, the first one's None, as vLLM); ``prompt_logprobs: k`` (vLLM's):
+    the prompt's, in each choice's ``prompt_logprobs``."""
     prompt: Union[str, many(str), many(int), many(many(int))]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (None,), "best_of": (None, 1),
-                               "suffix": (None,)}
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "best_of": (None, 1), "suffix": (None,)}
+
+    def logprob_fields(self) -> dict:
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            return {"prompt_logprobs": self.logprobs}
+        return {}
 
     def prompts(self) -> list:
         """The prompts, ``n`` choices each (strings or lists of ids; an empty list is one empty prompt)."""
@@ -210,13 +229,21 @@ class ChatCompletionRequest(_Common):
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "logprobs": (False,), "top_logprobs": (None, 0), "tools": (None, []),
-               "tool_choice": (None, "none")}
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "tools": (None, []), "tool_choice": (None, "none"),
+                               "prompt_logprobs": (None,)}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ParamError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not LOGPROBS.ok(self.top_logprobs):
+            raise ParamError("top_logprobs", f"top_logprobs is {LOGPROBS.valid()}, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true (OpenAI's rule)")
+
+    def logprob_fields(self) -> dict:
+        """``logprobs: true`` with ``top_logprobs: k`` (0 when left out) is ``SamplingParams(logprobs=k)``."""
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {"logprobs": None}
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None = None) -> SamplingParams:
         return super().sampling_params(defaults, self.max_completion_tokens)

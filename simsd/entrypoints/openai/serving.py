@@ -10,6 +10,9 @@ given): choice index ``prompt * n + i``, OpenAI's order. A response's choices ca
 extension object each (:func:`extension`: ``seed``, ``stop_reason``, ``stats``) and the usage
 counts every choice's tokens and each prompt once (:func:`usage`). A completion with ``echo``
 has the prompt's text before each choice's (:func:`echo_text`; a stream sends it first).
+Log-probabilities, when asked for, come in OpenAI's shapes (:mod:`simsd.entrypoints.openai.logprobs`),
+streamed with the tokens of each chunk (a streamed ``echo`` then waits for its prompt's, computed
+when the request is admitted).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ...config.request import split_choices
 from ...engine.scheduler import SchedulerClosed
 from ..outputs import json_safe, request_failure
 from .errors import ModelNotFound, ServerStopped, error_body
+from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from .protocol import parse_request
 from .state import Call, ServerState
 
@@ -72,20 +76,29 @@ async def serve(request: Request, model, chat: bool):
     call = await Call.start(state, items, n, rid, "messages" if chat else "prompt", omitted)
     created = int(time.time())
     echo = [echo_text(state, h) for h in call.handles] if getattr(body, "echo", False) else None
+    k = params.logprobs
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(state, call, rid, created, chat, include_usage, echo),
+        return StreamingResponse(stream(state, call, rid, created, chat, include_usage, echo, k),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     outs = await collect(state, call, request)
     if outs is None:  # the client has gone
         return Response(status_code=499)
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": None if k is None else chat_logprobs(list(zip(o.token_ids, o.logprobs)), k),
                     "finish_reason": o.finish_reason, "simsd": extension(o)} for i, o in enumerate(outs)]
     else:
-        choices = [{"index": i, "text": o.text if echo is None or o.text is None else echo[i] + o.text,
-                    "logprobs": None, "finish_reason": o.finish_reason, "simsd": extension(o)}
-                   for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            toks = list(zip(o.token_ids, o.logprobs or ()))
+            if echo is not None and k is not None:
+                toks = list(zip(o.prompt_token_ids, o.prompt_logprobs)) + toks
+            choices.append({"index": i, "text": o.text if echo is None or o.text is None else echo[i] + o.text,
+                            "logprobs": None if k is None else completion_logprobs(toks, 0, token_text(state)),
+                            "finish_reason": o.finish_reason, "simsd": extension(o)})
+            if body.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name, "choices": choices, "usage": usage(outs, n)}
 
@@ -105,6 +118,12 @@ def echo_text(state: ServerState, handle) -> str | None:
         return handle.prompt
     tok = state.llm.tokenizer
     return None if tok is None else tok.decode(handle.prompt_token_ids)
+
+
+def token_text(state: ServerState):
+    """``decode(token_id) -> str`` of the served tokenizer (None without one)."""
+    tok = state.llm.tokenizer
+    return None if tok is None else (lambda t: tok.decode([t]))
 
 
 def extension(o) -> dict:
@@ -155,10 +174,12 @@ async def collect(state: ServerState, call: Call, request: Request):
 
 
 async def stream(state: ServerState, call: Call, rid: str, created: int, chat: bool, include_usage: bool,
-                 echo: list | None = None):
+                 echo: list | None = None, k: int | None = None):
     """Server-sent events of a streaming call: with ``echo`` (a completion's) a first chunk per
-    choice with its prompt's text, a chunk per finished block with its text (each chunk names
-    its choice by ``index``), a final
+    choice with its prompt's text (with log-probabilities, ``k`` not None: sent with the choice's
+    first event, the prompt's log-probabilities with it), a chunk per finished block with its
+    text and, with ``k``, its tokens' log-probabilities (each chunk names its choice by
+    ``index``), a final
     chunk per choice (``finish_reason``, ``simsd``; the last one with the usage of all), with
     ``include_usage`` OpenAI's usage-only chunk, then ``data: [DONE]``; an error chunk and
     ``[DONE]`` when a request fails or the server stops the call. While nothing comes for
@@ -172,9 +193,21 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
         body.update(extra)
         return f"data: {json.dumps(body)}\n\n"
 
-    def piece(i, text, finish=None, ext=None) -> dict:
-        c = ({"index": i, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
-             if chat else {"index": i, "text": text, "logprobs": None, "finish_reason": finish})
+    offsets = [0] * len(call.handles)  # the text offset of each choice's next token
+
+    def lp(i, tokens):
+        if k is None or not tokens:
+            return None
+        if chat:
+            return chat_logprobs(tokens, k)
+        out = completion_logprobs(tokens, offsets[i], token_text(state))
+        offsets[i] = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    def piece(i, text, finish=None, ext=None, tokens=()) -> dict:
+        logprobs = lp(i, tokens)
+        c = ({"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": finish}
+             if chat else {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
         if ext is not None:
             c["simsd"] = ext
         return c
@@ -182,13 +215,23 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
     outs = [None] * len(call.handles)
     left = len(outs)
     get = None
+    echoing = list(echo or ())  # the echo chunks still to send (with log-probabilities: at the choice's first event)
+
+    def echoed(i):
+        text, echoing[i] = echoing[i], None
+        if k is None:
+            return chunk([piece(i, text)]) if text else None
+        h = call.handles[i]
+        return chunk([piece(i, text or "", tokens=list(zip(h.prompt_token_ids, h.prompt_logprobs())))])
+
     try:
         if chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(outs))])
-        for i, text in enumerate(echo or ()):
-            if text:
-                yield chunk([piece(i, text)])
+        for i in range(len(echoing) if k is None else 0):
+            first = echoed(i)
+            if first:
+                yield first
         while left:
             get = get or asyncio.ensure_future(call.queue.get())
             done, _ = await asyncio.wait({get}, timeout=state.sse_keepalive)
@@ -199,9 +242,14 @@ async def stream(state: ServerState, call: Call, rid: str, created: int, chat: b
             if kind == "stopped":
                 yield f"data: {json.dumps(error_body(payload, type_='server_error', code='shutting_down'))}\n\n"
                 break
+            if echoing and kind in ("delta", "done") and echoing[i] is not None:
+                first = echoed(i)
+                if first:
+                    yield first
             if kind == "delta":
-                if payload[0]:
-                    yield chunk([piece(i, payload[0])])
+                tokens = list(zip(payload[1], payload[2] or ()))
+                if payload[0] or (k is not None and tokens):
+                    yield chunk([piece(i, payload[0], tokens=tokens)])
             elif kind == "done":
                 outs[i] = payload
                 left -= 1

@@ -131,3 +131,20 @@ def test_gpu_syncs_equal_rounds(mode):
     rounds = totals(out, "rounds")
     sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs)
     assert rounds <= len(syncs) <= rounds + 2, (rounds, len(syncs), sites.most_common(8))
+
+
+@pytest.mark.parametrize("mode", ["exact", "paper", "vanilla"])
+def test_logprobs_add_one_read_per_block(pair, mode):
+    """Log-probabilities, when asked for, are read once per finished block (with none asked for,
+    the counts above hold: nothing is computed)."""
+    target, draft = pair
+    cfg = DecodeConfig(block_length=4, max_new_tokens=24, sampling=SamplingParams(temperature=1.0), logprobs=2)
+    with HostReads() as reads:
+        if mode == "vanilla":
+            out = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, [])
+        else:
+            out = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode=mode))
+    per_step = totals(out, "target_forwards") - totals(out, "blocks") + len(PROMPTS) if mode == "vanilla" else \
+        totals(out, "rounds")
+    assert reads.count == per_step + totals(out, "blocks")
+    assert all(len(r.logprobs) == len(r.token_ids) for r in out.results)

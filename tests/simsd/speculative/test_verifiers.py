@@ -147,5 +147,6 @@ def test_paper_judge_greedy():
 
 
 def test_verdict_and_sampling_flags():
-    assert Verdict._fields == ("block", "taken", "accepted", "valid", "node", "next", "finished")
+    assert Verdict._fields == ("block", "taken", "accepted", "valid", "node", "next", "finished", "logits",
+                               "next_logits")
     assert PaperVerifier.rejection_sampling and not ExactVerifier.rejection_sampling

@@ -206,7 +206,7 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "n": 0}, "n", "n must be an integer in [1, 16], got 0"),
     ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs", "in [0, 20], got 21"),
     ({"model": NAME, "prompt": "hi", "frobnicate": 1}, "frobnicate", "Extra inputs"),
     ({"model": NAME, "prompt": "hi", "gamma": 9}, "gamma", "block length"),
     ({"model": NAME, "prompt": "hi", "strategy": "dynamic", "draft_threshold": 1.5}, "draft_threshold", "[0, 1]"),
@@ -268,7 +268,8 @@ def test_bad_completion_requests_are_400_naming_the_field(url, body, param, word
     ({"model": NAME, "messages": [{"role": "user"}]}, "messages.0.content"),
     ({"model": NAME, "messages": [{"role": "user", "content": []}]}, "messages.0.content"),
     ({"model": NAME, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({"model": NAME, "messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"model": NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"model": NAME, "messages": CHAT, "prompt_logprobs": 2}, "prompt_logprobs"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(url, body, param):
     with httpx.Client(base_url=url, timeout=TIMEOUT) as h:
