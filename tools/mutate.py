@@ -137,6 +137,8 @@ VFY, PROG = "simsd/speculative/verifiers.py", "simsd/decoding/program.py"
 STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
 LAY = "simsd/decoding/layouts.py"
 LOGPROBS_MODES = "tests/simsd/speculative/test_logprobs_modes.py"
+PENALTIES = "tests/simsd/decoding/test_penalties.py"
+EXACT_PENALTIES = "tests/simsd/speculative/test_exact_penalties.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
 OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
@@ -336,8 +338,8 @@ MUTANTS = [
       'self.finish_reason, self.stop_reason = "stop", t; self._text += self.detok.push([t])', CLI, USER,
       note="the text keeps the stop token"),
     m("user path", "simsd/decoding/config.py",
-      "sampling=StepSampling(params.temperature, params.top_k, params.top_p),",
-      "sampling=StepSampling(params.temperature, params.top_k, 1.0),", API,
+      "sampling=StepSampling(params.temperature, params.top_k, params.top_p, params.presence_penalty,",
+      "sampling=StepSampling(params.temperature, params.top_k, 1.0, params.presence_penalty,", API,
       note="the API ignores a request's top_p"),
     m("user path", "simsd/entrypoints/encoding.py", "any(t + r in rendered for r in roles)",
       "any(t in rendered for r in roles)", OPTIONS,
@@ -765,8 +767,8 @@ MUTANTS = [
       note="a proposed finished block that was not committed stays in the cache"),
     m("lookahead", SR, "if ahead and node == verdict.finished:", "if ahead:", SELF,
       note="the next block begun from a lookahead whose finished block was rejected"),
-    m("lookahead", SD, "keys + [self.key(rnd.start + L)], keep_logits=True)",
-      "keys + [self.key(rnd.start)], keep_logits=True)", SELF,
+    m("lookahead", SD, "keys + [self.key(rnd.start + L)], keep_logits=True, history=history)",
+      "keys + [self.key(rnd.start)], keep_logits=True, history=history)", SELF,
       note="the next block's first step drawn with this block's noise key"),
     m("lookahead", SR, "self.stats.lookahead_blocks += 1", "self.stats.lookahead_blocks += 0", SELF,
       note="lookahead_blocks never counts"),
@@ -890,6 +892,26 @@ MUTANTS = [
     m("logprobs", "simsd/decoding/logprobs.py", "lp = torch.log_softmax(logits.float(), dim=-1)",
       "lp = torch.log_softmax(logits.float() / 0.9, dim=-1)", "tests/simsd/decoding/test_logprobs.py",
       note="logprobs of a temperature-scaled distribution, not the raw one"),
+    # issue 38: penalties, response_format, the one default mode --------------------------------------
+    m("penalties", "simsd/decoding/penalties.py", "logits.mul_(torch.where(logits > 0, 1.0 / r, r))",
+      "logits.mul_(torch.where(logits > 0, r, 1.0 / r))", PENALTIES,
+      note="the repetition penalty raises a repeated token's positive logit (the factor inverted)"),
+    m("penalties", "simsd/decoding/penalties.py", "revealed = torch.where(h.output, states[a:b], h.mask_id)",
+      "revealed = states[a:b]", PENALTIES, note="the prompt tail that opens the first block counted as output"),
+    m("penalties", "simsd/decoding/penalties.py", "seen[a:b].index_fill_(1, h.prompt, True)", "pass", PENALTIES,
+      note="the prompt's tokens not counted by the repetition penalty"),
+    m("penalties", "simsd/decoding/penalties.py", "tokens = torch.cat([h.tokens, torch.where(h.output, block, "
+      "self.mask_id)])", "tokens = h.tokens", PENALTIES, note="finished blocks never counted as output"),
+    m("penalties", SD, "history = [rnd.history] * C + [rnd.history.after(tree.states[leaf])]",
+      "history = [rnd.history] * (C + 1)", EXACT_PENALTIES,
+      note="a lookahead's next-block copy penalised without the proposed finished block"),
+    m("response format", "simsd/config/vllm_names.py", '"response_format": Lacks(STRUCTURED, (TEXT, None), "OpenAI"),',
+      '"response_format": Lacks(STRUCTURED, (TEXT, None, {"type": "json_object"}), "OpenAI"),', PENALTIES,
+      "tests/simsd/entrypoints/openai/test_penalties_format.py", note="a JSON response_format taken (plain text sent)"),
+    m("default mode", "simsd/entrypoints/builder.py",
+      "return DEFAULT_DRAFT if Path(target).resolve() == DEFAULT_TARGET.resolve() else SELF_DRAFT",
+      "return DEFAULT_DRAFT", "tests/simsd/entrypoints/test_cli.py",
+      note="any target paired with the bundled tiny draft by default (refused: not its draft)"),
 ]
 
 

@@ -12,6 +12,18 @@ from simsd.decoding.sampling import StepSampling
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.speculative import SpecConfig, SpeculativeDecoder
 
+#: the bundled target's served name, the seconds a test request may take, a chat and a prompt of ids
+NAME = "tiny-sdar-target"
+TIMEOUT = 120
+CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
+IDS = [11, 12, 13, 14, 15]
+
+
+def post(url: str, path: str, **body):
+    """The httpx response of a POST of ``body`` (with ``model``: :data:`NAME`) to ``url + path``."""
+    import httpx
+    return httpx.post(url + path, json={"model": NAME, **body}, timeout=TIMEOUT)
+
 
 def single(llm, ids, params, seed):
     """One prompt through the existing batch decoders (the CLI's code path), alone."""

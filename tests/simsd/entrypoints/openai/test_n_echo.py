@@ -10,15 +10,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from simsd.config.request import choice_seed  # noqa: E402
-
-NAME = "tiny-sdar-target"
-TIMEOUT = 120
-CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
-IDS = [11, 12, 13, 14, 15]
+from tests.simsd.entrypoints import serving  # noqa: E402
+from tests.simsd.entrypoints.serving import CHAT, IDS, NAME, TIMEOUT  # noqa: E402
 
 
 def post(url, path, **body):
-    r = httpx.post(url + path, json={"model": NAME, **body}, timeout=TIMEOUT)
+    r = serving.post(url, path, **body)
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -9,17 +9,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from simsd import SamplingParams  # noqa: E402
+from tests.simsd.entrypoints.serving import CHAT, IDS, NAME, post  # noqa: E402
 
-NAME = "tiny-sdar-target"
-TIMEOUT = 120
-CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
-IDS = [11, 12, 13, 14, 15]
 PEN = [{"presence_penalty": 1.5}, {"frequency_penalty": 1.0, "temperature": 1.0, "seed": 3},
        {"repetition_penalty": 2.0, "presence_penalty": -0.5}]
-
-
-def post(url, path, **body):
-    return httpx.post(url + path, json={"model": NAME, **body}, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("pen", PEN)

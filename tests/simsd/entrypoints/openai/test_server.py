@@ -17,16 +17,15 @@ from simsd import LLM, SamplingParams  # noqa: E402
 from simsd.entrypoints.openai.api_server import build_app  # noqa: E402
 from simsd.speculative.spec_row import SpecRow  # noqa: E402
 from tests.simsd.entrypoints.serving import (  # noqa: E402
+    CHAT,
+    NAME,
+    TIMEOUT,
     doc_blocks,
     readme_blocks,
     running_server,
     single_text,
     wait_for,
 )
-
-NAME = "tiny-sdar-target"
-TIMEOUT = 120
-CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 
 
 @pytest.fixture
