@@ -40,9 +40,9 @@ def fwd_source(dtype, head_dim, group, block_m):
 
     ptr = ELT[dtype]
     sig = {n: ptr for n in ("QR", "KR", "V", "KC", "VC", "OUT")}
-    sig.update(SEQLENS="*i32", LABELS="*i32", O_PART="*fp32", LSE_PART="*fp32")
-    strides = ("sqb sqt sqh skb skt skh svb svt svh skcb skct skch svcb svct svch slb slt sob sot soh").split()
-    runtime = "Lq Hq Lmax total_rows mask_mode num_splits min_tiles invariant".split()
+    sig.update(SEQLENS="*i32", LABELS="*i32", O_PART="*fp32", LSE_PART="*fp32", BT="*i32")
+    strides = ("sqb sqt sqh skb skt skh svb svt svh skcp skct skch svcp svct svch slb slt sob sot soh").split()
+    runtime = "Lq Hq Lmax total_rows mask_mode num_splits min_tiles invariant page_size sbt".split()
     sig.update({n: "i32" for n in strides + runtime})
     sig.update(qk_scale="fp32")
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, UPCAST=False,
@@ -88,7 +88,8 @@ def append_source(dtype, head_dim):
     from triton_ops.append_kv import append_kv_kernel as fn
 
     ptr = ELT[dtype]
-    sig = dict(K=ptr, V=ptr, POS="*i64", KC=ptr, VC=ptr, SEQLENS="*i32", log2_theta_hi="fp32", log2_theta_lo="fp32")
+    sig = dict(K=ptr, V=ptr, POS="*i64", KC=ptr, VC=ptr, SEQLENS="*i32", BT="*i32", log2_theta_hi="fp32",
+               log2_theta_lo="fp32")
     for n in fn.arg_names:
         sig.setdefault(n, "i32")
     consts = dict(HEAD_DIM=head_dim, BLOCK_T=16)
