@@ -133,7 +133,7 @@ def _check_caches(k_cache, v_cache, B: int, Hkv: int, D: int, dtype, block_table
         _check(name, t, 4, dtype)
         if block_table is None and (t.shape[0] != B or t.shape[2:] != (Hkv, D)):
             raise ValueError(f"{name} must be (B={B}, Lmax, Hkv={Hkv}, D={D}), got {tuple(t.shape)}")
-        if block_table is not None and (t.shape[0] < 1 or t.shape[1] < 1 or t.shape[2:] != (Hkv, D)):
+        if block_table is not None and t.shape[2:] != (Hkv, D):
             raise ValueError(f"{name} must be a page pool (num_pages, page_size, Hkv={Hkv}, D={D}), "
                              f"got {tuple(t.shape)}")
     if block_table is not None:

@@ -74,7 +74,8 @@ def _pages(k_cache, block_table, batch: int):
     """``(block_table, page_size, capacity)`` of a launch (the one-page-per-row table when None)."""
     if block_table is None:
         block_table = identity_table(batch, k_cache.device)
-    return block_table, k_cache.shape[1], k_cache.shape[1] * block_table.shape[1]
+    # a pool of empty pages (capacity 0) is read and written nowhere: any page size >= 1 will do
+    return block_table, max(1, k_cache.shape[1]), k_cache.shape[1] * block_table.shape[1]
 
 
 def _check_backend_args(q):
