@@ -328,7 +328,11 @@ def _fused_numerics(angle_factor=1.0, scale_factor=1.0, p_in_dtype=False):
     """The reference with the fused kernels' rounding (q, k rotated once in float32), optionally
     with a wrong softmax scale or RoPE angle, or with the softmax weights rounded to the input dtype
     per 64-key tile before the PV product (as the tensor-core kernels do)."""
-    def attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
+    def attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale, block_table=None):
+        if block_table is not None:  # the paged check: the rows' slots gathered through the table
+            from simsd_kernels.paging import gather_rows
+            kc, vc = (gather_rows(c, block_table, c.shape[1], slice(None), c.shape[1] * block_table.shape[1])
+                      for c in (kc, vc))
         qr, kr = _rotate(q, pos, theta, angle_factor), _rotate(k, pos, theta, angle_factor)
         if not p_in_dtype:
             return torch_attention(qr, kr, v, kc, vc, lens, labels, torch.zeros_like(pos), mode, theta,
