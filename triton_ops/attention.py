@@ -12,10 +12,13 @@ so every K/V tile is loaded once for the whole GQA group; ``BLOCK_M`` is 16, 32 
   invariant flag are runtime arguments, so one compiled variant serves every plan; each program
   derives its tiles from ``cache_seqlens[b]`` (graph-safe).
 * The cache is a page pool read through the block table (``simsd_kernels.paging``): key ``n`` of
-  row ``b`` is at page ``BT[b, n // page_size]``, offset ``n % page_size``, looked up per key
-  (as vLLM's Triton ``unified_attention``), so a tile may straddle pages and the page size needs no
-  relation to ``BLOCK_N``; the contiguous cache is one page of ``Lmax`` per row (the same code).
-  The page ids of a partial tile's keys past the row are not loaded.
+  row ``b`` is at page ``BT[b, n // page_size]``, offset ``n % page_size``. ``ONE_PAGE`` (a table of
+  one page per row: the contiguous cache) looks the row's page up once, before the tile loop, and
+  the tiles' addresses stay affine (Triton's pipeliner multi-buffers them as before paging; a
+  page id loaded inside the loop stops that: 72 KB of shared memory instead of 137 KB at sm_90,
+  D128); otherwise the page is looked up per key (as vLLM's Triton ``unified_attention``: a tile
+  may straddle pages, the page size needs no relation to ``BLOCK_N``). The page ids of a partial
+  tile's keys past the row are not loaded.
 * Cache tiles need no mask work except the bound of the last partial tile. New-token tiles get the
   mask from int32 labels (``common.allowed``, a mirror of ``simsd_kernels.mask_rule.allowed``, the
   mode a runtime argument); a tile no query row of the program may see is skipped (exact: a fully
@@ -73,12 +76,16 @@ def _online_softmax_step(acc, m_i, l_i, qk, v, ELT: tl.constexpr, UPCAST: tl.con
 @triton.jit
 def _cache_tile(acc, m_i, l_i, q, kc_base, vc_base, bt_row, page_size, skcp, skct, svcp, svct, start, hi, qk_scale,
                 offs_n, offs_d, MASKED: tl.constexpr, ELT: tl.constexpr, UPCAST: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, ONE_PAGE: tl.constexpr):
     n = start + offs_n
     ok = n < hi
-    page, off = page_rows(bt_row, n, page_size, ok)
-    kt_ptr = kc_base + (page * skcp + off * skct)[None, :] + offs_d[:, None]  # (HEAD_DIM, BLOCK_N): K^T
-    v_ptr = vc_base + (page * svcp + off * svct)[:, None] + offs_d[None, :]
+    if ONE_PAGE:  # the bases are at the row's one page already: affine addresses
+        kt_ptr = kc_base + n[None, :] * skct + offs_d[:, None]  # (HEAD_DIM, BLOCK_N): K^T
+        v_ptr = vc_base + n[:, None] * svct + offs_d[None, :]
+    else:  # a page id per key
+        page, off = page_rows(bt_row, n, page_size, ok)
+        kt_ptr = kc_base + (page * skcp + off * skct)[None, :] + offs_d[:, None]
+        v_ptr = vc_base + (page * svcp + off * svct)[:, None] + offs_d[None, :]
     if MASKED:
         kt = upcast(tl.load(kt_ptr, mask=ok[None, :], other=0.0), UPCAST)
         v = upcast(tl.load(v_ptr, mask=ok[:, None], other=0.0), UPCAST)
@@ -99,7 +106,7 @@ def temporal_attn_fwd_kernel(
     slb, slt, sob, sot, soh,
     Lq, Hq, Lmax, total_rows, qk_scale, mask_mode, num_splits, min_tiles, invariant, page_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ONE_PAGE: tl.constexpr,
 ):
     ELT: tl.constexpr = KC.dtype.element_ty
     pid_m = tl.program_id(0)
@@ -129,15 +136,20 @@ def temporal_attn_fwd_kernel(
         lo = c_lo * BLOCK_N
         hi = tl.minimum(c_hi * BLOCK_N, seqlen)
         hi_full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        bt_row = BT + b * sbt
         kc_base = KC + hkv * skch
         vc_base = VC + hkv * svch
-        bt_row = BT + b * sbt
+        if ONE_PAGE:  # the row's one page, looked up once (the loads stay affine: pipelined as before paging)
+            row_page = tl.load(bt_row).to(tl.int64)
+            kc_base += row_page * skcp
+            vc_base += row_page * svcp
         for start in range(lo, hi_full, BLOCK_N):
             acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, kc_base, vc_base, bt_row, page_size, skcp, skct, svcp, svct,
-                                        start, hi, qk_scale, offs_n, offs_d, False, ELT, UPCAST, DOT_PREC)
+                                        start, hi, qk_scale, offs_n, offs_d, False, ELT, UPCAST, DOT_PREC, ONE_PAGE)
         if hi_full < hi:
             acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, kc_base, vc_base, bt_row, page_size, skcp, skct, svcp, svct,
-                                        hi_full, hi, qk_scale, offs_n, offs_d, True, ELT, UPCAST, DOT_PREC)
+                                        hi_full, hi, qk_scale, offs_n, offs_d, True, ELT, UPCAST, DOT_PREC,
+                                        ONE_PAGE)
 
         # ---- new-token tiles of this split: mask from labels, invisible tiles skipped
         lab_q = LABELS + b * slb + tok * slt

@@ -46,6 +46,8 @@ TRITON_VERSION = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2
 OLD_TRITON_D128 = TRITON_VERSION < (3, 9)
 #: an explicit register cap: without it ptxas stops at 168 registers and spills for some groups
 MAXNREG = 255
+#: warps of the cache write (append_kv_kernel)
+APPEND_WARPS = 4
 #: True when ``TRITON_INTERPRET=1`` was set before the kernels were defined
 INTERPRETED = type(temporal_attn_fwd_kernel).__name__ == "InterpretedFunction"
 
@@ -161,7 +163,7 @@ def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labe
         Lq, Hq, capacity, total_rows, softmax_scale * math.log2(math.e), int(mask_mode),
         num_splits, min_tiles, invariant, page_size,
         GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=INTERPRETED,
-        DOT_PREC="ieee" if (fp32 or INTERPRETED) else "tf32",
+        DOT_PREC="ieee" if (fp32 or INTERPRETED) else "tf32", ONE_PAGE=block_table.shape[1] == 1,
         num_warps=warps, num_stages=stages, maxnreg=MAXNREG,
     )
     if num_splits > 1:
@@ -187,6 +189,7 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
         return
     block_t = 16
     grid = (B, Hkv, triton.cdiv(num_tokens, block_t))
+    # 4 warps: with its page lookup the D128 write spills 24 bytes at sm_90 in 2 (tests/kernels/sm90_compile.py)
     block_table, page_size, capacity = _pages(k_cache, block_table, B)
     append_kv_kernel[grid](
         k, v, positions, k_cache, v_cache, cache_seqlens, block_table, num_tokens, capacity, page_size,
@@ -195,7 +198,7 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         *_split_f64(math.log2(rope_theta)),
-        HEAD_DIM=D, BLOCK_T=block_t, ROTATE=bool(rotate), num_warps=2,
+        HEAD_DIM=D, BLOCK_T=block_t, ROTATE=bool(rotate), num_warps=APPEND_WARPS,
     )
 
 
