@@ -109,7 +109,7 @@ else
         tests/kernels/test_append_kv.py tests/kernels/test_mask_mirror.py tests/kernels/test_custom_ops.py
         tests/kernels/test_hf_adapter.py tests/kernels/test_flex_mask.py tests/kernels/test_backend_selfcheck.py"
     GROUP_ENGINE="-m gpu tests/simsd"
-    GROUP_DOOR="tests/kernels/test_door.py"
+    GROUP_DOOR="tests/kernels/test_door.py tests/kernels/test_paged_door.py"
     GROUP_MOE="tests/kernels/test_fused_moe.py"
     BENCH_ATT=(--quick --flex-budget 25)
     BENCH_E2E=(--quick --target-shape 8b,30b-a3b)

@@ -19,8 +19,8 @@ bool strides_aligned(const int64_t* s, int n, int64_t elems) {
 int check_params(const simsd_attention_params& p, simsd_dtype dtype) {
   if (dtype != SIMSD_F16 && dtype != SIMSD_BF16 && dtype != SIMSD_F32) return SIMSD_ERR_DTYPE;
   if (p.D != 64 && p.D != 128) return SIMSD_ERR_HEAD_DIM;
-  if (p.B < 0 || p.Lq < 0 || p.Lmax < 0 || p.Hq <= 0 || p.Hkv <= 0 || p.Hq % p.Hkv || p.num_splits < 1 ||
-      p.num_splits > 65535 || (int64_t)p.B * p.Hkv > 65535 || p.split_min_tiles < 1 ||
+  if (p.B < 0 || p.Lq < 0 || p.Lmax < 0 || p.page_size < 1 || p.block_table == nullptr || p.Hq <= 0 ||
+      p.Hkv <= 0 || p.Hq % p.Hkv || p.num_splits < 1 || p.num_splits > 65535 || (int64_t)p.B * p.Hkv > 65535 || p.split_min_tiles < 1 ||
       (int64_t)p.B * p.Lq > 2147483647LL)
     return SIMSD_ERR_SHAPE;
   if (dtype != SIMSD_F32 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) return SIMSD_ERR_SHAPE;

@@ -3,8 +3,9 @@
 //
 // One thread per (b, i, kv head, pair index c < D/2): reads k[b, i, h, c] and k[..., c + D/2],
 // writes the pair, rotated when p.rotate (else as it is: the attention door's k_rot), to
-// k_cache[b, cache_seqlens[b] + i, h, {c, c + D/2}] and copies the two v elements. Slots >= Lmax
-// are skipped (documented in simsd_attention.h).
+// slot cache_seqlens[b] + i of row b (its page and offset through the block table:
+// page_offset) at head h, {c, c + D/2}, and copies the two v elements. Slots >= Lmax are skipped
+// (documented in simsd_attention.h).
 #include <math.h>
 
 #include "common.cuh"
@@ -27,8 +28,11 @@ __global__ void append_kv_kernel(const simsd_append_kv_params p) {
 
     const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + i * p.k_stride[1] + h * p.k_stride[2];
     const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + i * p.v_stride[1] + h * p.v_stride[2];
-    T* kc = static_cast<T*>(p.k_cache) + b * p.kc_stride[0] + slot * p.kc_stride[1] + h * p.kc_stride[2];
-    T* vc = static_cast<T*>(p.v_cache) + b * p.vc_stride[0] + slot * p.vc_stride[1] + h * p.vc_stride[2];
+    const int32_t* bt = p.block_table + (int64_t)b * p.block_table_stride;
+    T* kc = static_cast<T*>(p.k_cache) + page_offset(bt, slot, p.page_size, p.kc_stride[0], p.kc_stride[1]) +
+            h * p.kc_stride[2];
+    T* vc = static_cast<T*>(p.v_cache) + page_offset(bt, slot, p.page_size, p.vc_stride[0], p.vc_stride[1]) +
+            h * p.vc_stride[2];
 
     if (p.rotate) {
       const float pos = static_cast<float>(p.positions[(int64_t)b * p.positions_stride + i]);
@@ -63,7 +67,9 @@ int launch(const simsd_append_kv_params& p, cudaStream_t stream) {
 
 extern "C" int simsd_append_kv(const simsd_append_kv_params* p, simsd_dtype dtype, void* stream) {
   if (p->D <= 0 || p->D % 2) return SIMSD_ERR_HEAD_DIM;
-  if (p->B < 0 || p->num_tokens < 0 || p->Hkv < 0 || p->Lmax < 0) return SIMSD_ERR_SHAPE;
+  if (p->B < 0 || p->num_tokens < 0 || p->Hkv < 0 || p->Lmax < 0 || p->page_size < 1 ||
+      p->block_table == nullptr)
+    return SIMSD_ERR_SHAPE;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case SIMSD_F16:

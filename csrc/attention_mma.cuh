@@ -74,6 +74,24 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* base, int64_t r
   }
 }
 
+// The same from a page pool (simsd_kernels/paging.py): row r is logical slot n0 + r of the row
+// whose block-table row is bt, at page bt[(n0 + r) / page_size], offset (n0 + r) % page_size (looked
+// up per row: a tile may straddle pages); rows >= nvalid are zero-filled from slot n0's address.
+template <typename T, int D>
+__device__ __forceinline__ void load_page_tile_async(T* dst, const T* base, const int32_t* bt, int page_size,
+                                                     int64_t page_stride, int64_t slot_stride, int n0, int nvalid) {
+  constexpr int kChunks = D / 8;
+  constexpr int kPerThread = layout::kBlockN * kChunks / 128;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int u = threadIdx.x + k * 128;
+    const int r = u / kChunks, c = u % kChunks;
+    const bool ok = r < nvalid;
+    const T* src = base + page_offset(bt, n0 + (ok ? r : 0), page_size, page_stride, slot_stride) + c * 8;
+    cp_async16(dst + layout::swz_offset(r, c * 8, kChunks), src, ok);
+  }
+}
+
 // One 64-key tile for this warp: S = Q K^T over its keys, mask, online softmax, O += P V.
 // Keys >= nvalid are masked; NEW also applies the label rule (key labels read from global memory).
 template <typename T, int D, int WM, bool NEW>
@@ -219,8 +237,9 @@ attention_mma_kernel(const simsd_attention_params p) {
   const int n_cache = tr.cache_hi - tr.cache_lo;
   const int n_tiles = n_cache + max(new_hi - new_lo, 0);
 
-  const T* kc = static_cast<const T*>(p.k_cache) + b * p.kc_stride[0] + hkv * p.kc_stride[2];
-  const T* vc = static_cast<const T*>(p.v_cache) + b * p.vc_stride[0] + hkv * p.vc_stride[2];
+  const T* kc = static_cast<const T*>(p.k_cache) + hkv * p.kc_stride[2];
+  const T* vc = static_cast<const T*>(p.v_cache) + hkv * p.vc_stride[2];
+  const int32_t* bt = p.block_table + (int64_t)b * p.block_table_stride;
   const T* kn = static_cast<const T*>(p.k_rot) + ((int64_t)b * p.Lq * p.Hkv + hkv) * D;
   const T* vn = static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[2];
   const int64_t kn_stride = (int64_t)p.Hkv * D;
@@ -232,8 +251,9 @@ attention_mma_kernel(const simsd_attention_params p) {
       if (i < n_cache) {
         const int n0 = (tr.cache_lo + i) * C::kBlockN;
         const int nvalid = min(C::kBlockN, cache_len - n0);
-        load_tile_async<T, D>(sK, kc, p.kc_stride[1], n0, nvalid);
-        load_tile_async<T, D>(sK + C::kTileElems, vc, p.vc_stride[1], n0, nvalid);
+        load_page_tile_async<T, D>(sK, kc, bt, p.page_size, p.kc_stride[0], p.kc_stride[1], n0, nvalid);
+        load_page_tile_async<T, D>(sK + C::kTileElems, vc, bt, p.page_size, p.vc_stride[0], p.vc_stride[1], n0,
+                                   nvalid);
       } else {
         const int n0 = (new_lo + i - n_cache) * C::kBlockN;
         const int nvalid = min(C::kBlockN, p.Lq - n0);

@@ -70,10 +70,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simple_kernel(c
   const int active = layout::split_active(p.num_splits, p.split_min_tiles, invariant, cache_len, p.Lq);
   if (split >= active) return;  // the merge reads splits [0, active) only
   const layout::TileRange tr = layout::split_range(split, p.num_splits, p.split_min_tiles, invariant, cache_len, p.Lq);
-  const float* kc = static_cast<const float*>(p.k_cache) + b * p.kc_stride[0] + hkv * p.kc_stride[2];
-  const float* vc = static_cast<const float*>(p.v_cache) + b * p.vc_stride[0] + hkv * p.vc_stride[2];
+  const float* kc = static_cast<const float*>(p.k_cache) + hkv * p.kc_stride[2];
+  const float* vc = static_cast<const float*>(p.v_cache) + hkv * p.vc_stride[2];
+  const int32_t* bt = p.block_table + (int64_t)b * p.block_table_stride;
   const int kend = min(cache_len, tr.cache_hi * kBlockN);
-  for (int n = tr.cache_lo * kBlockN; n < kend; ++n) visit(kc + n * p.kc_stride[1], vc + n * p.vc_stride[1]);
+  for (int n = tr.cache_lo * kBlockN; n < kend; ++n)  // key n at its page (simsd_kernels/paging.py)
+    visit(kc + page_offset(bt, n, p.page_size, p.kc_stride[0], p.kc_stride[1]),
+          vc + page_offset(bt, n, p.page_size, p.vc_stride[0], p.vc_stride[1]));
 
   const int* lq = p.labels + (int64_t)b * p.labels_stride[0] + (int64_t)t * p.labels_stride[1];
   const float* kn = static_cast<const float*>(p.k_rot) + ((int64_t)b * p.Lq * p.Hkv + hkv) * D;

@@ -4,15 +4,17 @@
 //
 //   torch.ops.simsd_cuda.attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
 //                                  mask_mode, rope_theta, softmax_scale, num_splits=1, block_m=64,
-//                                  split_min_tiles=1, invariant=False) -> out
+//                                  split_min_tiles=1, invariant=False, block_table=None) -> out
 //   torch.ops.simsd_cuda.attention_with_kvcache(the same arguments) -> out   (the attention door:
 //       the attention, then the k it rotated once and v of all Lq new tokens written to slots
 //       cache_seqlens[b] + i below the capacity; writes the caches)
 //   torch.ops.simsd_cuda.append_kv(k, v, positions, k_cache, v_cache, cache_seqlens,
-//                                  rope_theta, num_tokens) -> ()   (writes the caches)
+//                                  rope_theta, num_tokens, block_table=None) -> ()   (writes the caches)
 //   torch.ops.simsd_cuda.mask_table(labels, mask_mode) -> (B, L, L) bool   (CPU and CUDA)
 //
-// Shapes: q (B, Lq, Hq, D); k, v (B, Lq, Hkv, D); k_cache, v_cache (B, Lmax, Hkv, D);
+// Shapes: q (B, Lq, Hq, D); k, v (B, Lq, Hkv, D); k_cache, v_cache (B, Lmax, Hkv, D), or page pools
+// (num_pages, page_size, Hkv, D) with block_table (B, max_pages) int32 (simsd_kernels/paging.py;
+// without one the (B, Lmax, ...) caches are read through the one-page-per-row table);
 // cache_seqlens (B,) int32; labels (B, Lq, 3) int32; positions (B, Lq) int64; D in {64, 128};
 // dtype float16 / bfloat16 (tensor cores) or float32 (plain path for tests).
 // num_splits / block_m / split_min_tiles / invariant: the launch plan, chosen in Python by
@@ -28,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 
 #include "mask_rule.cuh"
@@ -65,6 +68,25 @@ void copy_strides(int64_t (&dst)[3], const Tensor& t) {
   for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
 }
 
+// The block table of a launch: the given (B, max_pages) int32 table (checked) or, without one, the
+// one-page-per-row table of (B, Lmax, Hkv, D) caches (k_cache.size(0) must then be B).
+Tensor page_table(const char* op, const std::optional<Tensor>& block_table, const Tensor& k_cache, int64_t B,
+                  int64_t Hkv, int64_t D, const at::Device& dev) {
+  if (!block_table.has_value()) {
+    TORCH_CHECK(k_cache.size(0) == B && k_cache.size(2) == Hkv && k_cache.size(3) == D, op,
+                ": k_cache must be (B=", B, ", Lmax, Hkv=", Hkv, ", D=", D, "), got ", k_cache.sizes());
+    return at::arange(B, k_cache.options().dtype(at::kInt)).view({B, 1});
+  }
+  const Tensor& bt = *block_table;
+  check_tensor(bt, op, "block_table", 2, at::kInt, dev);
+  TORCH_CHECK(bt.size(0) == B && bt.size(1) >= 1, op, ": block_table must be (B=", B, ", max_pages >= 1), got ",
+              bt.sizes());
+  TORCH_CHECK(k_cache.size(1) >= 1 && k_cache.size(2) == Hkv && k_cache.size(3) == D, op,
+              ": k_cache must be a page pool (num_pages, page_size >= 1, Hkv=", Hkv, ", D=", D, "), got ",
+              k_cache.sizes());
+  return bt;
+}
+
 void raise_on_error(int rc, const char* op) {
   TORCH_CHECK(rc == SIMSD_OK, op, ": ", simsd_error_string(rc));
 }
@@ -76,7 +98,8 @@ std::tuple<Tensor, Tensor> launch_attention(const char* op, const Tensor& q, con
                                             const Tensor& cache_seqlens_in, const Tensor& labels_in,
                                             const Tensor& positions_in, int64_t mask_mode, double rope_theta,
                                             double softmax_scale, int64_t num_splits, int64_t block_m,
-                                            int64_t split_min_tiles, bool invariant) {
+                                            int64_t split_min_tiles, bool invariant,
+                                            const std::optional<Tensor>& block_table_in) {
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   const simsd_dtype dtype = to_simsd_dtype(q, op);
   const at::Device dev = q.device();
@@ -90,14 +113,13 @@ std::tuple<Tensor, Tensor> launch_attention(const char* op, const Tensor& q, con
   check_tensor(positions_in, op, "positions", 2, at::kLong, dev);
 
   const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(2), Lmax = k_cache.size(1);
+  const int64_t Hkv = k.size(2);
   TORCH_CHECK(D == 64 || D == 128, op, ": head_dim (q.size(3)) must be 64 or 128, got ", D);
   TORCH_CHECK(k.sizes() == at::IntArrayRef({B, Lq, Hkv, D}), op, ": k must be (B=", B, ", Lq=", Lq,
               ", Hkv, D=", D, "), got ", k.sizes());
   TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": GQA: Hq=", Hq, " must be a multiple of Hkv=", Hkv);
-  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(2) == Hkv && k_cache.size(3) == D, op,
-              ": k_cache must be (B=", B, ", Lmax, Hkv=", Hkv, ", D=", D, "), got ", k_cache.sizes());
+  const Tensor block_table = page_table(op, block_table_in, k_cache, B, Hkv, D, dev);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache ", v_cache.sizes(), " must match k_cache ",
               k_cache.sizes());
   TORCH_CHECK(cache_seqlens_in.size(0) == B, op, ": cache_seqlens must be (B=", B, ",), got ",
@@ -137,6 +159,8 @@ std::tuple<Tensor, Tensor> launch_attention(const char* op, const Tensor& q, con
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
   p.labels = labels.data_ptr<int32_t>();
   p.positions = positions.data_ptr<int64_t>();
   p.out = out.data_ptr();
@@ -158,7 +182,8 @@ std::tuple<Tensor, Tensor> launch_attention(const char* op, const Tensor& q, con
   p.Hq = (int32_t)Hq;
   p.Hkv = (int32_t)Hkv;
   p.D = (int32_t)D;
-  p.Lmax = (int32_t)Lmax;
+  p.page_size = (int32_t)std::max<int64_t>(k_cache.size(1), 1);  // a pool of empty pages: read nowhere
+  p.Lmax = (int32_t)(k_cache.size(1) * block_table.size(1));
   p.num_splits = (int32_t)splits;
   p.split_min_tiles = (int32_t)std::min<int64_t>(split_min_tiles, 1 << 30);
   p.invariant = invariant ? 1 : 0;
@@ -177,16 +202,17 @@ std::tuple<Tensor, Tensor> launch_attention(const char* op, const Tensor& q, con
 Tensor attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
                       const Tensor& v_cache, const Tensor& cache_seqlens, const Tensor& labels,
                       const Tensor& positions, int64_t mask_mode, double rope_theta, double softmax_scale,
-                      int64_t num_splits, int64_t block_m, int64_t split_min_tiles, bool invariant) {
+                      int64_t num_splits, int64_t block_m, int64_t split_min_tiles, bool invariant,
+                      const std::optional<Tensor>& block_table) {
   return std::get<0>(launch_attention("simsd_cuda::attention", q, k, v, k_cache, v_cache, cache_seqlens, labels,
                                       positions, mask_mode, rope_theta, softmax_scale, num_splits, block_m,
-                                      split_min_tiles, invariant));
+                                      split_min_tiles, invariant, block_table));
 }
 
 // The cache write of append_kv (rotate: RoPE at positions) and of the door (k rotated already).
 void launch_append(const char* op, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& k_cache,
-                   const Tensor& v_cache, const Tensor& cache_seqlens, double rope_theta, int64_t num_tokens,
-                   bool rotate) {
+                   const Tensor& v_cache, const Tensor& cache_seqlens, const Tensor& block_table, double rope_theta,
+                   int64_t num_tokens, bool rotate) {
   simsd_append_kv_params p{};
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -194,6 +220,8 @@ void launch_append(const char* op, const Tensor& k, const Tensor& v, const Tenso
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
   copy_strides(p.k_stride, k);
   copy_strides(p.v_stride, v);
   copy_strides(p.kc_stride, k_cache);
@@ -203,7 +231,8 @@ void launch_append(const char* op, const Tensor& k, const Tensor& v, const Tenso
   p.num_tokens = (int32_t)num_tokens;
   p.Hkv = (int32_t)k.size(2);
   p.D = (int32_t)k.size(3);
-  p.Lmax = (int32_t)k_cache.size(1);
+  p.page_size = (int32_t)std::max<int64_t>(k_cache.size(1), 1);
+  p.Lmax = (int32_t)(k_cache.size(1) * block_table.size(1));
   p.rotate = rotate ? 1 : 0;
   p.rope_theta = (float)rope_theta;
   raise_on_error(simsd_append_kv(&p, to_simsd_dtype(k, op), c10::cuda::getCurrentCUDAStream().stream()), op);
@@ -213,26 +242,29 @@ Tensor attention_with_kvcache_cuda(const Tensor& q, const Tensor& k, const Tenso
                                    const Tensor& v_cache, const Tensor& cache_seqlens, const Tensor& labels,
                                    const Tensor& positions, int64_t mask_mode, double rope_theta,
                                    double softmax_scale, int64_t num_splits, int64_t block_m, int64_t split_min_tiles,
-                                   bool invariant) {
+                                   bool invariant, const std::optional<Tensor>& block_table_in) {
   const char* op = "simsd_cuda::attention_with_kvcache";
   auto res = launch_attention(op, q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode, rope_theta,
-                              softmax_scale, num_splits, block_m, split_min_tiles, invariant);
+                              softmax_scale, num_splits, block_m, split_min_tiles, invariant, block_table_in);
   const Tensor& k_rot = std::get<1>(res);
   if (k_rot.numel() == 0) return std::get<0>(res);
   c10::cuda::CUDAGuard guard(q.device());
   // the attention read the cache below cache_seqlens only: the write of the slots behind it may follow
-  launch_append(op, k_rot, v, positions.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), rope_theta,
-                k_rot.size(1), /*rotate=*/false);
+  const Tensor block_table = page_table(op, block_table_in, k_cache, q.size(0), k.size(2), q.size(3), q.device());
+  launch_append(op, k_rot, v, positions.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), block_table,
+                rope_theta, k_rot.size(1), /*rotate=*/false);
   return std::get<0>(res);
 }
 
 Tensor attention_meta(const Tensor& q, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, const Tensor&, int64_t, double, double, int64_t, int64_t, int64_t, bool) {
+                      const Tensor&, const Tensor&, int64_t, double, double, int64_t, int64_t, int64_t, bool,
+                      const std::optional<Tensor>&) {
   return at::empty(q.sizes(), q.options());
 }
 
 void append_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& positions_in, const Tensor& k_cache,
-                    const Tensor& v_cache, const Tensor& cache_seqlens_in, double rope_theta, int64_t num_tokens) {
+                    const Tensor& v_cache, const Tensor& cache_seqlens_in, double rope_theta, int64_t num_tokens,
+                    const std::optional<Tensor>& block_table_in) {
   const char* op = "simsd_cuda::append_kv";
   TORCH_CHECK(k.is_cuda(), op, ": k must be a CUDA tensor, got ", k.device());
   to_simsd_dtype(k, op);
@@ -246,8 +278,7 @@ void append_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& positions_in
   const int64_t B = k.size(0), L = k.size(1), Hkv = k.size(2), D = k.size(3);
   TORCH_CHECK(D > 0 && D % 2 == 0, op, ": head_dim must be even, got ", D);
   TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(2) == Hkv && k_cache.size(3) == D, op,
-              ": k_cache must be (B=", B, ", Lmax, Hkv=", Hkv, ", D=", D, "), got ", k_cache.sizes());
+  const Tensor block_table = page_table(op, block_table_in, k_cache, B, Hkv, D, dev);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache ", v_cache.sizes(), " must match k_cache ",
               k_cache.sizes());
   TORCH_CHECK(positions_in.sizes() == at::IntArrayRef({B, L}), op, ": positions must be (B=", B, ", L=", L,
@@ -257,12 +288,12 @@ void append_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& positions_in
   TORCH_CHECK(num_tokens >= 0 && num_tokens <= L, op, ": num_tokens must be in [0, ", L, "], got ", num_tokens);
 
   c10::cuda::CUDAGuard guard(dev);
-  launch_append(op, k, v, positions_in.contiguous(), k_cache, v_cache, cache_seqlens_in.contiguous(), rope_theta,
-                num_tokens, /*rotate=*/true);
+  launch_append(op, k, v, positions_in.contiguous(), k_cache, v_cache, cache_seqlens_in.contiguous(), block_table,
+                rope_theta, num_tokens, /*rotate=*/true);
 }
 
 void append_kv_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                    int64_t) {}
+                    int64_t, const std::optional<Tensor>&) {}
 
 Tensor check_mask_labels(const Tensor& labels, int64_t mask_mode, const char* op) {
   TORCH_CHECK(labels.dim() == 3 && labels.size(2) == 3, op, ": labels must be (B, L, 3), got ", labels.sizes());
@@ -305,14 +336,16 @@ TORCH_LIBRARY(simsd_cuda, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
       "Tensor labels, Tensor positions, int mask_mode, float rope_theta, float softmax_scale, "
-      "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False) -> Tensor");
+      "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False, Tensor? block_table=None) "
+      "-> Tensor");
   m.def(
       "attention_with_kvcache(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cache_seqlens, Tensor labels, Tensor positions, int mask_mode, float rope_theta, float softmax_scale, "
-      "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False) -> Tensor");
+      "int num_splits=1, int block_m=64, int split_min_tiles=1, bool invariant=False, Tensor? block_table=None) "
+      "-> Tensor");
   m.def(
       "append_kv(Tensor k, Tensor v, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor cache_seqlens, float rope_theta, int num_tokens) -> ()");
+      "Tensor cache_seqlens, float rope_theta, int num_tokens, Tensor? block_table=None) -> ()");
   m.def("mask_table(Tensor labels, int mask_mode) -> Tensor");
 }
 

@@ -160,6 +160,13 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* smem
     if (simsd_err_ != cudaSuccess) return (int)simsd_err_; \
   } while (0)
 
+// Element offset of logical cache slot s of a row through its block-table row (simsd_kernels/paging.py):
+// page bt_row[s / page_size] times the page stride, plus (s % page_size) times the slot stride.
+__host__ __device__ __forceinline__ int64_t page_offset(const int32_t* bt_row, int64_t s, int page_size,
+                                                        int64_t page_stride, int64_t slot_stride) {
+  return (int64_t)bt_row[s / page_size] * page_stride + (s % page_size) * slot_stride;
+}
+
 #define SIMSD_RETURN_IF_ERROR(expr)                    \
   do {                                                 \
     const int simsd_rc_ = (expr);                      \

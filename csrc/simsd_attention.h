@@ -33,7 +33,11 @@ enum {
 
 /* Arguments of simsd_attention_fwd.
  *   q (B, Lq, Hq, D), k / v (B, Lq, Hkv, D): new tokens, q and k NOT rotated;
- *   k_cache / v_cache (B, Lmax, Hkv, D): keys stored rotated; row b reads [0, cache_seqlens[b]);
+ *   k_cache / v_cache (num_pages, page_size, Hkv, D): page pools, keys stored rotated; row b's
+ *   slot s lives at page block_table[b * block_table_stride + s / page_size], offset
+ *   s % page_size (simsd_kernels/paging.py; a (B, Lmax, Hkv, D) cache is one page of Lmax per
+ *   row, block_table [[0], ..., [B - 1]]); Lmax = max_pages * page_size is the capacity; row b
+ *   reads [0, cache_seqlens[b]), the block-table entries of other slots are never read;
  *   cache_seqlens (B,) int32 on the device; labels (B, Lq, 3) int32 (kind, tau, grp);
  *   positions (B, Lq) int64 RoPE positions; out (B, Lq, Hq, D) in the input dtype.
  *   q_rot (B, Lq, Hq, D), k_rot (B, Lq, Hkv, D): contiguous workspaces in the input dtype, where
@@ -53,6 +57,7 @@ typedef struct {
   const void* k_cache;
   const void* v_cache;
   const int32_t* cache_seqlens;
+  const int32_t* block_table;  /* (B, max_pages) int32, row stride block_table_stride */
   const int32_t* labels;
   const int64_t* positions;
   void* out;
@@ -63,12 +68,14 @@ typedef struct {
   int64_t q_stride[3];       /* b, l, h */
   int64_t k_stride[3];
   int64_t v_stride[3];
-  int64_t kc_stride[3];      /* k_cache b, l, h */
+  int64_t kc_stride[3];      /* k_cache page, slot in page, h */
   int64_t vc_stride[3];
   int64_t out_stride[3];
   int64_t labels_stride[2];  /* b, l (the 3 labels are contiguous) */
   int64_t positions_stride;  /* b (contiguous over l) */
+  int64_t block_table_stride;
   int32_t B, Lq, Hq, Hkv, D, Lmax;
+  int32_t page_size;
   int32_t num_splits;
   int32_t split_min_tiles;
   int32_t invariant;
@@ -87,7 +94,8 @@ int simsd_attention_block_n(int head_dim);
 /* append_kv: for b < B, i < num_tokens: k_cache[b, cache_seqlens[b] + i] = rope(k[b, i]) at
  * positions[b, i] (rotate != 0) or k[b, i] as it is (rotate == 0: keys rotated already, e.g.
  * the k_rot of simsd_attention_fwd; positions unread) and v_cache[...] = v[b, i]. Slots >= Lmax
- * are skipped (not written). k / v (B, L, Hkv, D) in the cache dtype; caches (B, Lmax, Hkv, D). */
+ * are skipped (not written). k / v (B, L, Hkv, D) in the cache dtype; caches: page pools read
+ * through block_table as for simsd_attention_fwd (slot s of row b at its page and offset). */
 typedef struct {
   const void* k;
   const void* v;
@@ -95,12 +103,15 @@ typedef struct {
   void* k_cache;
   void* v_cache;
   const int32_t* cache_seqlens;
+  const int32_t* block_table;
   int64_t k_stride[3];
   int64_t v_stride[3];
   int64_t kc_stride[3];
   int64_t vc_stride[3];
   int64_t positions_stride;
+  int64_t block_table_stride;
   int32_t B, num_tokens, Hkv, D, Lmax;
+  int32_t page_size;
   int32_t rotate;
   float rope_theta;
 } simsd_append_kv_params;

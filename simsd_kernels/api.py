@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .custom_ops import append_kv_op
-from .metadata import validate_attention_args
+from .metadata import capacity_of, validate_attention_args
 from .prepare import prepare_append_kv, prepare_attention
 
 __all__ = ["prepare_attention", "temporal_attention", "append_kv", "validate_attention_args"]
@@ -23,13 +23,16 @@ __all__ = ["prepare_attention", "temporal_attention", "append_kv", "validate_att
 
 def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, *,
                        mask_mode, rope_theta, softmax_scale=None, backend="auto", out=None,
-                       shape_invariant=False):
+                       shape_invariant=False, block_table=None):
     """Attention of new tokens over a KV cache and over themselves, with a label mask and RoPE.
 
     Shapes (B batch rows, Lq new tokens, Lmax cache capacity, Hq/Hkv heads, D head_dim):
 
     * ``q (B, Lq, Hq, D)``, ``k, v (B, Lq, Hkv, D)``: new tokens, **un-rotated** q and k;
-    * ``k_cache, v_cache (B, Lmax, Hkv, D)``: cache, keys stored **rotated**;
+    * ``k_cache, v_cache (B, Lmax, Hkv, D)``: cache, keys stored **rotated**; or page pools
+      ``(num_pages, page_size, Hkv, D)`` read through ``block_table (B, max_pages) int32``
+      (:mod:`simsd_kernels.paging`: row b's slot s at page ``block_table[b, s // page_size]``,
+      offset ``s % page_size``; capacity ``Lmax = max_pages * page_size``);
     * ``cache_seqlens (B,) int32``: row ``b`` sees cache entries ``[0, cache_seqlens[b])``;
     * ``labels (B, Lq, 3) int32``: ``(kind, tau, grp)`` per new token, see
       :mod:`simsd_kernels.mask_rule`;
@@ -63,11 +66,11 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
             requested backend that does not support the shape or fails its self-check
             (:class:`simsd_kernels.backends.BackendCheckError`).
     """
-    validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions)
+    validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, block_table)
     meta = prepare_attention(cache_seqlens, labels, positions, num_heads=q.shape[2], num_kv_heads=k.shape[2],
-                             head_dim=q.shape[3], dtype=q.dtype, cache_capacity=k_cache.shape[1], mask_mode=mask_mode,
-                             rope_theta=rope_theta, softmax_scale=softmax_scale, backend=backend,
-                             shape_invariant=shape_invariant)
+                             head_dim=q.shape[3], dtype=q.dtype, cache_capacity=capacity_of(k_cache, block_table),
+                             mask_mode=mask_mode, rope_theta=rope_theta, softmax_scale=softmax_scale, backend=backend,
+                             shape_invariant=shape_invariant, block_table=block_table)
     result = meta.attend(q, k, v, k_cache, v_cache)
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
@@ -78,12 +81,14 @@ def temporal_attention(q, k, v, k_cache, v_cache, cache_seqlens, labels, positio
 
 
 def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta, num_tokens=None,
-              backend="auto"):
+              backend="auto", block_table=None):
     """Write the first ``num_tokens`` new tokens' K (rotated at ``positions``) and V into the cache.
 
     ``k, v (B, L, Hkv, D)``, ``positions (B, L) int64``, caches ``(B, Lmax, Hkv, D)``,
     ``cache_seqlens (B,) int32``: token i of row b goes to slot ``cache_seqlens[b] + i`` (slots
-    ``>= Lmax`` are skipped). ``cache_seqlens`` is not advanced (the caller owns it).
+    ``>= Lmax`` are skipped); with ``block_table (B, max_pages) int32`` the caches are page pools
+    ``(num_pages, page_size, Hkv, D)`` and the slot lands in its page (:mod:`simsd_kernels.paging`).
+    ``cache_seqlens`` is not advanced (the caller owns it).
     ``num_tokens`` defaults to ``L``. One write of the door: the backend (``auto | cuda | triton
     | torch``) is resolved (and self-checked) for ``("append_kv", dtype, head_dim)`` and its door
     writes; under ``torch.compile`` it runs as ``simsd::append_kv``.
@@ -94,8 +99,9 @@ def append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta, n
     """
     num_tokens = k.shape[1] if num_tokens is None else int(num_tokens)
     if torch.compiler.is_compiling():
-        append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), num_tokens, backend)
+        append_kv_op(k, v, positions, k_cache, v_cache, cache_seqlens, float(rope_theta), num_tokens, backend,
+                     block_table)
         return
     door = prepare_append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta=rope_theta,
-                             num_tokens=num_tokens, backend=backend)
+                             num_tokens=num_tokens, backend=backend, block_table=block_table)
     door.append_kv(k, v, k_cache, v_cache, num_tokens)

@@ -77,7 +77,8 @@ class CudaAttention(AttentionMetadata):
     """The ``cuda`` backend (the compiled extension), and its door for one forward: the split plan
     once per forward (:mod:`simsd_kernels.split_plan`; ``num_splits`` > 0 forces that many
     splits), then per layer one ``attention_with_kvcache`` launch (:meth:`attend`: ``attention``
-    without the write; :meth:`append_kv`: ``append_kv``). fp16/bf16 on tensor cores (sm_80+),
+    without the write; :meth:`append_kv`: ``append_kv``), the caches read and written through the
+    door's block table (:mod:`simsd_kernels.paging`). fp16/bf16 on tensor cores (sm_80+),
     fp32 on a plain path; head_dim 64/128."""
 
     name = "cuda"
@@ -118,17 +119,18 @@ class CudaAttention(AttentionMetadata):
     def forward(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         self._check(q, k, v, k_cache, v_cache)
         with _guard(q):
-            return ops.attention_with_kvcache(q, k, v, k_cache, v_cache, *self._rest)
+            return ops.attention_with_kvcache(q, k, v, k_cache, v_cache, *self._rest, block_table=self.block_table)
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         self._check(q, k, v, k_cache, v_cache)
         with _guard(q):
-            return ops.attention(q, k, v, k_cache, v_cache, *self._rest)
+            return ops.attention(q, k, v, k_cache, v_cache, *self._rest, block_table=self.block_table)
 
     def append_kv(self, k, v, k_cache, v_cache, num_tokens=None) -> None:
         n = self._check_write(k, v, k_cache, v_cache, num_tokens)
         with _guard(k):
-            ops.append_kv(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, float(self.rope_theta), int(n))
+            ops.append_kv(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, float(self.rope_theta), int(n),
+                          block_table=self.block_table)
 
 
 def mask_table(labels, mask_mode):

@@ -21,6 +21,10 @@ count) and attends. :meth:`AttentionMetadata.attend` is the same without the wri
 (:func:`simsd_kernels.temporal_attention`), :meth:`AttentionMetadata.append_kv` the write alone
 (:func:`simsd_kernels.append_kv`).
 
+Caches are page pools read and written through a ``block_table`` (:mod:`simsd_kernels.paging`:
+``k_cache[block_table[b, s // page_size], s % page_size]`` holds row b's slot s); a door opened
+without one reads ``(B, Lmax, Hkv, D)`` caches through the one-page-per-row table.
+
 Under ``torch.compile`` the door is :class:`TracedAttention`: the backend is resolved when the op
 runs, inside the custom ops of :mod:`simsd_kernels.custom_ops` (opaque to the compiler, with fake
 implementations).
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .mask_rule import MaskMode, parse_mask_mode
+from .paging import check_block_table, identity_table, page_size_of
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -58,8 +63,10 @@ def validate_forward_inputs(cache_seqlens, labels, positions, B: int | None = No
     _one_device(cache_seqlens, labels, positions)
 
 
-def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions):
-    """Raise ``ValueError`` naming the argument when shapes, dtypes or devices do not fit."""
+def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, block_table=None):
+    """Raise ``ValueError`` naming the argument when shapes, dtypes or devices do not fit (caches
+    ``(B, Lmax, Hkv, D)`` without ``block_table``, page pools ``(num_pages, page_size, Hkv, D)``
+    with a ``block_table (B, max_pages) int32``: :mod:`simsd_kernels.paging`)."""
     _check("q", q, 4, _FLOAT_DTYPES)
     B, Lq, Hq, D = q.shape
     for name, t in (("k", k), ("v", v)):
@@ -71,29 +78,31 @@ def validate_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, labels, po
         raise ValueError(f"k and v must have the same number of kv heads, got {k.shape[2]} and {v.shape[2]}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"GQA: Hq={Hq} must be a multiple of Hkv={Hkv}")
-    _check_caches(k_cache, v_cache, B, Hkv, D, q.dtype)
+    _check_caches(k_cache, v_cache, B, Hkv, D, q.dtype, block_table)
     validate_forward_inputs(cache_seqlens, labels, positions, B, Lq)
     if D % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
-    _one_device(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions)
+    _one_device(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions,
+                *(() if block_table is None else (block_table,)))
 
 
-def validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens: int):
+def validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens: int, block_table=None):
     """Raise ``ValueError`` naming the argument unless ``k, v (B, L, Hkv, D)`` (one float dtype),
-    ``positions (B, L)`` int64, ``k_cache, v_cache (B, Lmax, Hkv, D)`` of k's dtype and
+    ``positions (B, L)`` int64, ``k_cache, v_cache (B, Lmax, Hkv, D)`` of k's dtype (page pools
+    ``(num_pages, page_size, Hkv, D)`` with a ``block_table (B, max_pages) int32``) and
     ``cache_seqlens (B,)`` int32 fit, share a device, and ``0 <= num_tokens <= L``."""
     _check("k", k, 4, _FLOAT_DTYPES)
     B, L, Hkv, D = k.shape
     _check("v", v, 4, k.dtype)
     if v.shape != k.shape:
         raise ValueError(f"v must be shaped as k (B={B}, L={L}, Hkv={Hkv}, D={D}), got {tuple(v.shape)}")
-    _check_caches(k_cache, v_cache, B, Hkv, D, k.dtype)
+    _check_caches(k_cache, v_cache, B, Hkv, D, k.dtype, block_table)
     _check_positions_and_lens(positions, cache_seqlens, B, L, "L")
     if not 0 <= num_tokens <= L:
         raise ValueError(f"num_tokens must be in [0, {L}], got {num_tokens}")
     if D % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
-    _one_device(k, v, positions, k_cache, v_cache, cache_seqlens)
+    _one_device(k, v, positions, k_cache, v_cache, cache_seqlens, *(() if block_table is None else (block_table,)))
 
 
 def _check_positions_and_lens(positions, cache_seqlens, B: int, L: int, length: str) -> None:
@@ -113,11 +122,22 @@ def _one_device(*tensors) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _check_caches(k_cache, v_cache, B: int, Hkv: int, D: int, dtype) -> None:
+def capacity_of(k_cache, block_table=None) -> int:
+    """Logical slots per row: ``Lmax`` of a ``(B, Lmax, Hkv, D)`` cache, ``max_pages * page_size``
+    of a page pool ``(num_pages, page_size, Hkv, D)`` read through ``block_table (B, max_pages)``."""
+    return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+
+
+def _check_caches(k_cache, v_cache, B: int, Hkv: int, D: int, dtype, block_table=None) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check(name, t, 4, dtype)
-        if t.shape[0] != B or t.shape[2:] != (Hkv, D):
+        if block_table is None and (t.shape[0] != B or t.shape[2:] != (Hkv, D)):
             raise ValueError(f"{name} must be (B={B}, Lmax, Hkv={Hkv}, D={D}), got {tuple(t.shape)}")
+        if block_table is not None and t.shape[2:] != (Hkv, D):
+            raise ValueError(f"{name} must be a page pool (num_pages, page_size, Hkv={Hkv}, D={D}), "
+                             f"got {tuple(t.shape)}")
+    if block_table is not None:
+        check_block_table(block_table, B)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
 
@@ -178,7 +198,7 @@ class AttentionMetadata:
 
     def __init__(self, cache_seqlens, labels, positions, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, cache_capacity: int, mask_mode: MaskMode, rope_theta: float,
-                 softmax_scale: float, shape_invariant: bool = False, num_splits: int = 0):
+                 softmax_scale: float, shape_invariant: bool = False, num_splits: int = 0, block_table=None):
         ok, why = self.supports(dtype, head_dim)
         if not ok:
             raise ValueError(f"attention backend {self.name!r}: {why}")
@@ -189,19 +209,35 @@ class AttentionMetadata:
         self.group = num_heads // num_kv_heads
         self.dtype, self.cache_capacity = dtype, cache_capacity
         self.B, self.Lq = labels.shape[:2]
+        # the page table (simsd_kernels.paging): given, or the contiguous case's one page per row
+        self.paged = block_table is not None
+        self.page_size = page_size_of(block_table, self.B, cache_capacity)
+        self.block_table = block_table if self.paged else identity_table(self.B, labels.device)
         kv = (self.B, self.Lq, num_kv_heads, head_dim)
-        cache = torch.Size((self.B, cache_capacity, num_kv_heads, head_dim))
-        self._shapes = (torch.Size((self.B, self.Lq, num_heads, head_dim)), torch.Size(kv), torch.Size(kv), cache,
-                        cache)
+        self._shapes = (torch.Size((self.B, self.Lq, num_heads, head_dim)), torch.Size(kv), torch.Size(kv))
+        self._pool = torch.Size((self.page_size, num_kv_heads, head_dim))
         self._validated = False
+
+    def _fits(self, k_cache, v_cache) -> bool:
+        """Whether the caches are the prepared pools: ``(B, Lmax, Hkv, D)`` without a block
+        table, ``(num_pages, page_size, Hkv, D)`` with one, k's and v's shapes equal."""
+        return k_cache.shape == v_cache.shape and k_cache.shape[1:] == self._pool and \
+            (self.paged or k_cache.shape[0] == self.B)
+
+    def _table(self):
+        """The block table to validate against (None in the contiguous case)."""
+        return self.block_table if self.paged else None
 
     @classmethod
     def open(cls, q, k, k_cache, cache_seqlens, labels, positions, *, mask_mode, rope_theta: float,
-             softmax_scale: float | None = None, shape_invariant: bool = False, num_splits: int = 0):
+             softmax_scale: float | None = None, shape_invariant: bool = False, num_splits: int = 0,
+             block_table=None):
         """This backend's door for one call on these tensors: the heads, head_dim, dtype and
         capacity read from ``q (B, Lq, Hq, D)``, ``k (B, Lq, Hkv, D)`` and ``k_cache (B, Lmax, Hkv,
         D)``; ``mask_mode`` a name or int; ``softmax_scale`` default ``D ** -0.5``; ``num_splits``
-        (0: the backend's own plan) matters to a backend with :attr:`plan_options`. The backend is
+        (0: the backend's own plan) matters to a backend with :attr:`plan_options`; with
+        ``block_table (B, max_pages) int32`` the caches are page pools ``(num_pages, page_size, Hkv,
+        D)`` and the capacity ``max_pages * page_size`` (:mod:`simsd_kernels.paging`). The backend is
         neither resolved nor self-checked (the self-check opens the door it checks this way); the
         tensors are validated at the door's first call.
 
@@ -210,14 +246,16 @@ class AttentionMetadata:
         """
         D = q.shape[3]
         return cls(cache_seqlens, labels, positions, num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=D,
-                   dtype=q.dtype, cache_capacity=k_cache.shape[1], mask_mode=parse_mask_mode(mask_mode),
-                   rope_theta=float(rope_theta), softmax_scale=D ** -0.5 if softmax_scale is None else
-                   float(softmax_scale), shape_invariant=bool(shape_invariant), num_splits=int(num_splits))
+                   dtype=q.dtype, cache_capacity=capacity_of(k_cache, block_table),
+                   mask_mode=parse_mask_mode(mask_mode), rope_theta=float(rope_theta),
+                   softmax_scale=D ** -0.5 if softmax_scale is None else float(softmax_scale),
+                   shape_invariant=bool(shape_invariant), num_splits=int(num_splits), block_table=block_table)
 
     @classmethod
-    def open_write(cls, k, k_cache, cache_seqlens, positions, *, rope_theta: float):
+    def open_write(cls, k, k_cache, cache_seqlens, positions, *, rope_theta: float, block_table=None):
         """This backend's door for writing the new tokens ``k (B, L, Hkv, D)`` at ``positions (B,
-        L)`` into caches like ``k_cache (B, Lmax, Hkv, D)`` at ``cache_seqlens (B,)``
+        L)`` into caches like ``k_cache (B, Lmax, Hkv, D)`` (page pools with ``block_table``) at
+        ``cache_seqlens (B,)``
         (:meth:`append_kv`; its labels are zeros, the mask mode ``bidirectional``). Not resolved,
         not self-checked; validated at the first write.
 
@@ -227,41 +265,43 @@ class AttentionMetadata:
         B, L, Hkv, D = k.shape
         labels = torch.zeros((B, L, 3), dtype=torch.int32, device=k.device)
         return cls(cache_seqlens, labels, positions, num_heads=Hkv, num_kv_heads=Hkv, head_dim=D, dtype=k.dtype,
-                   cache_capacity=k_cache.shape[1], mask_mode=MaskMode.BIDIRECTIONAL, rope_theta=float(rope_theta),
-                   softmax_scale=D ** -0.5)
+                   cache_capacity=capacity_of(k_cache, block_table), mask_mode=MaskMode.BIDIRECTIONAL,
+                   rope_theta=float(rope_theta), softmax_scale=D ** -0.5, block_table=block_table)
 
     def _check(self, q, k, v, k_cache, v_cache) -> None:
         """Full validation at the first call, then only that the shapes and dtypes are the same."""
-        if (q.shape, k.shape, v.shape, k_cache.shape, v_cache.shape) == self._shapes and \
+        if (q.shape, k.shape, v.shape) == self._shapes and self._fits(k_cache, v_cache) and \
                 q.dtype == self.dtype and k_cache.dtype == self.dtype and self._validated:
             return
-        validate_attention_args(q, k, v, k_cache, v_cache, self.cache_seqlens, self.labels, self.positions)
-        got = (q.shape, k.shape, v.shape, k_cache.shape, v_cache.shape)
-        if got != self._shapes or q.dtype != self.dtype:
-            raise ValueError(f"the attention was prepared for q, k, v, k_cache, v_cache of shapes "
-                             f"{[tuple(s) for s in self._shapes]} in {self.dtype}, got "
-                             f"{[tuple(s) for s in got]} in {q.dtype}")
+        validate_attention_args(q, k, v, k_cache, v_cache, self.cache_seqlens, self.labels, self.positions,
+                                self._table())
+        got = (q.shape, k.shape, v.shape)
+        if got != self._shapes or not self._fits(k_cache, v_cache) or q.dtype != self.dtype:
+            raise ValueError(f"the attention was prepared for q, k, v of shapes {[tuple(s) for s in self._shapes]} "
+                             f"and caches of pages {tuple(self._pool)} in {self.dtype}, got "
+                             f"{[tuple(s) for s in got]}, k_cache {tuple(k_cache.shape)} in {q.dtype}")
         self._validated = True
 
     def _check_write(self, k, v, k_cache, v_cache, num_tokens) -> int:
         """:meth:`append_kv`'s arguments validated (in full at the first write, then only that the
         shapes and dtypes are the prepared ones); returns the number of tokens to write."""
         n = self.Lq if num_tokens is None else num_tokens
-        if (k.shape, v.shape, k_cache.shape, v_cache.shape) == self._shapes[1:] and k.dtype == self.dtype and \
+        if (k.shape, v.shape) == self._shapes[1:] and self._fits(k_cache, v_cache) and k.dtype == self.dtype and \
                 k_cache.dtype == self.dtype and self._validated and 0 <= n <= self.Lq:
             return n
-        validate_append_args(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, n)
-        got = (k.shape, v.shape, k_cache.shape, v_cache.shape)
-        if got != self._shapes[1:] or k.dtype != self.dtype:
-            raise ValueError(f"the cache write was prepared for k, v, k_cache, v_cache of shapes "
-                             f"{[tuple(s) for s in self._shapes[1:]]} in {self.dtype}, got "
-                             f"{[tuple(s) for s in got]} in {k.dtype}")
+        validate_append_args(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, n, self._table())
+        got = (k.shape, v.shape)
+        if got != self._shapes[1:] or not self._fits(k_cache, v_cache) or k.dtype != self.dtype:
+            raise ValueError(f"the cache write was prepared for k, v of shapes {[tuple(s) for s in self._shapes[1:]]} "
+                             f"and caches of pages {tuple(self._pool)} in {self.dtype}, got "
+                             f"{[tuple(s) for s in got]}, k_cache {tuple(k_cache.shape)} in {k.dtype}")
         self._validated = True
         return n
 
     def forward(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         """Rotate ``q (B, Lq, Hq, D)`` and ``k (B, Lq, Hkv, D)`` once, write the rotated k and
-        ``v`` into ``k_cache, v_cache (B, Lmax, Hkv, D)`` at ``cache_seqlens[b] + i`` (slots
+        ``v`` into ``k_cache, v_cache (B, Lmax, Hkv, D)`` (or page pools through the door's
+        ``block_table``) at ``cache_seqlens[b] + i`` (slots
         ``>= Lmax`` skipped), attend over the cache ``[0, cache_seqlens[b])`` and the new tokens
         by the mask rule. Returns ``(B, Lq, Hq, D)`` in q's dtype (possibly a strided view).
         ``cache_seqlens`` is not advanced (the caller owns it). Every backend keeps this contract;
@@ -313,4 +353,4 @@ class TracedAttention(AttentionMetadata):
 
     def _op_args(self) -> tuple:
         return (self.cache_seqlens, self.labels, self.positions, int(self.mask_mode), float(self.rope_theta),
-                float(self.softmax_scale), self.name, bool(self.shape_invariant))
+                float(self.softmax_scale), self.name, bool(self.shape_invariant), self._table())

@@ -21,7 +21,7 @@ from .metadata import _FLOAT_DTYPES, AttentionMetadata, TracedAttention, validat
 def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, cache_capacity: int, mask_mode, rope_theta: float,
                       softmax_scale: float | None = None, backend: str = "auto",
-                      shape_invariant: bool = False) -> AttentionMetadata:
+                      shape_invariant: bool = False, block_table=None) -> AttentionMetadata:
     """Validate one forward's inputs, resolve the backend and open its door (which plans the forward).
 
     Args:
@@ -31,16 +31,21 @@ def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_k
         positions: ``(B, Lq)`` int64 RoPE positions of the new tokens.
         num_heads, num_kv_heads, head_dim, dtype: the q / kv heads (GQA), their size (even) and
             the float dtype of q, k, v and the caches.
-        cache_capacity: ``Lmax``, the caches' second dim.
+        cache_capacity: ``Lmax``, the logical slots of a row: the caches' second dim, or with a
+            ``block_table`` ``max_pages * page_size``.
         mask_mode: ``bidirectional | block_causal | exact | paper`` (or the :class:`MaskMode`).
         rope_theta, softmax_scale: RoPE base; scale (default ``head_dim ** -0.5``).
         backend: ``auto | cuda | triton | torch`` (or a registered name), resolved here for the
             configuration (dtype, head_dim, GQA group, mask mode), self-check included.
         shape_invariant: the fused backends' split plan that never depends on Lq or B
             (:mod:`simsd_kernels.split_plan`); the torch backend is invariant by construction.
+        block_table: ``(B, max_pages) int32`` page table of page-pool caches ``(num_pages,
+            page_size, Hkv, D)`` (:mod:`simsd_kernels.paging`); None: caches ``(B, Lmax, Hkv, D)``,
+            one page per row. The plan does not depend on it (only on the capacity).
 
     Raises:
-        ValueError: an input that does not fit (named), an unknown mask mode, a GQA ratio that
+        ValueError: an input that does not fit (named; a ``block_table`` that is not ``(B,
+            max_pages)`` int32 or whose pages do not divide the capacity), an unknown mask mode, a GQA ratio that
             does not divide, an odd head_dim, a backend that cannot run the configuration
             (:class:`~simsd_kernels.backends.BackendCheckError` for a failed self-check).
 
@@ -64,10 +69,10 @@ def prepare_attention(cache_seqlens, labels, positions, *, num_heads: int, num_k
                                                                  int(mode)))
     return door(cache_seqlens, labels, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 dtype=dtype, cache_capacity=int(cache_capacity), mask_mode=mode, rope_theta=float(rope_theta),
-                softmax_scale=scale, shape_invariant=bool(shape_invariant))
+                softmax_scale=scale, shape_invariant=bool(shape_invariant), block_table=block_table)
 
 def prepare_append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_theta: float, num_tokens: int,
-                      backend: str = "auto") -> AttentionMetadata:
+                      backend: str = "auto", block_table=None) -> AttentionMetadata:
     """Validate one cache write's inputs (shapes as :func:`simsd_kernels.append_kv`), resolve the
     backend for ``("append_kv", dtype, head_dim)`` (self-check included) and open its door for the
     write (:meth:`~simsd_kernels.metadata.AttentionMetadata.open_write`; then ``door.append_kv(k,
@@ -78,6 +83,6 @@ def prepare_append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, *, rope_
             that cannot run the write (:class:`~simsd_kernels.backends.BackendCheckError` for a
             failed self-check).
     """
-    validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens)
+    validate_append_args(k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens, block_table)
     impl = resolve_backend(backend, k.device, OpConfig("append_kv", k.dtype, k.shape[3]))
-    return impl.open_write(k, k_cache, cache_seqlens, positions, rope_theta=rope_theta)
+    return impl.open_write(k, k_cache, cache_seqlens, positions, rope_theta=rope_theta, block_table=block_table)

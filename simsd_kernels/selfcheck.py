@@ -12,7 +12,9 @@ error failing in bfloat16). The backend gets caches whose unread slots hold NaN 
 finite values of the right shape and dtype. Each case runs through the door's ``attend`` (what
 :func:`simsd_kernels.temporal_attention` runs) and its ``forward`` (the write-then-attend path the
 model runs: the same output bound, and exactly the new tokens' slots written, v bit-exact, k rotated
-within the bound); ``append_kv`` (the ``"append_kv"`` op) must write exactly its slots.
+within the bound); ``append_kv`` (the ``"append_kv"`` op) must write exactly its slots. Last, the
+door's ``forward`` through a page table with holes (:func:`check_paged`: the first case's rows in
+reversed pages of 8 slots among pages no row references) must give the contiguous cache's bits.
 
 Cases (:data:`CASES`, the same on every device): an empty and a short cache row (the backend's own
 plan); a row of 300 keys beside an empty one under a forced 3-way split-KV plan (partials + merge;
@@ -35,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .mask_rule import KIND_DRAFT, KIND_KNOWN, KIND_MASK, SHARED_GRP, TAU_INF, MaskMode, dense_new_token_mask
+from .paging import gather_rows
 from .reference import temporal_attention_naive
 from .rope import apply_rope
 from .torch_backend import TorchAttention
@@ -282,6 +285,43 @@ def check_forward(door, poisoned, clean, ref, baseline: Baseline, cache_lens) ->
     return res
 
 
+#: the paged case: :data:`CASES`' first case in pages of 8 slots (a row of 45 keys ends inside a page)
+PAGE_SIZE, SPARE_PAGES = 8, 2
+
+
+def check_paged(backend, device, dtype, head_dim, group, mask_mode, seed: int = 0) -> CheckResult:
+    """The door's ``forward`` through a block table (:mod:`simsd_kernels.paging`) on the first case:
+    the rows' pages in reverse order over a pool with pages no row references (NaN, as the unread
+    slots): the output and the written K/V (read back through the table) must be the bits of the
+    same door on the contiguous cache, and the unreferenced pages stay NaN."""
+    case = CASES[0]
+    _, poisoned = attention_case(device, dtype, head_dim, group, mask_mode, case.cache_lens, case.capacity,
+                                 Lq=case.q_len, Hkv=case.kv_heads, seed=seed)
+    q, k, v, kc, vc, lens, labels, pos = poisoned
+    B, max_pages = kc.shape[0], case.capacity // PAGE_SIZE
+    num_pages = B * max_pages + SPARE_PAGES
+    table = (num_pages - 1 - torch.arange(B * max_pages, device=device)).view(B, max_pages).to(torch.int32)
+    pools = []
+    for cache in (kc, vc):
+        pool = torch.full((num_pages, PAGE_SIZE, *cache.shape[2:]), float("nan"), dtype=dtype, device=device)
+        pool[table.reshape(-1).long()] = cache.reshape(B * max_pages, PAGE_SIZE, *cache.shape[2:])
+        pools.append(pool)
+    kc, vc = kc.clone(), vc.clone()
+    opened = dict(mask_mode=int(mask_mode), rope_theta=THETA, softmax_scale=head_dim ** -0.5)
+    want = backend.open(q, k, kc, lens, labels, pos, **opened).forward(q, k, v, kc, vc)
+    got = backend.open(q, k, pools[0], lens, labels, pos, block_table=table, **opened).forward(q, k, v, *pools)
+    if not torch.equal(got, want):
+        return CheckResult(False, max_err(got, want), 0.0, "paged door: the output differs from the contiguous "
+                                                            "cache's")
+    for pool, cache in zip(pools, (kc, vc)):
+        logical = gather_rows(pool, table, PAGE_SIZE, slice(0, B), case.capacity)
+        if not torch.equal(logical.isnan(), cache.isnan()) or not torch.equal(logical.nan_to_num(), cache.nan_to_num()):
+            return CheckResult(False, float("inf"), 0.0, "paged door: the K/V written through the table differ")
+        if not pool[:SPARE_PAGES].isnan().all():
+            return CheckResult(False, float("inf"), 0.0, "paged door wrote a page no row references")
+    return CheckResult(True, 0.0, 0.0, "paged door: the contiguous bits")
+
+
 def check_append_kv(backend, device, dtype, head_dim, seed: int = 0) -> CheckResult:
     """The door's ``append_kv`` (:meth:`~simsd_kernels.metadata.AttentionMetadata.open_write`) of 7
     of 9 tokens into rows of lengths 0, 5 and 41 (capacity 48: the last row fills it): v exact, k
@@ -335,7 +375,8 @@ def run_check(backend, device, config) -> CheckResult:
                 if not res.ok:
                     return res
                 worst = res if worst is None or res.max_err > worst.max_err else worst
-            return worst
+            paged = check_paged(backend, device, config.dtype, config.head_dim, config.group, config.mask_mode)
+            return worst if paged.ok else paged
     except Exception as exc:  # a kernel that raises is a kernel that failed its check
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return CheckResult(False, float("nan"), float("nan"), f"{type(exc).__name__}: {msg}"[:300])

@@ -267,10 +267,10 @@ class KernelFigures:
 #: the CUDA tensor-core kernel (csrc/attention_mma.cuh) per (head_dim, block_m), fp16 and bf16 alike:
 #: ``ptxas -v`` at sm_90 (nvcc 13.0), checked against every build by .ci/kernel_static_check.py
 CUDA_FIGURES = {
-    (128, 16): KernelFigures(220, 131200, 128), (128, 32): KernelFigures(222, 131200, 128),
-    (128, 64): KernelFigures(244, 98432, 128),
-    (64, 16): KernelFigures(121, 65664, 128), (64, 32): KernelFigures(122, 65664, 128),
-    (64, 64): KernelFigures(142, 49280, 128),
+    (128, 16): KernelFigures(234, 131200, 128), (128, 32): KernelFigures(234, 131200, 128),
+    (128, 64): KernelFigures(246, 98432, 128),
+    (64, 16): KernelFigures(140, 65664, 128), (64, 32): KernelFigures(146, 65664, 128),
+    (64, 64): KernelFigures(164, 49280, 128),
 }
 
 #: the Triton kernel (triton_ops/attention.py, configs triton_ops.ops.TILE_CONFIGS) per
@@ -280,7 +280,7 @@ CUDA_FIGURES = {
 TRITON_FIGURES = {
     (128, 16): KernelFigures(205, 137216, 128), (128, 32): KernelFigures(242, 143360, 128),
     (128, 64): KernelFigures(239, 114688, 256),
-    (64, 16): KernelFigures(165, 69632, 128), (64, 32): KernelFigures(210, 73728, 128),
+    (64, 16): KernelFigures(167, 69632, 128), (64, 32): KernelFigures(210, 73728, 128),
     (64, 64): KernelFigures(200, 57344, 256),
 }
 

@@ -10,11 +10,11 @@ rotated (:func:`simsd_kernels.rope.rotate`), the rotated k and v written to the 
 asked), and the calls run:
 
 * ``bidirectional``: one call per run of consecutive rows with the same cache length, over the
-  cache view ``[0, n + Lq)`` (the new keys just written behind the cache), without a mask;
+  cache slots ``[0, n + Lq)`` (the new keys just written behind the cache), without a mask;
 * ``exact`` and ``block_causal``: per row, one call per group of query tokens that see the same
   keys (an exact-mode copy, the shared prefix, a prefill block), over exactly those keys: the
-  row's cache prefix then its visible new tokens in order -- a cache view when they are the
-  first new tokens (a block-causal block, the first copy), else a gathered copy. A token's
+  row's cache prefix then its visible new tokens in order -- read back from the cache when they
+  are the first new tokens (a block-causal block, the first copy), else concatenated. A token's
   output thus depends only on its group's tokens and the keys it sees, never on the other tokens
   of the forward, its batch neighbours or padding: an exact-mode copy gets the bits of a denoise
   forward of that state, in every dtype (docs/design.md §4.2; a dense mask over all new tokens,
@@ -27,6 +27,12 @@ The plan's host reads (cache lengths, labels) are made once per forward, outside
 reads). Rows without ``Lq`` free slots past their length get their keys gathered (the write skips the
 slots past the capacity, as the kernels do). GQA through SDPA's ``enable_gqa`` (the same bits as
 repeating the kv heads, without the copies). A token that sees no key gets zeros.
+
+The cache is read and written through the door's block table (:mod:`simsd_kernels.paging`): the
+write scatters each new token to ``(block_table[b, s // page_size], s % page_size)``, the reads
+gather a row's slots ``[0, n)`` the same way into a fresh tensor -- the contiguous cache (one page
+per row) included, so a row's keys reach SDPA as the same values in the same layout whatever the
+pages, and paged and contiguous caches give the same bits.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 
 from .mask_rule import MaskMode, dense_new_token_mask
 from .metadata import AttentionMetadata
+from .paging import gather_rows, page_slots
 from .rope import rope_tables, rotate
 
 
@@ -80,12 +87,12 @@ class TorchAttention(AttentionMetadata):
         self.lengths, self.Lq = lengths, Lq
         self.room = [n + Lq <= capacity for n in lengths]
         slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lq, device=device)
-        self.rows, self.all_slots = torch.arange(B, device=device)[:, None], slots
+        self.all_slots = slots
         if all(self.room):
-            self.slots, self.keep = slots, None
+            self.keep, self.where = None, page_slots(self.block_table, slots, self.page_size)
         else:  # rows near the capacity write only the slots that exist
             keep = (slots < capacity).nonzero(as_tuple=True)
-            self.slots, self.keep = slots[keep], keep
+            self.keep, self.where = keep, page_slots(self.block_table, slots[keep], self.page_size, keep[0])
         self.runs, self.groups, self.masks = [], [], []
         if self.mode in (MaskMode.BIDIRECTIONAL, MaskMode.PAPER):
             a = 0
@@ -149,17 +156,23 @@ class TorchAttention(AttentionMetadata):
             self._write(rotate(k[:, :n], self.cos[:, :n], self.sin[:, :n]), v[:, :n], k_cache, v_cache, n)
 
     def _write(self, kr, v, k_cache, v_cache, n=None) -> None:
-        """The rotated ``kr`` and ``v`` of the first ``n`` new tokens (default all) at their slots."""
+        """The rotated ``kr`` and ``v`` of the first ``n`` new tokens (default all) scattered to
+        their slots' pages (:func:`simsd_kernels.paging.page_slots`)."""
         if n is not None:  # a part of the tokens: the slots below the capacity
             keep = (self.all_slots[:, :n] < self.cache_capacity).nonzero(as_tuple=True)
-            k_cache.index_put_((keep[0], self.all_slots[keep]), kr[keep])
-            v_cache.index_put_((keep[0], self.all_slots[keep]), v[keep])
+            where = page_slots(self.block_table, self.all_slots[keep], self.page_size, keep[0])
+            k_cache.index_put_(where, kr[keep])
+            v_cache.index_put_(where, v[keep])
         elif self.keep is None:
-            k_cache.index_put_((self.rows, self.slots), kr)
-            v_cache.index_put_((self.rows, self.slots), v)
+            k_cache.index_put_(self.where, kr)
+            v_cache.index_put_(self.where, v)
         else:
-            k_cache.index_put_((self.keep[0], self.slots), kr[self.keep])
-            v_cache.index_put_((self.keep[0], self.slots), v[self.keep])
+            k_cache.index_put_(self.where, kr[self.keep])
+            v_cache.index_put_(self.where, v[self.keep])
+
+    def _keys(self, cache, rows: slice, n: int):
+        """Slots ``[0, n)`` of ``rows`` gathered through the block table (``(rows, n, Hkv, D)``)."""
+        return gather_rows(cache, self.block_table, self.page_size, rows, n)
 
     def _sdpa(self, q, k, v, mask=None):
         """``q (b, m, Hq, D)`` over ``k, v (b, S, Hkv, D)`` -> ``(b, m, Hq, D)`` (a transposed view)."""
@@ -171,10 +184,12 @@ class TorchAttention(AttentionMetadata):
         outs = []
         for i, (a, b) in enumerate(self.runs):
             n = self.lengths[a]
+            r = slice(a, b)
             if write and self.room[a]:
-                keys, vals = k_cache[a:b, :n + self.Lq], v_cache[a:b, :n + self.Lq]
+                keys, vals = self._keys(k_cache, r, n + self.Lq), self._keys(v_cache, r, n + self.Lq)
             else:
-                keys, vals = torch.cat([k_cache[a:b, :n], kr[a:b]], 1), torch.cat([v_cache[a:b, :n], v[a:b]], 1)
+                keys = torch.cat([self._keys(k_cache, r, n), kr[r]], 1)
+                vals = torch.cat([self._keys(v_cache, r, n), v[r]], 1)
             outs.append(self._sdpa(qr[a:b], keys, vals, self.masks[i] if self.masks else None))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
         if self.empty:  # SDPA gives NaN where a query sees nothing; the op's answer is zeros
@@ -188,15 +203,15 @@ class TorchAttention(AttentionMetadata):
             b, n = g.row, self.lengths[g.row]
             r = slice(b, b + 1)
             if g.cols is None:  # only the cache
-                keys, vals = k_cache[r, :n], v_cache[r, :n]
+                keys, vals = self._keys(k_cache, r, n), self._keys(v_cache, r, n)
             elif g.prefix is not None and write and self.room[b]:
-                keys, vals = k_cache[r, :n + g.prefix], v_cache[r, :n + g.prefix]
+                keys, vals = self._keys(k_cache, r, n + g.prefix), self._keys(v_cache, r, n + g.prefix)
             elif isinstance(g.cols, slice):
-                keys = torch.cat([k_cache[r, :n], kr[r, g.cols]], 1)
-                vals = torch.cat([v_cache[r, :n], v[r, g.cols]], 1)
+                keys = torch.cat([self._keys(k_cache, r, n), kr[r, g.cols]], 1)
+                vals = torch.cat([self._keys(v_cache, r, n), v[r, g.cols]], 1)
             else:
-                keys = torch.cat([k_cache[r, :n], kr[r].index_select(1, g.cols)], 1)
-                vals = torch.cat([v_cache[r, :n], v[r].index_select(1, g.cols)], 1)
+                keys = torch.cat([self._keys(k_cache, r, n), kr[r].index_select(1, g.cols)], 1)
+                vals = torch.cat([self._keys(v_cache, r, n), v[r].index_select(1, g.cols)], 1)
             if isinstance(g.pick, slice):
                 out[r, g.pick] = self._sdpa(qr[r, g.pick], keys, vals)
             else:

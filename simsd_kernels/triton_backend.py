@@ -101,10 +101,11 @@ class TritonAttention(AttentionMetadata):
             q_rot, k_rot = rope_qk_fwd(q, k, self.positions, self.rope_theta)
             if write:
                 append_kv_fwd(k_rot, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, self.Lq,
-                              rotate=False)
+                              rotate=False, block_table=self.block_table)
             return attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, self.cache_seqlens, self.labels,
                                          int(self.mask_mode), self.softmax_scale, num_splits=plan.num_splits,
-                                         block_m=plan.block_m, min_tiles=plan.min_tiles, invariant=plan.invariant)
+                                         block_m=plan.block_m, min_tiles=plan.min_tiles, invariant=plan.invariant,
+                                         block_table=self.block_table)
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
         return self.forward(q, k, v, k_cache, v_cache, write=False)
@@ -112,4 +113,5 @@ class TritonAttention(AttentionMetadata):
     def append_kv(self, k, v, k_cache, v_cache, num_tokens=None) -> None:
         n = self._check_write(k, v, k_cache, v_cache, num_tokens)
         with device_guard(k.device):
-            append_kv_fwd(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, n)
+            append_kv_fwd(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, n,
+                          block_table=self.block_table)

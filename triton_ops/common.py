@@ -128,3 +128,12 @@ def dot(a, b, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=DOT_PREC)
     return out
+
+
+@triton.jit
+def page_rows(bt_row, n, page_size, ok):
+    """``(page, offset)`` int64 of logical cache slots ``n`` through one row of the block table
+    (``bt_row``: a pointer to its first entry; ``simsd_kernels.paging``); the page ids where ``ok``
+    is False are not loaded (0)."""
+    page = tl.load(bt_row + n // page_size, mask=ok, other=0).to(tl.int64)
+    return page, (n % page_size).to(tl.int64)

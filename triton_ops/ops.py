@@ -2,7 +2,10 @@
 
 Arguments follow :func:`simsd_kernels.temporal_attention` (already validated there); shapes:
 ``q (B, Lq, Hq, D)``, ``k, v (B, Lq, Hkv, D)``, ``k_cache, v_cache (B, Lmax, Hkv, D)``,
-``cache_seqlens (B,) int32``, ``labels (B, Lq, 3) int32``, ``positions (B, Lq) int64``.
+``cache_seqlens (B,) int32``, ``labels (B, Lq, 3) int32``, ``positions (B, Lq) int64``; or the
+caches as page pools ``(num_pages, page_size, Hkv, D)`` with ``block_table (B, max_pages) int32``
+(``simsd_kernels.paging``; the capacity is then ``max_pages * page_size``; without a table the
+kernels read the ``(B, Lmax, ...)`` caches through the one-page-per-row table ``simsd_kernels.paging.identity_table``).
 No host synchronisation: cache lengths are read by the kernels, and the launch plan (query tile,
 split count, least tiles per split, invariant rule) comes from shapes only -- the caller
 (``simsd_kernels.triton_backend``) computes it with ``simsd_kernels.split_plan`` -- so a launch can
@@ -16,6 +19,8 @@ import re
 
 import torch
 import triton
+
+from simsd_kernels.paging import identity_table
 
 from .append_kv import append_kv_kernel
 from .attention import merge_splits_kernel, rope_qk_kernel, temporal_attn_fwd_kernel
@@ -41,6 +46,8 @@ TRITON_VERSION = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2
 OLD_TRITON_D128 = TRITON_VERSION < (3, 9)
 #: an explicit register cap: without it ptxas stops at 168 registers and spills for some groups
 MAXNREG = 255
+#: warps of the cache write (append_kv_kernel)
+APPEND_WARPS = 4
 #: True when ``TRITON_INTERPRET=1`` was set before the kernels were defined
 INTERPRETED = type(temporal_attn_fwd_kernel).__name__ == "InterpretedFunction"
 
@@ -63,6 +70,14 @@ def tile_config(block_m: int, head_dim: int, fp32: bool) -> tuple:
     if OLD_TRITON_D128 and head_dim == 128 and block_m >= 32:
         return 32, 8, TILE_CONFIGS[32][1]
     return (block_m, *TILE_CONFIGS[block_m])
+
+
+def _pages(k_cache, block_table, batch: int):
+    """``(block_table, page_size, capacity)`` of a launch (the one-page-per-row table when None)."""
+    if block_table is None:
+        block_table = identity_table(batch, k_cache.device)
+    # a pool of empty pages (capacity 0) is read and written nowhere: any page size >= 1 will do
+    return block_table, max(1, k_cache.shape[1]), k_cache.shape[1] * block_table.shape[1]
 
 
 def _check_backend_args(q):
@@ -90,24 +105,25 @@ def rope_qk_fwd(q, k, positions, rope_theta):
 
 def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
                            rope_theta, softmax_scale, *, out=None, num_splits=1, block_m=None, min_tiles=1,
-                           invariant=False):
+                           invariant=False, block_table=None):
     """RoPE (:func:`rope_qk_fwd`) then :func:`attention_rotated_fwd`; returns ``out (B, Lq, Hq, D)``."""
     _check_backend_args(q)
     q_rot, k_rot = rope_qk_fwd(q, k, positions, rope_theta)
     return attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, mask_mode, softmax_scale,
                                  out=out, num_splits=num_splits, block_m=block_m, min_tiles=min_tiles,
-                                 invariant=invariant)
+                                 invariant=invariant, block_table=block_table)
 
 
 def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, mask_mode, softmax_scale, *,
-                          out=None, num_splits=1, block_m=None, min_tiles=1, invariant=False):
+                          out=None, num_splits=1, block_m=None, min_tiles=1, invariant=False, block_table=None):
     """Run the fused kernels on already rotated ``q_rot``, ``k_rot`` (contiguous, as
     :func:`rope_qk_fwd` returns them); returns ``out (B, Lq, Hq, D)`` in q's dtype.
 
     Launch plan (``simsd_kernels.split_plan.SplitPlan`` fields): ``num_splits`` programs along the
     keys (None: 1), ``block_m`` packed query rows per program (default: the natural tile for ``Lq * G``),
     ``min_tiles`` least 64-key tiles per active split, ``invariant`` the shape-invariant split rule.
-    ``out`` (optional) is written entirely.
+    ``out`` (optional) is written entirely. ``block_table``: the caches' page table (None: one
+    page per row).
 
     Raises:
         ValueError: dtype other than fp16/bf16/fp32, head_dim not 64/128, a bad plan.
@@ -135,35 +151,37 @@ def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labe
         o_part, lse_part = out, out
     fp32 = q_rot.dtype == torch.float32
     block_m, warps, stages = tile_config(block_m, D, fp32)
+    block_table, page_size, capacity = _pages(k_cache, block_table, B)
     grid = (triton.cdiv(rows, block_m), B * Hkv, num_splits)
     temporal_attn_fwd_kernel[grid](
-        q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, out, o_part, lse_part,
+        q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, out, o_part, lse_part, block_table,
         q_rot.stride(0), q_rot.stride(1), q_rot.stride(2), k_rot.stride(0), k_rot.stride(1), k_rot.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         labels.stride(0), labels.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        Lq, Hq, k_cache.shape[1], total_rows, softmax_scale * math.log2(math.e), int(mask_mode),
-        num_splits, min_tiles, invariant,
+        Lq, Hq, capacity, total_rows, softmax_scale * math.log2(math.e), int(mask_mode),
+        num_splits, min_tiles, invariant, page_size,
         GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=INTERPRETED,
-        DOT_PREC="ieee" if (fp32 or INTERPRETED) else "tf32",
+        DOT_PREC="ieee" if (fp32 or INTERPRETED) else "tf32", ONE_PAGE=block_table.shape[1] == 1,
         num_warps=warps, num_stages=stages, maxnreg=MAXNREG,
     )
     if num_splits > 1:
         merge_splits_kernel[(total_rows,)](
-            o_part, lse_part, out, cache_seqlens, Lq, Hq, k_cache.shape[1], total_rows,
+            o_part, lse_part, out, cache_seqlens, Lq, Hq, capacity, total_rows,
             out.stride(0), out.stride(1), out.stride(2), num_splits, min_tiles, invariant,
             HEAD_DIM=D, BLOCK_N=BLOCK_N, num_warps=4 if D >= 128 else 2,
         )
     return out
 
 
-def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens, rotate=True):
+def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens, rotate=True,
+                  block_table=None):
     """Write ``k[:, :num_tokens]`` (rotated at ``positions``; as it is without ``rotate``: keys
     that :func:`rope_qk_fwd` rotated) and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``.
 
     Same contract as :func:`simsd_kernels.append_kv`: slots at or beyond the cache capacity are
-    skipped instead of written out of bounds.
+    skipped instead of written out of bounds; with ``block_table`` the slot lands in its page.
     """
     _check_backend_args(k)
     B, _, Hkv, D = k.shape
@@ -171,13 +189,16 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
         return
     block_t = 16
     grid = (B, Hkv, triton.cdiv(num_tokens, block_t))
+    # 4 warps: with its page lookup the D128 write spills 24 bytes at sm_90 in 2 (tests/kernels/sm90_compile.py)
+    block_table, page_size, capacity = _pages(k_cache, block_table, B)
     append_kv_kernel[grid](
-        k, v, positions, k_cache, v_cache, cache_seqlens, num_tokens, k_cache.shape[1],
+        k, v, positions, k_cache, v_cache, cache_seqlens, block_table, num_tokens, capacity, page_size,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         positions.stride(0), positions.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *_split_f64(math.log2(rope_theta)),
-        HEAD_DIM=D, BLOCK_T=block_t, ROTATE=bool(rotate), num_warps=2,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        *_split_f64(math.log2(rope_theta)),
+        HEAD_DIM=D, BLOCK_T=block_t, ROTATE=bool(rotate), num_warps=APPEND_WARPS,
     )
 
 

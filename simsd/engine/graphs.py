@@ -212,10 +212,9 @@ class GraphRunner:
 
     def _written(self, lengths, L: int):
         """The K/V of every layer in the ``L`` slots past ``lengths`` (what a writing forward wrote)."""
-        rows = torch.arange(lengths.shape[0], device=lengths.device)[:, None]
         cols = (lengths.to(torch.int64)[:, None] + torch.arange(L, device=lengths.device)[None]).clamp_max(
             self.cache.max_len - 1)
-        return torch.stack([t[rows, cols] for t in self.cache.k + self.cache.v])
+        return torch.stack([self.cache.slots(t, cols) for t in self.cache.k + self.cache.v])
 
     def _checked_replay(self, g, key, mask_mode, want_logits):
         """First replay of a shape: replay, then rerun the same forward eagerly from the same

@@ -229,10 +229,12 @@ class SDARForCausalLM(nn.Module):
         config = OpConfig("attention", self.dtype, self.config.head_dim, group, int(parse_mask_mode(mask_mode)))
         return resolve_backend(self.attention_backend, self.device, config)
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, **paging) -> KVCache:
+        """A :class:`KVCache` of this model's layers, local kv heads, dtype and device (``paging``:
+        its ``page_size``, ``num_pages``, ``block_size``; default one page per row)."""
         c = self.config
         return KVCache(c.num_hidden_layers, batch_size, max_len, self.num_local_kv_heads, c.head_dim, self.dtype,
-                       self.device)
+                       self.device, **paging)
 
     def context(self, positions, labels, mask_mode, cache: KVCache, num_write=0,
                 unit: int | None = None) -> ForwardContext:
@@ -251,7 +253,8 @@ class SDARForCausalLM(nn.Module):
         attention = prepare_attention(cache.seqlens, labels, positions, num_heads=self.num_local_heads,
                                       num_kv_heads=self.num_local_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
                                       cache_capacity=cache.max_len, mask_mode=mask_mode, rope_theta=c.rope_theta,
-                                      backend=self.attention_backend, shape_invariant=unit is not None)
+                                      backend=self.attention_backend, shape_invariant=unit is not None,
+                                      block_table=cache.block_table)
         return ForwardContext(positions, labels, mask_mode, cache, num_write, attention, unit)
 
     @torch.no_grad()

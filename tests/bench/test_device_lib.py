@@ -88,7 +88,8 @@ def test_the_gpu_run_tests_the_door_and_the_fused_moe_and_benchmarks_the_moe_tar
     """The GPU branch (no dry run): the door's and the fused MoE's tests are groups of their own
     (before: in no group), every group has a cost, bench_e2e runs the 30B-A3B-shaped target too."""
     p = plan(tmp_path, SIMSD_GIT_SHA="0ea1f32")
-    assert p["door"] == "tests/kernels/test_door.py" and p["fused-moe"] == "tests/kernels/test_fused_moe.py"
+    assert p["door"] == "tests/kernels/test_door.py tests/kernels/test_paged_door.py"  # the paged door too
+    assert p["fused-moe"] == "tests/kernels/test_fused_moe.py"
     assert p["engine"] == "-m gpu tests/simsd"
     for name in ("cuda-kernels", "triton-kernels", "door", "fused-moe", "engine"):
         assert f"--cost {name}=" in p["costs"], name

@@ -69,16 +69,18 @@ def torch_attention(*args, **plan):
     return door_attention(TorchAttention, *args, **plan)
 
 
-def door_append_kv(backend, k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens):
-    """``backend``'s door's cache write of the first ``num_tokens`` tokens (in place)."""
-    backend.open_write(k, k_cache, cache_seqlens, positions, rope_theta=rope_theta).append_kv(k, v, k_cache, v_cache,
-                                                                                               num_tokens)
+def door_append_kv(backend, k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens,
+                   block_table=None):
+    """``backend``'s door's cache write of the first ``num_tokens`` tokens (in place; page pools
+    with a ``block_table``)."""
+    backend.open_write(k, k_cache, cache_seqlens, positions, rope_theta=rope_theta,
+                       block_table=block_table).append_kv(k, v, k_cache, v_cache, num_tokens)
 
 
-def torch_append_kv(*args):
+def torch_append_kv(*args, **paging):
     """:func:`door_append_kv` of the torch backend, arguments ``(k, v, positions, k_cache, v_cache,
-    cache_seqlens, rope_theta, num_tokens)``."""
-    door_append_kv(TorchAttention, *args)
+    cache_seqlens, rope_theta, num_tokens)`` and ``block_table``."""
+    door_append_kv(TorchAttention, *args, **paging)
 
 
 def function_backend(name, attention=None, append_kv=None, *, head_dims=None, auto_devices=("cpu",),
@@ -89,7 +91,8 @@ def function_backend(name, attention=None, append_kv=None, *, head_dims=None, au
     ``attend`` and ``append_kv(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta,
     num_tokens)`` (default :func:`torch_append_kv`) its cache write; its ``forward`` is the one of
     :class:`AttentionMetadata` (attend, then the write). With ``plan_options``, ``plan`` holds the
-    door's ``shape_invariant`` and ``num_splits`` when they are set (else it is empty). ``calls``
+    door's ``shape_invariant`` and ``num_splits`` when they are set (else it is empty); a paged door
+    passes both functions its ``block_table`` (keyword) too. ``calls``
     (a dict) counts ``attention``, ``append_kv`` and ``available`` (its availability queries)."""
     calls = calls if calls is not None else {}
     for key in ("attention", "append_kv", "available"):
@@ -110,13 +113,16 @@ def function_backend(name, attention=None, append_kv=None, *, head_dims=None, au
                 plan["shape_invariant"] = True
             if plan_options and self.num_splits:
                 plan["num_splits"] = self.num_splits
+            if self.paged:
+                plan["block_table"] = self.block_table
             return attention(q, k, v, k_cache, v_cache, self.cache_seqlens, self.labels, self.positions,
                              int(self.mask_mode), self.rope_theta, self.softmax_scale, **plan)
 
         def append_kv(self, k, v, k_cache, v_cache, num_tokens=None):
             n = self._check_write(k, v, k_cache, v_cache, num_tokens)
             calls["append_kv"] += 1
-            append(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, n)
+            append(k, v, self.positions, k_cache, v_cache, self.cache_seqlens, self.rope_theta, n,
+                   **({"block_table": self.block_table} if self.paged else {}))
 
     FunctionBackend.name, FunctionBackend.auto_devices, FunctionBackend.plan_options = name, auto_devices, plan_options
     FunctionBackend.head_dims = head_dims

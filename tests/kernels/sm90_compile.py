@@ -40,12 +40,12 @@ def fwd_source(dtype, head_dim, group, block_m):
 
     ptr = ELT[dtype]
     sig = {n: ptr for n in ("QR", "KR", "V", "KC", "VC", "OUT")}
-    sig.update(SEQLENS="*i32", LABELS="*i32", O_PART="*fp32", LSE_PART="*fp32")
-    strides = ("sqb sqt sqh skb skt skh svb svt svh skcb skct skch svcb svct svch slb slt sob sot soh").split()
-    runtime = "Lq Hq Lmax total_rows mask_mode num_splits min_tiles invariant".split()
+    sig.update(SEQLENS="*i32", LABELS="*i32", O_PART="*fp32", LSE_PART="*fp32", BT="*i32")
+    strides = ("sqb sqt sqh skb skt skh svb svt svh skcp skct skch svcp svct svch slb slt sob sot soh").split()
+    runtime = "Lq Hq Lmax total_rows mask_mode num_splits min_tiles invariant page_size sbt".split()
     sig.update({n: "i32" for n in strides + runtime})
     sig.update(qk_scale="fp32")
-    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, UPCAST=False,
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, UPCAST=False, ONE_PAGE=True,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32")
     sig.update({n: "constexpr" for n in consts})
     sig = {n: sig[n] for n in fn.arg_names}
@@ -88,7 +88,8 @@ def append_source(dtype, head_dim):
     from triton_ops.append_kv import append_kv_kernel as fn
 
     ptr = ELT[dtype]
-    sig = dict(K=ptr, V=ptr, POS="*i64", KC=ptr, VC=ptr, SEQLENS="*i32", log2_theta_hi="fp32", log2_theta_lo="fp32")
+    sig = dict(K=ptr, V=ptr, POS="*i64", KC=ptr, VC=ptr, SEQLENS="*i32", BT="*i32", log2_theta_hi="fp32",
+               log2_theta_lo="fp32")
     for n in fn.arg_names:
         sig.setdefault(n, "i32")
     consts = dict(HEAD_DIM=head_dim, BLOCK_T=16)
@@ -136,7 +137,7 @@ def variants(full=False):
     G2 (SDAR-1.7B) and bf16 D64 G2, the fp32 test path once, the RoPE pre-pass, the merge and the
     append kernel; ``full`` adds bf16 D128 G2 / G1 and fp32 D64.
     """
-    from triton_ops.ops import tile_config
+    from triton_ops.ops import APPEND_WARPS, tile_config
 
     def fwd(dtype, d, g, bm):  # what the launcher runs for a plan's tile bm (triton_ops.ops.tile_config)
         bm, w, st = tile_config(bm, d, dtype == "fp32")
@@ -149,7 +150,7 @@ def variants(full=False):
     out += [
         ("rope bf16 D128", lambda: rope_source("bf16", 128), 4, 1),
         ("merge bf16 D128", lambda: merge_source("bf16", 128), 4, 1),
-        ("append bf16 D128", lambda: append_source("bf16", 128), 2, 1),
+        ("append bf16 D128", lambda: append_source("bf16", 128), APPEND_WARPS, 1),
     ]
     from triton_ops.ops import MOE_STAGES, MOE_WARPS
 
@@ -163,7 +164,7 @@ def variants(full=False):
         out += [fwd("bf16", 128, g, bm) for g in (1, 2) for bm in (16, 32, 64)] + [fwd("fp32", 64, 2, 16)]
         out += [("merge fp32 D64", lambda: merge_source("fp32", 64), 2, 1),
                 ("rope fp32 D64", lambda: rope_source("fp32", 64), 4, 1),
-                ("append fp32 D64", lambda: append_source("fp32", 64), 2, 1)]
+                ("append fp32 D64", lambda: append_source("fp32", 64), APPEND_WARPS, 1)]
     return list({name: (name, *rest) for name, *rest in out}.values())  # one row per variant launched
 
 

@@ -29,12 +29,18 @@ def _wrapping(name, attention=None, append_kv=None, head_dims=None):
     return function_backend(name, attention, append_kv, head_dims=head_dims, calls=calls), calls
 
 
-def _scaled_softmax(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
-    return torch_attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale * 1.25)
+def _scaled_softmax(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale, **paging):
+    return torch_attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale * 1.25, **paging)
 
 
-def _ignores_mask(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
-    return torch_attention(q, k, v, kc, vc, lens, labels, pos, 0, theta, scale)
+def _ignores_mask(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale, **paging):
+    return torch_attention(q, k, v, kc, vc, lens, labels, pos, 0, theta, scale, **paging)
+
+
+def _ignores_page_order(*args, block_table=None, **plan):
+    """Reads a row's pages in ascending id order instead of the table's order."""
+    table = None if block_table is None else block_table.sort(dim=1).values.contiguous()
+    return torch_attention(*args, block_table=table, **plan)
 
 
 @pytest.fixture
@@ -97,11 +103,21 @@ def test_a_correct_configuration_of_the_same_backend_is_used(register):
     args = make_inputs(2, 2, 9, 4, 2, 64, [6, 3])
     _, caught = _recorded(lambda: _attention(args, "bidirectional"))
     n_cases = len(selfcheck.CASES)
-    # the check's cases (each attends, then runs forward: attend and write), then the call itself
-    assert not caught and calls["attention"] == 2 * n_cases + 1 and calls["append_kv"] == n_cases
+    # the check's cases (each attends, then runs forward: attend and write), the paged check's two
+    # forwards (contiguous and paged), then the call itself
+    assert not caught and calls["attention"] == 2 * n_cases + 2 + 1 and calls["append_kv"] == n_cases + 2
     _, caught = _recorded(lambda: _attention(args, "paper"))
     assert len(caught) == 1 and "mask_mode=paper" in str(caught[0].message)
-    assert calls["attention"] == 2 * n_cases + 2  # only the check ran the failing configuration (its first case)
+    assert calls["attention"] == 2 * n_cases + 3 + 1  # only the check ran the failing configuration (its first case)
+
+
+def test_a_backend_that_reads_pages_out_of_the_table_order_fails_its_check(register):
+    """The paged check (:func:`simsd_kernels.selfcheck.check_paged`) catches a backend whose
+    contiguous cases are right but which does not follow the block table's page order."""
+    backend, calls = _wrapping("page-order", _ignores_page_order)
+    res = selfcheck.run_check(backend, CPU, OpConfig("attention", torch.float32, 64, 2, 3))
+    assert not res.ok and "paged door" in res.detail, res
+    assert selfcheck.run_check(_wrapping("follows")[0], CPU, OpConfig("attention", torch.float32, 64, 2, 3)).ok
 
 
 def test_explicit_request_of_a_wrong_backend_raises(register, monkeypatch):
@@ -258,7 +274,8 @@ def test_resolution_is_cached(register):
     for _ in range(4):
         _attention(args, "exact")
     assert calls["available"] == 1
-    assert calls["attention"] == 2 * len(selfcheck.CASES) + 4  # one check (attend and forward per case), four calls
+    # one check (attend and forward per case, two paged-check forwards), four calls
+    assert calls["attention"] == 2 * len(selfcheck.CASES) + 2 + 4
     cfg = OpConfig("attention", torch.float32, 64, 2, 2)
     assert backends.resolve_backend("auto", CPU, cfg) is backend
     assert backends.resolve_backend("counted", CPU, cfg) is backend
@@ -311,7 +328,11 @@ def _fused_numerics(angle_factor=1.0, scale_factor=1.0, p_in_dtype=False):
     """The reference with the fused kernels' rounding (q, k rotated once in float32), optionally
     with a wrong softmax scale or RoPE angle, or with the softmax weights rounded to the input dtype
     per 64-key tile before the PV product (as the tensor-core kernels do)."""
-    def attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale):
+    def attention(q, k, v, kc, vc, lens, labels, pos, mode, theta, scale, block_table=None):
+        if block_table is not None:  # the paged check: the rows' slots gathered through the table
+            from simsd_kernels.paging import gather_rows
+            kc, vc = (gather_rows(c, block_table, c.shape[1], slice(None), c.shape[1] * block_table.shape[1])
+                      for c in (kc, vc))
         qr, kr = _rotate(q, pos, theta, angle_factor), _rotate(k, pos, theta, angle_factor)
         if not p_in_dtype:
             return torch_attention(qr, kr, v, kc, vc, lens, labels, torch.zeros_like(pos), mode, theta,
@@ -373,7 +394,7 @@ def test_the_cases_reach_split_merge_the_largest_tile_the_invariant_plan_and_a_s
 
     def recording(*args, **plan):
         seen.append((args, plan))
-        return torch_attention(*args)
+        return torch_attention(*args, block_table=plan.get("block_table"))  # the paged check's table
     backend = function_backend("recording", recording, plan_options=True)
     for group in (1, 2, 4, 8):
         for mode in range(4):
@@ -399,7 +420,8 @@ def test_the_cases_reach_split_merge_the_largest_tile_the_invariant_plan_and_a_s
     seen.clear()
     counted = function_backend("counted", recording)
     assert selfcheck.run_check(counted, CPU, OpConfig("attention", torch.float32, 64, 2, 3)).ok
-    assert len(seen) == 2 * len(selfcheck.CASES) and all(plan == {} for _, plan in seen)
+    assert len(seen) == 2 * len(selfcheck.CASES) + 2 and all(plan == {} for _, plan in seen[:-1])
+    assert set(seen[-1][1]) == {"block_table"}  # the paged check: the contiguous forward, then the paged one
 
 
 def test_the_triton_kernels_pass_the_selfcheck_in_bfloat16():
