@@ -29,10 +29,11 @@ slots past the capacity, as the kernels do). GQA through SDPA's ``enable_gqa`` (
 repeating the kv heads, without the copies). A token that sees no key gets zeros.
 
 The cache is read and written through the door's block table (:mod:`simsd_kernels.paging`): the
-write scatters each new token to ``(block_table[b, s // page_size], s % page_size)``, the reads
-gather a row's slots ``[0, n)`` the same way into a fresh tensor -- the contiguous cache (one page
-per row) included, so a row's keys reach SDPA as the same values in the same layout whatever the
-pages, and paged and contiguous caches give the same bits.
+write scatters each new token to ``(block_table[b, s // page_size], s % page_size)``; the reads
+take a row's slots ``[0, n)`` in place when every row holds its slots in one page and a run's
+rows sit in consecutive pages (the contiguous cache: no copy, as before paging; the pages read
+with the lengths, in the forward's one host read), else gathered the same way into a fresh
+tensor. Paged and contiguous caches give the same bits (tests/kernels/test_paged_door.py).
 """
 from __future__ import annotations
 
@@ -83,7 +84,13 @@ class TorchAttention(AttentionMetadata):
         device = labels.device
         self.mode, self.scale, self.gqa = MaskMode(mask_mode), float(softmax_scale), group > 1
         self.cos, self.sin = rope_tables(positions, head_dim, rope_theta, dtype)
-        lengths = cache_seqlens.tolist()  # the forward's host read
+        one_page = self.block_table.shape[1] == 1  # each row's slots in one page: read in place
+        if one_page:  # the forward's host read: the lengths and each row's page
+            host = torch.cat([cache_seqlens.to(torch.int64), self.block_table[:, 0].to(torch.int64)]).tolist()
+            lengths, pages = host[:B], host[B:]
+        else:  # the forward's host read
+            lengths, pages = cache_seqlens.tolist(), None
+        self.pages = pages
         self.lengths, self.Lq = lengths, Lq
         self.room = [n + Lq <= capacity for n in lengths]
         slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lq, device=device)
@@ -171,7 +178,13 @@ class TorchAttention(AttentionMetadata):
             v_cache.index_put_(self.where, v[self.keep])
 
     def _keys(self, cache, rows: slice, n: int):
-        """Slots ``[0, n)`` of ``rows`` gathered through the block table (``(rows, n, Hkv, D)``)."""
+        """Slots ``[0, n)`` of ``rows`` (``(rows, n, Hkv, D)``): a view of the pool when each row
+        holds them in one page and the rows' pages are consecutive (a contiguous cache), else
+        gathered through the block table."""
+        if self.pages is not None:
+            first = self.pages[rows.start]
+            if self.pages[rows] == list(range(first, first + rows.stop - rows.start)):
+                return cache[first:first + rows.stop - rows.start, :n]
         return gather_rows(cache, self.block_table, self.page_size, rows, n)
 
     def _sdpa(self, q, k, v, mask=None):
