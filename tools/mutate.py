@@ -138,6 +138,8 @@ STEP, BAT = "simsd/decoding/step.py", "simsd/engine/batching.py"
 LAY = "simsd/decoding/layouts.py"
 LOGPROBS_MODES = "tests/simsd/speculative/test_logprobs_modes.py"
 PENALTIES = "tests/simsd/decoding/test_penalties.py"
+PAGED_DOOR = "tests/kernels/test_paged_door.py"
+PAGED_CACHE = "tests/simsd/models/test_paged_cache.py"
 EXACT_PENALTIES = "tests/simsd/speculative/test_exact_penalties.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
@@ -913,6 +915,18 @@ MUTANTS = [
       "return DEFAULT_DRAFT if Path(target).resolve() == DEFAULT_TARGET.resolve() else SELF_DRAFT",
       "return DEFAULT_DRAFT", "tests/simsd/entrypoints/test_cli.py",
       note="any target paired with the bundled tiny draft by default (refused: not its draft)"),
+    # issue 37 item 1: the paged door ----------------------------------------------------------------
+    m("paged door", "simsd_kernels/paging.py", "return block_table[rows, slots // page_size].to(torch.int64), "
+      "slots % page_size", "return block_table[rows, slots // page_size].to(torch.int64), slots % (page_size + 1)",
+      PAGED_DOOR, note="the torch door's page offsets wrong past a row's first page"),
+    m("paged door", "simsd_kernels/torch_backend.py",
+      "if self.pages[rows] == list(range(first, first + rows.stop - rows.start)):", "if True:", PAGED_DOOR,
+      PAGED_CACHE, note="rows whose one-page tables are not consecutive read in place as if they were"),
+    m("paged door", "triton_ops/common.py", "page = tl.load(bt_row + n // page_size, mask=ok, other=0).to(tl.int64)",
+      "page = tl.load(bt_row, mask=ok, other=0).to(tl.int64)", PAGED_DOOR,
+      note="the Triton door reads every key from the row's first page"),
+    m("paged door", "simsd/models/pages.py", "            heapq.heappush(self._free, p)", "            pass",
+      PAGED_CACHE, note="a released row's pages never return to the pool"),
 ]
 
 
