@@ -68,13 +68,16 @@ def _nan_tail(cache, lens):
 
 # (B, Lq, cache lengths, capacity, page size, mode): page size 4 = the block of 4 new tokens
 # (a block's write starts at a page edge when the length is a multiple of 4, inside a page
-# otherwise); page 6 (boundaries inside the block); page 16 (rows shorter than a page); page 1
+# otherwise); page 6 (boundaries inside the block); page 16 (rows shorter than a page); page 1;
+# a page of the whole capacity per row, the pages scattered (the torch door reads a run of rows in
+# place only when their pages are consecutive)
 CASES = [
     (3, 4, [8, 5, 0], 48, 4, MaskMode.BLOCK_CAUSAL),
     (3, 4, [6, 13, 2], 48, 6, MaskMode.EXACT),
     (2, 9, [3, 11], 32, 16, MaskMode.PAPER),
     (2, 8, [70, 1], 96, 8, MaskMode.BIDIRECTIONAL),
     (2, 5, [4, 9], 16, 1, MaskMode.EXACT),
+    (3, 4, [7, 7, 7], 16, 16, MaskMode.BIDIRECTIONAL),  # one page per row, not in row order: one run of 3 rows
 ]
 
 
