@@ -4,8 +4,9 @@ Arguments follow :func:`simsd_kernels.temporal_attention` (already validated the
 ``q (B, Lq, Hq, D)``, ``k, v (B, Lq, Hkv, D)``, ``k_cache, v_cache (B, Lmax, Hkv, D)``,
 ``cache_seqlens (B,) int32``, ``labels (B, Lq, 3) int32``, ``positions (B, Lq) int64``; or the
 caches as page pools ``(num_pages, page_size, Hkv, D)`` with ``block_table (B, max_pages) int32``
-(``simsd_kernels.paging``; the capacity is then ``max_pages * page_size``; without a table the
-kernels read the ``(B, Lmax, ...)`` caches through the one-page-per-row table ``simsd_kernels.paging.identity_table``).
+(``simsd_kernels.paging``; the capacity is then ``max_pages * page_size``). The table is always
+given: the ``(B, Lmax, ...)`` caches are read through the one-page-per-row table
+``simsd_kernels.paging.identity_table`` (this layer, below ``simsd_kernels``, builds none).
 No host synchronisation: cache lengths are read by the kernels, and the launch plan (query tile,
 split count, least tiles per split, invariant rule) comes from shapes only -- the caller
 (``simsd_kernels.triton_backend``) computes it with ``simsd_kernels.split_plan`` -- so a launch can
@@ -19,8 +20,6 @@ import re
 
 import torch
 import triton
-
-from simsd_kernels.paging import identity_table
 
 from .append_kv import append_kv_kernel
 from .attention import merge_splits_kernel, rope_qk_kernel, temporal_attn_fwd_kernel
@@ -72,10 +71,8 @@ def tile_config(block_m: int, head_dim: int, fp32: bool) -> tuple:
     return (block_m, *TILE_CONFIGS[block_m])
 
 
-def _pages(k_cache, block_table, batch: int):
-    """``(block_table, page_size, capacity)`` of a launch (the one-page-per-row table when None)."""
-    if block_table is None:
-        block_table = identity_table(batch, k_cache.device)
+def _pages(k_cache, block_table):
+    """``(block_table, page_size, capacity)`` of a launch."""
     # a pool of empty pages (capacity 0) is read and written nowhere: any page size >= 1 will do
     return block_table, max(1, k_cache.shape[1]), k_cache.shape[1] * block_table.shape[1]
 
@@ -105,7 +102,7 @@ def rope_qk_fwd(q, k, positions, rope_theta):
 
 def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, positions, mask_mode,
                            rope_theta, softmax_scale, *, out=None, num_splits=1, block_m=None, min_tiles=1,
-                           invariant=False, block_table=None):
+                           invariant=False, block_table):
     """RoPE (:func:`rope_qk_fwd`) then :func:`attention_rotated_fwd`; returns ``out (B, Lq, Hq, D)``."""
     _check_backend_args(q)
     q_rot, k_rot = rope_qk_fwd(q, k, positions, rope_theta)
@@ -115,15 +112,14 @@ def temporal_attention_fwd(q, k, v, k_cache, v_cache, cache_seqlens, labels, pos
 
 
 def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, mask_mode, softmax_scale, *,
-                          out=None, num_splits=1, block_m=None, min_tiles=1, invariant=False, block_table=None):
+                          out=None, num_splits=1, block_m=None, min_tiles=1, invariant=False, block_table):
     """Run the fused kernels on already rotated ``q_rot``, ``k_rot`` (contiguous, as
     :func:`rope_qk_fwd` returns them); returns ``out (B, Lq, Hq, D)`` in q's dtype.
 
     Launch plan (``simsd_kernels.split_plan.SplitPlan`` fields): ``num_splits`` programs along the
     keys (None: 1), ``block_m`` packed query rows per program (default: the natural tile for ``Lq * G``),
     ``min_tiles`` least 64-key tiles per active split, ``invariant`` the shape-invariant split rule.
-    ``out`` (optional) is written entirely. ``block_table``: the caches' page table (None: one
-    page per row).
+    ``out`` (optional) is written entirely. ``block_table``: the caches' page table (module doc).
 
     Raises:
         ValueError: dtype other than fp16/bf16/fp32, head_dim not 64/128, a bad plan.
@@ -151,7 +147,7 @@ def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labe
         o_part, lse_part = out, out
     fp32 = q_rot.dtype == torch.float32
     block_m, warps, stages = tile_config(block_m, D, fp32)
-    block_table, page_size, capacity = _pages(k_cache, block_table, B)
+    block_table, page_size, capacity = _pages(k_cache, block_table)
     grid = (triton.cdiv(rows, block_m), B * Hkv, num_splits)
     temporal_attn_fwd_kernel[grid](
         q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labels, out, o_part, lse_part, block_table,
@@ -175,13 +171,13 @@ def attention_rotated_fwd(q_rot, k_rot, v, k_cache, v_cache, cache_seqlens, labe
     return out
 
 
-def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens, rotate=True,
-                  block_table=None):
+def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, num_tokens, rotate=True, *,
+                  block_table):
     """Write ``k[:, :num_tokens]`` (rotated at ``positions``; as it is without ``rotate``: keys
     that :func:`rope_qk_fwd` rotated) and ``v[:, :num_tokens]`` at ``cache_seqlens[b] + i``.
 
     Same contract as :func:`simsd_kernels.append_kv`: slots at or beyond the cache capacity are
-    skipped instead of written out of bounds; with ``block_table`` the slot lands in its page.
+    skipped instead of written out of bounds; the slot lands in its page of ``block_table``.
     """
     _check_backend_args(k)
     B, _, Hkv, D = k.shape
@@ -190,7 +186,7 @@ def append_kv_fwd(k, v, positions, k_cache, v_cache, cache_seqlens, rope_theta, 
     block_t = 16
     grid = (B, Hkv, triton.cdiv(num_tokens, block_t))
     # 4 warps: with its page lookup the D128 write spills 24 bytes at sm_90 in 2 (tests/kernels/sm90_compile.py)
-    block_table, page_size, capacity = _pages(k_cache, block_table, B)
+    block_table, page_size, capacity = _pages(k_cache, block_table)
     append_kv_kernel[grid](
         k, v, positions, k_cache, v_cache, cache_seqlens, block_table, num_tokens, capacity, page_size,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

@@ -4,6 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from simsd_kernels.paging import identity_table  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
 from tests.kernels.helpers import max_err, torch_append_kv  # noqa: E402
 from triton_ops.ops import append_kv_fwd  # noqa: E402
@@ -28,7 +29,7 @@ def _inputs(seed, B, L, Hkv, D, lens, lmax, dtype):
 def test_append_kv_matches_torch_fp32(num_tokens, D):
     k, v, pos, kc, vc, lens = _inputs(num_tokens + D, 3, 19, 2, D, [0, 5, 40], 64, torch.float32)
     kc2, vc2 = kc.clone(), vc.clone()
-    append_kv_fwd(k, v, pos, kc, vc, lens, THETA, num_tokens)
+    append_kv_fwd(k, v, pos, kc, vc, lens, THETA, num_tokens, block_table=identity_table(len(lens), kc.device))
     torch_append_kv(k, v, pos, kc2, vc2, lens, THETA, num_tokens)
     # the same slots are written (untouched ones stay NaN), values exactly, keys within fp32 error
     assert torch.equal(kc.isnan(), kc2.isnan()) and torch.equal(vc.isnan(), vc2.isnan())
@@ -44,7 +45,7 @@ def test_append_kv_matches_torch_fp32(num_tokens, D):
 def test_append_kv_bf16_within_torch_error():
     k, v, pos, kc, vc, lens = _inputs(3, 2, 9, 2, 128, [1, 30], 48, torch.bfloat16)
     kc2 = kc.clone()
-    append_kv_fwd(k, v, pos, kc, vc, lens, THETA, 9)
+    append_kv_fwd(k, v, pos, kc, vc, lens, THETA, 9, block_table=identity_table(len(lens), kc.device))
     torch_append_kv(k, v, pos, kc2, vc.clone(), lens, THETA, 9)
     exact = apply_rope(k.double(), pos, THETA)
     rows = torch.arange(2, device=DEVICE)[:, None]
@@ -56,6 +57,7 @@ def test_append_kv_bf16_within_torch_error():
 
 def test_append_kv_skips_slots_beyond_capacity():
     k, v, pos, kc, vc, lens = _inputs(4, 1, 8, 1, 64, [28], 32, torch.float32)
-    append_kv_fwd(k, v, pos, kc, vc, lens, THETA, 8)  # slots 28..35, capacity 32
+    append_kv_fwd(k, v, pos, kc, vc, lens, THETA, 8,  # slots 28..35, capacity 32
+                  block_table=identity_table(len(lens), kc.device))
     assert not kc[0, 28:32].isnan().any()
     assert torch.equal(vc[0, 28:32], v[0, :4])

@@ -207,9 +207,11 @@ def _torch_backend(q, k, v, kc, vc, sl, lab, pos, mode):
 
 def _triton(q, k, v, kc, vc, sl, lab, pos, mode):
     pytest.importorskip("triton")
+    from simsd_kernels.paging import identity_table
     from triton_ops.ops import temporal_attention_fwd
     out = torch.full(q.shape, float("nan"))
-    temporal_attention_fwd(q, k, v, kc, vc, sl, lab, pos, mode, 1e4, 1.0, out=out)
+    temporal_attention_fwd(q, k, v, kc, vc, sl, lab, pos, mode, 1e4, 1.0, out=out,
+                           block_table=identity_table(q.shape[0], q.device))
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from simsd_kernels.mask_rule import TAU_INF, MaskMode, dense_new_token_mask  # noqa: E402
+from simsd_kernels.paging import identity_table  # noqa: E402
 from triton_ops.ops import temporal_attention_fwd  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,7 +42,7 @@ def test_kernel_mask_equals_mask_rule(mode):
     positions = torch.arange(Lq)[None]
     args = [t.to(DEVICE) for t in (q, k, v, cache, cache, seqlens, labels, positions)]
     out = torch.full((1, Lq, Hq, D), float("nan"), device=DEVICE)
-    temporal_attention_fwd(*args, mode, 1e4, 1.0, out=out)
+    temporal_attention_fwd(*args, mode, 1e4, 1.0, out=out, block_table=identity_table(args[0].shape[0], args[0].device))
     out = out.cpu()
 
     want = dense_new_token_mask(labels, mode)[0]  # (Lq, Lq)

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from simsd_kernels.mask_rule import MaskMode  # noqa: E402
+from simsd_kernels.paging import identity_table  # noqa: E402
 from simsd_kernels.reference import temporal_attention_naive  # noqa: E402
 from tests.kernels.helpers import make_inputs, max_err, torch_attention  # noqa: E402
 from triton_ops.ops import temporal_attention_fwd  # noqa: E402
@@ -21,7 +22,8 @@ FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 def _run(args, mode, scale, num_splits=None):
     q = args[0]
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    res = temporal_attention_fwd(*args, mode, THETA, scale, out=out, num_splits=num_splits)
+    res = temporal_attention_fwd(*args, mode, THETA, scale, out=out, num_splits=num_splits,
+                                 block_table=identity_table(args[0].shape[0], args[0].device))
     assert res is out
     assert not torch.isnan(out).any(), "unwritten or NaN output"
     return out

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from simsd_kernels.mask_rule import MaskMode  # noqa: E402
+from simsd_kernels.paging import identity_table  # noqa: E402
 from simsd_kernels.reference import temporal_attention_naive  # noqa: E402
 from simsd_kernels.rope import apply_rope  # noqa: E402
 from simsd_kernels.split_plan import TRITON_FIGURES, active_splits, plan_for  # noqa: E402
@@ -34,7 +35,8 @@ def _check(args, mode, **plan):
     q = args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    res = temporal_attention_fwd(*args, mode, THETA, scale, out=out, **plan)
+    res = temporal_attention_fwd(*args, mode, THETA, scale, out=out, **plan,
+                                 block_table=identity_table(args[0].shape[0], args[0].device))
     assert res is out and not torch.isnan(out).any(), "unwritten or NaN output"
     ref = temporal_attention_naive(*[a.double() if a.is_floating_point() else a for a in args], mode, THETA, scale)
     err, torch_err = max_err(out, ref), max_err(torch_attention(*args, mode, THETA, scale), ref)
