@@ -172,6 +172,17 @@ class LLM:
         self.scheduler.submit(handle.request, block=block and self.scheduler_thread)  # no hop between
         return handle
 
+    def lead(self, publish) -> None:
+        """Make this LLM a tensor-parallel leader (``simsd serve --tp``'s rank 0,
+        :mod:`simsd.engine.tp_rounds`): its rounds run on a scheduling thread, each round's
+        inputs handed to ``publish(cancels, admits)`` first, so that the other ranks run the
+        same rounds. Call it before the first request, on an LLM with ``tp > 1``."""
+        if self.tp == 1 or self.driver.started:
+            raise RuntimeError("LLM.lead: for an LLM with tp > 1, before its first request")
+        self.scheduler.publish = publish
+        self.scheduler_thread = True
+        self.driver = Driver(self.scheduler, True)
+
     def generate(self, prompts, params=None, use_tqdm: bool = False, *, sampling_params=None) -> list:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the
         forms) with ``params`` (one :class:`SamplingParams` for all, or a list, one per prompt;
