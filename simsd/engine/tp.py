@@ -165,6 +165,14 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def abandon() -> None:
+    """Leave the process group without :func:`shutdown`'s barrier: for a rank that fails where
+    the others do not (``simsd serve --tp``'s rank 0 refusing its address), which would wait in
+    the barrier for ranks that never reach it. The launcher (or torchrun) ends the others."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

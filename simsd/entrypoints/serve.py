@@ -116,13 +116,18 @@ def run_serve(args) -> int:
     from .serve_tp import lead, rank_of, run_follower
     if rank_of() > 0:  # tensor-parallel: rank 0 serves, the others run its rounds
         return run_follower(build_llm(args))
-    api_key_of(args)  # before the models load: a key that could never match fails at once
-    sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
+    sock = None
     try:
+        api_key_of(args)  # before the models load: a key that could never match fails at once
+        sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
         llm = build_llm(args)
         leader = lead(llm)  # None with one rank
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
+        if args.engine.tp > 1:  # the other ranks wait for rank 0's rounds, not in a goodbye barrier
+            from ..engine.tp import abandon
+            abandon()
         raise
     app = app_of(args, llm)
     state = app.state.simsd

@@ -214,3 +214,21 @@ def test_serve_tp2_a_dead_rank_ends_the_server():
         while any(alive(k) for k in kids):
             assert time.monotonic() < end, [k for k in kids if alive(k)]
             time.sleep(0.1)
+
+
+def test_serve_tp2_refuses_a_taken_port_at_once():
+    """Rank 0 checks the address before the models load: a taken port is one line, exit 2, and the
+    other rank (loading, or waiting for rank 0) is ended with it."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "simsd.entrypoints.cli", "serve", "--tp", "2", "--port", str(port)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[0].startswith(f"simsd: error: --host 127.0.0.1 --port {port}: cannot listen "), \
+        proc.stderr
