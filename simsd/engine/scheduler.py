@@ -147,7 +147,7 @@ class Scheduler:
         self._pending: dict = {}   # row -> (program, Fwd): the request the row waits on
         self._waiting: deque = deque()
         self._cancels: set = set()
-        self._admitting = 0  # taken off the queue by take_inputs, not in a row yet
+        self._admitting: list = []  # taken off the queue by take_inputs, not in a row yet
         self.publish = publish
         self.error: BaseException | None = None  # why a leader halted (see step)
         self._cv = threading.Condition()
@@ -182,7 +182,7 @@ class Scheduler:
     def has_room(self) -> bool:
         """A request submitted now would be queued, not refused with :class:`QueueFull`."""
         with self._cv:
-            return len(self._waiting) + self._admitting < self.max_waiting + len(self._free)
+            return len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free)
 
     def decode_clock(self) -> float:
         """``time.perf_counter()`` less the time spent admitting requests (prefills): a clock
@@ -211,7 +211,7 @@ class Scheduler:
                 if self._closed:
                     raise SchedulerClosed("the scheduler was stopped and takes no new requests")
                 # free rows take requests at once
-                if len(self._waiting) + self._admitting < self.max_waiting + len(self._free):
+                if len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
@@ -262,6 +262,7 @@ class Scheduler:
                 dropped = list(self._waiting)
                 self._waiting.clear()
                 self._cancels.update(self._running.values())
+                self._cancels.update(self._admitting)  # running from the round under way
             self._cv.notify_all()
         if not drain:
             for req in dropped:
@@ -323,7 +324,7 @@ class Scheduler:
                 self.publish(cancels, admits)
             except BaseException as exc:
                 with self._cv:
-                    self._admitting = 0
+                    self._admitting = []
                 for req in admits:
                     req.error = exc
                     self._end(req)
@@ -339,7 +340,7 @@ class Scheduler:
             cancels = [r for r in cancels if r.row is not None and self._running.get(r.row) is r]
             n = min(len(self._waiting), len(self._free) + len(cancels))
             admits = [self._waiting.popleft() for _ in range(n)]
-            self._admitting = n
+            self._admitting = list(admits)
             if n:
                 self._cv.notify_all()  # room in the queue
         return cancels, admits
@@ -355,7 +356,7 @@ class Scheduler:
                 req.cancelled = True
                 self._retire(req.row, prog=None if entry is None else entry[0])
         with self._cv:
-            self._admitting = len(admits)  # (a follower's: rebuilt, never queued here)
+            self._admitting = list(admits)  # (a follower's: rebuilt, never queued here)
         for req in admits:
             self._admit(req)
         if self._pending:
@@ -392,7 +393,7 @@ class Scheduler:
         with self._cv:
             index = min(self._free)
             self._free.discard(index)
-            self._admitting -= 1
+            self._admitting.remove(req)
             req.row = index
             self._running[index] = req
         self.engine.synchronize()  # the rounds so far end on the decode clock

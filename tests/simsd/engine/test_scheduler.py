@@ -3,6 +3,7 @@ in flight, rows are admitted and retired between rounds, faults and cancellation
 their request."""
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -523,3 +524,29 @@ def test_a_leader_whose_publish_fails_halts(pair):
     with pytest.raises(SchedulerClosed):
         sched.submit(request("vanilla", target, draft, 0, False, []))
     assert sched.stop(timeout=60) and sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_stop_without_drain_cancels_the_requests_being_admitted(pair):
+    """``stop(drain=False)`` while a round is admitting requests (taken off the queue, in no row
+    yet: here during a leader's publish) cancels them too, not only the running and waiting ones."""
+    target, draft = pair
+    stopper = []
+
+    def publish(cancels, admits):
+        if admits and not stopper:
+            t = threading.Thread(target=sched.stop, kwargs={"drain": False, "timeout": 60})
+            t.start()
+            stopper.append(t)
+            while not sched.closed:
+                time.sleep(0.001)
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=2), max_waiting=8, publish=publish)
+    reqs = [request("vanilla", target, draft, i, False, []) for i in range(3)]
+    for r in reqs:
+        sched.submit(r)
+    sched.start()
+    end = time.monotonic() + 60
+    while not stopper and time.monotonic() < end:
+        time.sleep(0.01)
+    stopper[0].join(60)
+    assert not sched.alive and all(r.done and r.cancelled for r in reqs), [(r.done, r.cancelled) for r in reqs]
+    assert sched.num_running == 0 and sched.num_waiting == 0
