@@ -18,7 +18,8 @@ streaming while others decode; the server's way), or with ``scheduler_thread=Fal
 thread that waits for a result: a :meth:`LLM.generate` call then queues all its requests
 before the first round, so the rounds, and which rows share each forward, are the same in
 every run (``simsd generate`` and ``simsd bench`` run this way, as do tensor-parallel ranks,
-which must run the same forwards). Every request runs its row program (vanilla decoding, or
+which must run the same forwards; ``simsd serve --tp``'s rank 0 instead leads the others' rounds
+from its scheduling thread: :meth:`LLM.lead`). Every request runs its row program (vanilla decoding, or
 SimSD's rounds) with the keyed noise of its own seed, so its output does not depend on what
 else is in flight (float32/float64; docs/exactness.md "Batch invariance").
 """
