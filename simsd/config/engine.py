@@ -80,8 +80,9 @@ class EngineArgs:
     threads: int | None = Setting(int, "CPU threads for torch's intra-op work (default: OMP_NUM_THREADS if set, "
                                        "else chosen from the model size: 1 for models as small as the bundled "
                                        "pair)", low=1).field(None)
-    scheduler_thread: bool | None = Setting(bool, "run the scheduler on its own thread (default, unless tp > 1); "
-                                                  "off: on the thread that waits for a result").field(None)
+    scheduler_thread: bool | None = Setting(bool, "run the scheduler on its own thread (default, unless tp > 1: "
+                                                  "simsd serve --tp leads the ranks' rounds from rank 0's thread "
+                                                  "itself); off: on the thread that waits for a result").field(None)
     generation_config: str = Setting(str, "auto: the temperature, top_k and top_p of the target's "
                                           "generation_config.json are the defaults of requests that do not give "
                                           "them (vLLM's --generation-config auto); none: simsd's own (greedy)",
@@ -102,7 +103,9 @@ class EngineArgs:
 #: (:data:`~simsd.config.speculative.SPECULATIVE_RULES`), as :class:`~simsd.config.vocabulary.Rule`
 ENGINE_RULES = (
     Rule("scheduler_thread", lambda s: s.scheduler_thread and s.tp > 1,
-         lambda s: f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the ranks must run the same rounds)",
+         lambda s: f"{opt('tp')} > 1 needs {opt('scheduler_thread', False)} (the ranks must run the same rounds; "
+                   f"simsd serve --tp runs rank 0's scheduler on its thread and sends each round's inputs to the "
+                   f"other ranks)",
          ({"scheduler_thread": True, "tp": 2}, {})),
     Rule("invariant", lambda s: s.invariant and s.cuda_graphs,
          lambda s: f"{opt('invariant')} is not available with {opt('cuda_graphs')} (the graph runner does not run "

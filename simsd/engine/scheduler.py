@@ -81,6 +81,8 @@ class Request:
             request ends: ``result`` (the program's return value), ``error`` (an exception)
             or ``cancelled`` is set.
         request_id: a name for logs (default: a counter).
+        source: what the request was built from, for the other ranks of a tensor-parallel
+            leader to build the same request (:mod:`simsd.engine.tp_rounds`); None otherwise.
 
     Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (prefill done,
     decoding starts), ``finished``; ``decode_interval``: ``(start, end)`` on the scheduler's
@@ -93,6 +95,7 @@ class Request:
     capacity: int = 0
     on_finish: Callable | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    source: object = None
     result: object = None
     error: BaseException | None = None
     cancelled: bool = False
@@ -120,6 +123,11 @@ class Scheduler:
         engine: a :class:`BatchEngine`; its rows are the batch limit.
         max_waiting: requests that may wait for a row (>= 0); beyond it :meth:`submit`
             refuses with :class:`QueueFull` (or blocks).
+        publish: ``publish(cancels, admits)``, called on the scheduling thread with each
+            round's inputs before the round runs (a tensor-parallel leader sends them to the
+            other ranks: :mod:`simsd.engine.tp_rounds`); None (the default): nothing. A leader
+            whose round fails halts: it fails the requests in flight and waiting, takes no new
+            ones, and keeps the exception in ``error``.
 
     Attributes (read from any thread): ``rounds`` (batched forwards run), ``round_seconds``
     (their total wall time, forward and row programs), ``prefill_seconds`` (the admissions'
@@ -129,7 +137,7 @@ class Scheduler:
     shows as a round that does not end).
     """
 
-    def __init__(self, engine: BatchEngine, max_waiting: int = 64):
+    def __init__(self, engine: BatchEngine, max_waiting: int = 64, publish: Callable | None = None):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
@@ -139,6 +147,9 @@ class Scheduler:
         self._pending: dict = {}   # row -> (program, Fwd): the request the row waits on
         self._waiting: deque = deque()
         self._cancels: set = set()
+        self._admitting: list = []  # taken off the queue by take_inputs, not in a row yet
+        self.publish = publish
+        self.error: BaseException | None = None  # why a leader halted (see step)
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -171,7 +182,7 @@ class Scheduler:
     def has_room(self) -> bool:
         """A request submitted now would be queued, not refused with :class:`QueueFull`."""
         with self._cv:
-            return len(self._waiting) < self.max_waiting + len(self._free)
+            return len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free)
 
     def decode_clock(self) -> float:
         """``time.perf_counter()`` less the time spent admitting requests (prefills): a clock
@@ -199,7 +210,8 @@ class Scheduler:
             while True:
                 if self._closed:
                     raise SchedulerClosed("the scheduler was stopped and takes no new requests")
-                if len(self._waiting) < self.max_waiting + len(self._free):  # free rows take requests at once
+                # free rows take requests at once
+                if len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
@@ -250,6 +262,7 @@ class Scheduler:
                 dropped = list(self._waiting)
                 self._waiting.clear()
                 self._cancels.update(self._running.values())
+                self._cancels.update(self._admitting)  # running from the round under way
             self._cv.notify_all()
         if not drain:
             for req in dropped:
@@ -278,15 +291,74 @@ class Scheduler:
             except Exception as exc:  # a fault outside any one request: fail the running ones, go on
                 log.exception("simsd scheduler: round failed")
                 self._fail_running(exc)
+                if self.publish is not None:  # a leader: the ranks may have parted, no round is safe
+                    self._halt(exc)
             finally:
                 self.round_started = None
 
     # -- the scheduling thread ------------------------------------------------------------
+    def _halt(self, exc: BaseException) -> None:
+        """Stop for good after ``exc`` (a tensor-parallel leader's failed round): take no new
+        requests and fail the waiting ones with ``exc`` (``error`` keeps it)."""
+        with self._cv:
+            self._closed = True
+            self.error = exc
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            self._cv.notify_all()
+        for req in dropped:
+            req.error = exc
+            self._end(req)
+
     def step(self) -> bool:
         """One round: drop cancelled rows, admit waiting requests into free rows, run one
-        batched forward and advance its rows. Returns True while requests run or wait."""
-        self._apply_cancels()
-        self._admit()
+        batched forward and advance its rows. Returns True while requests run or wait.
+
+        The round's inputs from other threads (:meth:`take_inputs`) are taken first; with a
+        ``publish`` hook (a tensor-parallel leader, :mod:`simsd.engine.tp_rounds`) they are
+        handed to it before the round runs (:meth:`run_round`): a hook that raises ends the
+        requests to admit with its exception and re-raises."""
+        cancels, admits = self.take_inputs()
+        if self.publish is not None:
+            try:
+                self.publish(cancels, admits)
+            except BaseException as exc:
+                with self._cv:
+                    self._admitting = []
+                for req in admits:
+                    req.error = exc
+                    self._end(req)
+                raise
+        return self.run_round(cancels, admits)
+
+    def take_inputs(self) -> tuple[list, list]:
+        """``(cancels, admits)``: the running requests cancelled since the last round and the
+        waiting requests this round admits (first come, as many as rows will be free), taken
+        off the queue (the scheduling thread)."""
+        with self._cv:
+            cancels, self._cancels = self._cancels, set()
+            cancels = [r for r in cancels if r.row is not None and self._running.get(r.row) is r]
+            n = min(len(self._waiting), len(self._free) + len(cancels))
+            admits = [self._waiting.popleft() for _ in range(n)]
+            self._admitting = list(admits)
+            if n:
+                self._cv.notify_all()  # room in the queue
+        return cancels, admits
+
+    def run_round(self, cancels: list, admits: list) -> bool:
+        """One round with these inputs (:meth:`take_inputs`, or a tensor-parallel leader's,
+        rebuilt by another rank: the same inputs give the same round on every rank): retire
+        ``cancels``, admit ``admits`` into the lowest free rows, run one batched forward and
+        advance its rows. Returns True while requests run or wait."""
+        for req in cancels:
+            if req.row is not None and self._running.get(req.row) is req:
+                entry = self._pending.pop(req.row, None)
+                req.cancelled = True
+                self._retire(req.row, prog=None if entry is None else entry[0])
+        with self._cv:
+            self._admitting = list(admits)  # (a follower's: rebuilt, never queued here)
+        for req in admits:
+            self._admit(req)
         if self._pending:
             start = time.perf_counter()
             name, mode, rows = self.engine.pick(self._pending)
@@ -315,41 +387,30 @@ class Scheduler:
             if max_rounds is not None and n >= max_rounds:
                 raise RuntimeError(f"still busy after {max_rounds} rounds")
 
-    def _apply_cancels(self) -> None:
+    def _admit(self, req: Request) -> None:
+        """Prefill ``req`` into the lowest free row and start its program (low rows first:
+        forwards cover a short row range)."""
         with self._cv:
-            cancels, self._cancels = self._cancels, set()
-        for req in cancels:
-            if req.row is not None and self._running.get(req.row) is req:
-                entry = self._pending.pop(req.row, None)
-                req.cancelled = True
-                self._retire(req.row, prog=None if entry is None else entry[0])
-
-    def _admit(self) -> None:
-        while True:
-            with self._cv:
-                if not self._waiting or not self._free:
-                    return
-                req = self._waiting.popleft()
-                index = min(self._free)  # low rows first: forwards cover a short row range
-                self._free.discard(index)
-                req.row = index
-                self._running[index] = req
-                self._cv.notify_all()  # room in the queue
-            self.engine.synchronize()  # the rounds so far end on the decode clock
-            start = time.perf_counter()
-            try:
-                row = self.engine.release(index)
-                tail = self.engine.prefill(index, req.prompt_ids)
-                prog = req.program(row, tail)
-                self.engine.synchronize()  # the prefill ends off the decode clock
-            except Exception as exc:
-                self.prefill_seconds += time.perf_counter() - start
-                self._retire(index, error=exc)
-                continue
-            req.admitted = time.perf_counter()
-            self.prefill_seconds += req.admitted - start
-            req.decode_interval = (self.decode_clock(),) * 2
-            self._advance(index, prog, None)
+            index = min(self._free)
+            self._free.discard(index)
+            self._admitting.remove(req)
+            req.row = index
+            self._running[index] = req
+        self.engine.synchronize()  # the rounds so far end on the decode clock
+        start = time.perf_counter()
+        try:
+            row = self.engine.release(index)
+            tail = self.engine.prefill(index, req.prompt_ids)
+            prog = req.program(row, tail)
+            self.engine.synchronize()  # the prefill ends off the decode clock
+        except Exception as exc:
+            self.prefill_seconds += time.perf_counter() - start
+            self._retire(index, error=exc)
+            return
+        req.admitted = time.perf_counter()
+        self.prefill_seconds += req.admitted - start
+        req.decode_interval = (self.decode_clock(),) * 2
+        self._advance(index, prog, None)
 
     def _over_limit(self, i: int) -> RuntimeError | None:
         """Count a served request of row ``i``; the error of a program past

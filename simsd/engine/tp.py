@@ -165,15 +165,26 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def abandon() -> None:
+    """Leave the process group without :func:`shutdown`'s barrier: for a rank that fails where
+    the others do not (``simsd serve --tp``'s rank 0 refusing its address), which would wait in
+    the barrier for ranks that never reach it. The launcher (or torchrun) ends the others."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args):
+def _worker(rank: int, world_size: int, port: int, fn, args, detach: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if detach:  # signals come from the launcher only (see spawn); its death ends the rank
+        os.setpgrp()
+        _end_with_parent()
     try:
         fn(*args)
         code = 0
@@ -188,11 +199,44 @@ def _worker(rank: int, world_size: int, port: int, fn, args):
     os._exit(code)
 
 
-def spawn(fn, world_size: int, *args) -> None:
+def _end_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent dies (Linux ``prctl``; elsewhere
+    nothing)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn(fn, world_size: int, *args, forward_signals: bool = False) -> None:
     """Run ``fn(*args)`` in ``world_size`` fresh processes with torchrun-like environments.
 
+    ``forward_signals`` (``simsd serve --tp``): the ranks run in their own process group, so a
+    terminal's Ctrl-C reaches only this launcher, which passes SIGINT and SIGTERM on to rank 0
+    (the server: it drains, then stops the others); a rank whose launcher dies gets SIGTERM.
+
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a rank failed.
+        torch.multiprocessing.ProcessRaisedException: a rank failed (the others are then
+            terminated: SIGTERM, SIGKILL 30 s later).
     """
+    import signal
+
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    ctx = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, forward_signals), nprocs=world_size,
+                             join=False, start_method="spawn")
+    saved = {}
+    if forward_signals:
+        def forward(sig, frame):
+            try:
+                os.kill(ctx.processes[0].pid, sig)
+            except ProcessLookupError:
+                pass
+        saved = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not ctx.join():
+            pass
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

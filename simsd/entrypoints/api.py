@@ -18,7 +18,8 @@ streaming while others decode; the server's way), or with ``scheduler_thread=Fal
 thread that waits for a result: a :meth:`LLM.generate` call then queues all its requests
 before the first round, so the rounds, and which rows share each forward, are the same in
 every run (``simsd generate`` and ``simsd bench`` run this way, as do tensor-parallel ranks,
-which must run the same forwards). Every request runs its row program (vanilla decoding, or
+which must run the same forwards; ``simsd serve --tp``'s rank 0 instead leads the others' rounds
+from its scheduling thread: :meth:`LLM.lead`). Every request runs its row program (vanilla decoding, or
 SimSD's rounds) with the keyed noise of its own seed, so its output does not depend on what
 else is in flight (float32/float64; docs/exactness.md "Batch invariance").
 """
@@ -171,6 +172,17 @@ class LLM:
         self.driver.start()
         self.scheduler.submit(handle.request, block=block and self.scheduler_thread)  # no hop between
         return handle
+
+    def lead(self, publish) -> None:
+        """Make this LLM a tensor-parallel leader (``simsd serve --tp``'s rank 0,
+        :mod:`simsd.engine.tp_rounds`): its rounds run on a scheduling thread, each round's
+        inputs handed to ``publish(cancels, admits)`` first, so that the other ranks run the
+        same rounds. Call it before the first request, on an LLM with ``tp > 1``."""
+        if self.tp == 1 or self.driver.started:
+            raise RuntimeError("LLM.lead: for an LLM with tp > 1, before its first request")
+        self.scheduler.publish = publish
+        self.scheduler_thread = True
+        self.driver = Driver(self.scheduler, True)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *, sampling_params=None) -> list:
         """Decode ``prompts`` (one prompt or a list of them; see :meth:`prompt_ids` for the

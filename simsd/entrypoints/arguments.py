@@ -124,7 +124,7 @@ COMMANDS = {
               "decoding": _REQUEST + ("seed",) + _SPECULATIVE[:-1],
               "eval": ("modes", "execute", "timeout", "warmup", "json_file"), "scaling out": RAY_OPTIONS["eval"]},
              {"batch_size": 1, "modes": "vanilla,paper,exact", "warmup": 1, "timeout": 10.0, "num_workers": 1}),
-    "serve": ({"models and engine": _MODEL + ("mode",) + _SPECULATIVE + ("batch_size", "max_model_len",
+    "serve": ({"models and engine": _MODEL + ("mode", "tp") + _SPECULATIVE + ("batch_size", "max_model_len",
                                                                         "kv_cache_memory", "max_waiting",
                                                                         "max_gamma"),
                "request defaults (a request's own fields override them)": _REQUEST + ("seed", "generation_config"),

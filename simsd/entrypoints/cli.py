@@ -224,7 +224,8 @@ def launch_tp(args, argv) -> int | None:
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     try:
-        spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv))
+        spawn(_tp_rank_main, args.tp, list(sys.argv[1:] if argv is None else argv),
+              forward_signals=args.command == "serve")
     except ProcessExitedException as exc:
         if exc.exit_code == 2:  # a refusal: the rank said it in one line (rank 0 first, see _tp_rank_main)
             return 2

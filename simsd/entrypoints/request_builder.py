@@ -94,5 +94,13 @@ class RequestBuilder:
                                                         self.target.mask_token_id, params.prompt_logprobs)
             handle.program = new_program(row)
             return handle.program.program(tail, handle.on_block)
-        handle.request = Request(ids, program, capacity, on_finish=handle.on_finish, request_id=rid)
+        # tensor-parallel: what another rank rebuilds the request from (the seed drawn here included)
+        source = (prompt, params, seed, rid) if self.config.tp > 1 else None
+        handle.request = Request(ids, program, capacity, on_finish=handle.on_finish, request_id=rid, source=source)
         return handle
+
+    def rebuild(self, llm, source):
+        """The :class:`~simsd.engine.scheduler.Request` of another rank's ``Request.source``
+        (:mod:`simsd.engine.tp_rounds`): the same prompt, parameters and seed, no listener."""
+        prompt, params, seed, rid = source
+        return self.build(llm, prompt, dataclasses.replace(params, seed=seed), request_id=rid).request

@@ -113,12 +113,21 @@ def run_serve(args) -> int:
     except ImportError as exc:
         raise MissingPackageError(f"simsd serve needs the serve extra ({exc.name} is not installed): "
                                   f"pip install 'simsd[serve]'") from None
-    api_key_of(args)  # before the models load: a key that could never match fails at once
-    sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
+    from .serve_tp import lead, rank_of, run_follower
+    if rank_of() > 0:  # tensor-parallel: rank 0 serves, the others run its rounds
+        return run_follower(build_llm(args))
+    sock = None
     try:
+        api_key_of(args)  # before the models load: a key that could never match fails at once
+        sock = listen_socket(args.host, args.port)  # before the models load: a taken port fails at once
         llm = build_llm(args)
+        leader = lead(llm)  # None with one rank
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
+        if args.engine.tp > 1:  # the other ranks wait for rank 0's rounds, not in a goodbye barrier
+            from ..engine.tp import abandon
+            abandon()
         raise
     app = app_of(args, llm)
     state = app.state.simsd
@@ -153,6 +162,13 @@ def run_serve(args) -> int:
             else:
                 self.should_exit = self.force_exit = True
 
+        async def on_tick(self, counter) -> bool:
+            if llm.scheduler.error is not None and not self.should_exit:  # a halted leader (serve --tp)
+                print(f"simsd: error: a tensor-parallel rank failed ({llm.scheduler.error!r}); stopping",
+                      file=sys.stderr, flush=True)
+                self.should_exit = True
+            return await super().on_tick(counter)
+
         async def drain(self):
             await state.drain(args.shutdown_timeout)
             self.should_exit = True
@@ -182,6 +198,15 @@ def run_serve(args) -> int:
     done = llm.scheduler.finished
     print(f"simsd: stopped ({done['ok']} requests finished, {done['cancelled']} cancelled, {done['error']} failed)",
           file=sys.stderr, flush=True)
+    if llm.scheduler.error is not None:  # the ranks parted: no goodbye, the launcher ends the others
+        leave(1)
+    if leader is not None:
+        try:
+            leader.stop()
+        except RuntimeError as exc:  # a rank died while the server was idle (the launcher ends the others)
+            print(f"simsd: error: a tensor-parallel rank is gone ({str(exc).splitlines()[0]})", file=sys.stderr,
+                  flush=True)
+            leave(1)
     return 0
 
 

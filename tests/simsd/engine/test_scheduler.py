@@ -3,6 +3,7 @@ in flight, rows are admitted and retired between rounds, faults and cancellation
 their request."""
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -454,3 +455,98 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
         assert finish(req.result, target.stop_ids, MAX_NEW[i]) == singles[i].token_ids, i
     runner = engine.graphs["target"]
     assert runner.graphs <= 2 * 6 and runner.replays > runner.graphs
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode):
+    """What ``simsd serve --tp`` relies on (simsd/engine/tp_rounds.py): a scheduler whose rounds
+    take a leader's published inputs (:meth:`Scheduler.run_round` with the requests rebuilt)
+    runs the leader's rounds: the same rows, cancellations and results, with staggered arrivals,
+    a waiting and a running request cancelled, 3 rows for 6 requests."""
+    target, draft = pair
+    done = []
+    followers = {}  # leader's request -> the follower's copy
+
+    def publish(cancels, admits):
+        for r in admits:
+            followers[r] = request(mode, target, draft, int(r.request_id), True, [])
+        follower.run_round([followers[r] for r in cancels], [followers[r] for r in admits])
+    leader = Scheduler(engine_for(mode, target, draft, rows=3), max_waiting=8, publish=publish)
+    follower = Scheduler(engine_for(mode, target, draft, rows=3), max_waiting=0)
+    reqs = [request(mode, target, draft, i, True, done) for i in range(len(PROMPTS))]
+    arrivals, r = [0, 0, 2, 3, 5, 9], 0
+    while r < 2000 and (r <= max(arrivals) or leader.num_running or leader.num_waiting):
+        for k, at in enumerate(arrivals):
+            if at == r:
+                leader.submit(reqs[k])
+        if r == 6:
+            leader.cancel(reqs[1])  # running since round 0
+            leader.cancel(reqs[5])  # not yet submitted: a no-op on both sides
+        if r == 9:
+            leader.cancel(reqs[5])  # waiting
+        leader.step()
+        assert follower.rounds == leader.rounds and follower._running.keys() == leader._running.keys(), r
+        r += 1
+    assert [q.cancelled for q in reqs] == [False, True, False, False, False, True]
+    assert set(followers) == set(reqs) - {reqs[5]}  # a request cancelled while waiting never reached the follower
+    for q, f in followers.items():
+        assert (f.result, f.cancelled, f.error) == (q.result, q.cancelled, q.error) and f.row == q.row
+    assert follower.rounds == leader.rounds > 0 and follower.num_running == 0 and sorted(follower._free) == [0, 1, 2]
+
+
+def test_a_leader_whose_publish_fails_halts(pair):
+    """A tensor-parallel leader whose broadcast fails (a rank is gone) fails the requests it was
+    admitting, the running and the waiting ones with that error, takes no new requests and keeps
+    the error (``simsd serve --tp`` then exits)."""
+    target, draft = pair
+    gone = ConnectionError("rank 1 is gone")
+    published = []
+
+    def publish(cancels, admits):
+        published.append(len(admits))
+        if len(published) == 3:
+            raise gone
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=1), max_waiting=8, publish=publish)
+    finished = threading.Event()
+    done = []
+
+    def on_finish(req):
+        done.append(req)
+        if len(done) == 3:
+            finished.set()
+    reqs = [request("vanilla", target, draft, i, False, done) for i in range(3)]
+    for r in reqs:
+        r.on_finish = on_finish
+        sched.submit(r)
+    sched.start()
+    assert finished.wait(120)
+    assert all(r.error is gone for r in reqs) and sched.error is gone and sched.closed
+    with pytest.raises(SchedulerClosed):
+        sched.submit(request("vanilla", target, draft, 0, False, []))
+    assert sched.stop(timeout=60) and sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_stop_without_drain_cancels_the_requests_being_admitted(pair):
+    """``stop(drain=False)`` while a round is admitting requests (taken off the queue, in no row
+    yet: here during a leader's publish) cancels them too, not only the running and waiting ones."""
+    target, draft = pair
+    stopper = []
+
+    def publish(cancels, admits):
+        if admits and not stopper:
+            t = threading.Thread(target=sched.stop, kwargs={"drain": False, "timeout": 60})
+            t.start()
+            stopper.append(t)
+            while not sched.closed:
+                time.sleep(0.001)
+    sched = Scheduler(engine_for("vanilla", target, draft, rows=2), max_waiting=8, publish=publish)
+    reqs = [request("vanilla", target, draft, i, False, []) for i in range(3)]
+    for r in reqs:
+        sched.submit(r)
+    sched.start()
+    end = time.monotonic() + 60
+    while not stopper and time.monotonic() < end:
+        time.sleep(0.01)
+    stopper[0].join(60)
+    assert not sched.alive and all(r.done and r.cancelled for r in reqs), [(r.done, r.cancelled) for r in reqs]
+    assert sched.num_running == 0 and sched.num_waiting == 0

@@ -141,9 +141,9 @@ def _project_frames() -> list:
 
 def test_the_path_from_a_request_to_the_attention_kernel(pair, monkeypatch):
     """The hops of docs/design.md §6 (no wrapper between): ``LLM.submit`` queues the request
-    (``Scheduler.submit``); on the scheduling thread a round (``Scheduler.step``) runs the engine's
-    batched forward, which calls the model, whose layers call the backend's door, which launches
-    the kernel (here the torch backend's SDPA calls)."""
+    (``Scheduler.submit``); on the scheduling thread a round (``Scheduler.step``: its inputs taken,
+    then ``Scheduler.run_round``) runs the engine's batched forward, which calls the model, whose
+    layers call the backend's door, which launches the kernel (here the torch backend's SDPA calls)."""
     import torch.nn.functional as F
 
     from simsd.engine.scheduler import Scheduler
@@ -168,9 +168,9 @@ def test_the_path_from_a_request_to_the_attention_kernel(pair, monkeypatch):
     assert queued == [["LLM.submit"]]
     decode = [s for s in launches if "BatchEngine.forward" in s]
     assert decode and all(s == decode[0] for s in decode), {tuple(s) for s in decode}
-    assert decode[0] == ["Scheduler._loop", "Scheduler.step", "BatchEngine.forward", "SDARForCausalLM.forward",
-                         "DecoderLayer.forward", "TorchAttention.forward", "TorchAttention._runs",
-                         "TorchAttention._sdpa"], decode[0]
+    assert decode[0] == ["Scheduler._loop", "Scheduler.step", "Scheduler.run_round", "BatchEngine.forward",
+                         "SDARForCausalLM.forward", "DecoderLayer.forward", "TorchAttention.forward",
+                         "TorchAttention._runs", "TorchAttention._sdpa"], decode[0]
 
 
 def test_one_speculative_decoder_per_llm(pair, monkeypatch):

@@ -240,6 +240,7 @@ def test_cli_takes_vllm_option_spellings():
     assert (str(args.target), args.draft, args.tp, args.batch_size) == ("/m", "/d", 2, 4)
     args = parser.parse_args(["serve", "--model", "/m", "--max-num-seqs", "5", "--max-batch-size", "6"])
     assert (str(args.target), args.batch_size) == ("/m", 6)  # the last one given wins, as argparse does
+    assert parser.parse_args(["serve", "--tensor-parallel-size", "2"]).tp == 2  # vllm serve's spelling
 
 
 def test_docs_list_every_name_of_the_tables():
