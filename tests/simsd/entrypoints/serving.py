@@ -89,3 +89,27 @@ def running_server(app, seconds: float = 60.0):
         server.should_exit = True
         thread.join(seconds)
         assert not thread.is_alive(), "the server did not stop"
+
+
+def stream_in_background(httpx, url: str, body: dict, seconds: float = TIMEOUT) -> tuple:
+    """POST ``body`` (streamed) to ``url + "/v1/completions"`` on a thread; returns ``(thread,
+    events)`` once the first server-sent event has arrived (``events``: each ``data:`` payload as it
+    comes, then the ``repr`` of a transport error if the connection broke). Raises AssertionError
+    when no event comes within ``seconds``."""
+    events, started = [], threading.Event()
+
+    def read():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=seconds) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+        except httpx.TransportError as exc:
+            events.append(repr(exc))
+        finally:
+            started.set()
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(seconds) and events, "no event from the stream"
+    return reader, events

@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from simsd.entrypoints.cli import main
+from tests.simsd.entrypoints.serving import stream_in_background
 
 TIMEOUT = 180
 
@@ -75,17 +75,7 @@ def test_serve_answers_the_openai_client_and_drains_on_sigterm(server_process):
     # a long stream in flight when SIGTERM arrives runs to its end; then the process exits with 0
     body = {"model": "tiny-sdar-target", "prompt": [11, 12, 13], "max_tokens": 96, "ignore_eos": True,
             "stream": True}
-    events, started = [], threading.Event()
-
-    def read():
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    started.set()
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert started.wait(TIMEOUT)
+    reader, events = stream_in_background(httpx, url, body, TIMEOUT)
     proc.send_signal(signal.SIGTERM)
     reader.join(TIMEOUT)
     assert not reader.is_alive()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.simsd.entrypoints.serving import stream_in_background
 from tests.simsd.entrypoints.test_serve_cli import TIMEOUT, serve_process, wait_healthy
 
 MODEL = "tiny-sdar-target"
@@ -156,18 +157,7 @@ def test_serve_tp2_signal_ends_every_rank_after_the_request_in_flight(sig):
     with serve_process("--tp", "2", *ARGV) as (proc, url):
         wait_healthy(httpx, proc, url)
         kids = ranks_of(proc)
-        events, started = [], threading.Event()
-
-        def read():
-            with httpx.stream("POST", url + "/v1/completions", json={**LONG, "max_tokens": 64, "stream": True},
-                              timeout=TIMEOUT) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert started.wait(TIMEOUT)
+        reader, events = stream_in_background(httpx, url, {**LONG, "max_tokens": 64, "stream": True}, TIMEOUT)
         proc.send_signal(getattr(signal, sig))  # the launcher passes it on to rank 0, which drains
         reader.join(TIMEOUT)
         assert proc.wait(TIMEOUT) == 0, proc.stderr.read()
@@ -186,21 +176,7 @@ def test_serve_tp2_a_dead_rank_ends_the_server():
     with serve_process("--tp", "2", *ARGV) as (proc, url):
         wait_healthy(httpx, proc, url)
         kids = ranks_of(proc)
-        events, started = [], threading.Event()
-
-        def read():
-            try:
-                with httpx.stream("POST", url + "/v1/completions", json={**LONG, "max_tokens": 480, "stream": True},
-                                  timeout=TIMEOUT) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            started.set()
-            except httpx.TransportError as exc:
-                events.append(repr(exc))
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert started.wait(TIMEOUT)
+        reader, events = stream_in_background(httpx, url, {**LONG, "max_tokens": 480, "stream": True}, TIMEOUT)
         rank1 = max(k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read())
         os.kill(rank1, signal.SIGKILL)
         reader.join(TIMEOUT)
