@@ -26,7 +26,7 @@ from simsd_kernels import KIND_KNOWN, TAU_INF
 from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
 from ..decoding.step import Step
-from .tree import ProposalTree, step_candidates, step_draws
+from .tree import ProposalTree, masks_after, step_candidates, step_draws
 from .verification import exact_layout, tree_verdict
 from .verifiers import ExactVerifier, PaperVerifier, Verdict
 from .width import TreePlan, WidthPolicy
@@ -111,7 +111,7 @@ class SelfDraft:
                 plan.parent.append(spine)
                 plan.kind.append(k)
                 plan.depth.append(d)
-            spine, left = first, left - min(max(1, per_step[d - 1]), left)
+            spine, left = first, masks_after(left, per_step[d - 1])
         return plan
 
     def chain(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey, draft_type, with_probs: bool):
@@ -126,7 +126,7 @@ class SelfDraft:
         per_step = self.per_step(block_step)
         depth, left = 0, masks
         while depth < self.gamma and left > 0:  # the steps that leave MASK to reveal
-            left -= min(max(1, per_step[depth]), left)
+            left = masks_after(left, per_step[depth])
             depth += 1
         known = self.cfg.strategy in ("sequential", "static")
         tree = self._grow(logits, block, block_step, masks, key, TreePlan.chain(depth if known else self.gamma),
@@ -175,7 +175,7 @@ class SelfDraft:
             states.append(state)
             parent.append(at[p])
             depths.append(d)
-            left.append(left[at[p]] - min(max(1, per_step[d - 1]), left[at[p]]) if known else None)
+            left.append(masks_after(left[at[p]], per_step[d - 1]) if known else None)
             kind.append(plan.kind[j])
         finish = at.get(plan.finish) if plan.finish is not None else None
         if not known:
@@ -262,8 +262,8 @@ class SelfExactVerifier(ExactVerifier):
             self.draft.keep(logits, copy)
             return Verdict(new, taken, accepted, valid, node, logits=lp)
         self.draft.keep(logits, torch.where(node == leaf, C, copy))  # finished as proposed: the next block's
-        self.draft.upcoming = logits[C].clone()  # else the
-        # next block's first proposals, if this block ends without a lookahead
+        # else the next block's first proposals, if this block ends without a lookahead
+        self.draft.upcoming = logits[C].clone()
         return Verdict(new, taken, accepted, valid, node, mine[C], leaf, lp, None if lp is None else logits[C])
 
 

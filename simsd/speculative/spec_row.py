@@ -21,7 +21,7 @@ from ..decoding.program import BlockState, RowProgram
 from ..decoding.step import Step
 from ..engine.batching import Row
 from .optimistic import Speculation, assumed_outcome, keep_commit, reconcile, salvage
-from .tree import ProposalTree, step_candidates
+from .tree import ProposalTree, masks_after, step_candidates
 from .verifiers import ExactVerifier, Round, Verdict
 
 
@@ -308,7 +308,7 @@ class SpecRow(RowProgram):
             if probs is not None:
                 probs = torch.where(revealed[:, None], p.to(probs.dtype), probs)
             if counts_known:
-                masks -= min(max(1, step_cfg.tokens_for_step(index)), masks)
+                masks = masks_after(masks, step_cfg.tokens_for_step(index))
             else:
                 masks = int((state == self.mask_id).sum())  # data-dependent reveal count
         return Draft(states, state, tau, probs, masks, state, siblings)

@@ -111,6 +111,12 @@ def applies(kind: int, positional: bool, masks: int | None) -> bool:
     return not skip or (positional and (masks is None or masks > skip))
 
 
+def masks_after(masks: int, reveals: int) -> int:
+    """The MASK left on a state of ``masks`` MASK after a step whose schedule reveals ``reveals``
+    tokens (at least one, at most what is left)."""
+    return masks - min(max(1, reveals), masks)
+
+
 def step_draws(logits: torch.Tensor, mask_id: int, cfg, noise) -> tuple:
     """What every candidate of one step reads, drawn once for all the states it is applied to:
     ``(logits, tokens, conf, ent)`` with ``logits (L, V)`` (MASK made impossible in place), each

@@ -37,7 +37,7 @@ import heapq
 from dataclasses import dataclass
 
 from ..config.speculative import MAX_ALTERNATIVES
-from .tree import applies
+from .tree import applies, masks_after
 
 #: prior pseudo-counts (successes, trials) of a node of each kind (the primary proposal, then
 #: :data:`~simsd.config.speculative.ALTERNATIVES` in order) being its parent's target step, the
@@ -115,26 +115,26 @@ class WidthPolicy:
         rates = [self.rates(masks, d) for d in range(1, self.gamma + 1)]
         plan = TreePlan([-1], [0], [0])
         left, value = [masks], [1.0]
-        heap, order = [], 0  # candidates: (-value per copy, order, parent, kind, copies)
+        heap, order = [], 0  # candidates: (-value per copy, order, parent, kind, copies, MASK left)
 
         def offer(j: int) -> None:
             nonlocal order
             d = plan.depth[j] + 1
             if left[j] == 0 or d > self.gamma:
                 return
-            rest = left[j] - min(max(1, per_step[d - 1]), left[j])
+            rest = masks_after(left[j], per_step[d - 1])
             if rest == 0 and not lookahead:
                 return  # a filled node saves no step without a lookahead
             for k in range(1 + MAX_ALTERNATIVES):
                 if applies(k, positional, left[j]) and rates[d - 1][k] > 0:
                     copies = 1 if rest else 2
-                    heapq.heappush(heap, (-value[j] * rates[d - 1][k] / copies, order, j, k, copies))
+                    heapq.heappush(heap, (-value[j] * rates[d - 1][k] / copies, order, j, k, copies, rest))
                     order += 1
 
         offer(0)
         copies, steps = 1, 1.0
         while heap:
-            gain, _, j, k, cost = heapq.heappop(heap)
+            gain, _, j, k, cost, rest = heapq.heappop(heap)
             if copies + cost > cap or (cost == 2 and plan.finish is not None):
                 continue
             if self.width == "auto" and (steps - gain * cost) / self.seconds(copies + cost, rows) <= \
@@ -144,7 +144,7 @@ class WidthPolicy:
             plan.parent.append(j)
             plan.kind.append(k)
             plan.depth.append(d)
-            left.append(left[j] - min(max(1, per_step[d - 1]), left[j]))
+            left.append(rest)
             value.append(value[j] * rates[d - 1][k])
             if cost == 2:
                 plan.finish = len(plan.parent) - 1
