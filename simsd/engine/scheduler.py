@@ -182,7 +182,12 @@ class Scheduler:
     def has_room(self) -> bool:
         """A request submitted now would be queued, not refused with :class:`QueueFull`."""
         with self._cv:
-            return len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free)
+            return self._room()
+
+    def _room(self) -> bool:
+        """Whether the queue takes one more request (under the lock): ``max_waiting`` beyond the
+        free rows, counting those a round is admitting."""
+        return len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free)
 
     def decode_clock(self) -> float:
         """``time.perf_counter()`` less the time spent admitting requests (prefills): a clock
@@ -210,8 +215,7 @@ class Scheduler:
             while True:
                 if self._closed:
                     raise SchedulerClosed("the scheduler was stopped and takes no new requests")
-                # free rows take requests at once
-                if len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free):
+                if self._room():  # free rows take requests at once
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
