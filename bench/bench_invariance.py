@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from simsd import load_checkpoint  # noqa: E402
+from simsd.decoding.layouts import exact_layout  # noqa: E402
 from simsd.entrypoints.bench import git_sha  # noqa: E402
 from simsd.models.model import labels_for  # noqa: E402
-from simsd.speculative.verification import exact_layout  # noqa: E402
 
 
 def rates(model, B: int, copies: int, trials: int, vocab: int, mask_id: int, device) -> tuple:

@@ -65,7 +65,7 @@ def context_free_checkpoint(mask_logits, mask_id: int, seed: int = 0):
 
 
 def layout_tensors(ids, positions, labels, taus=None) -> tuple:
-    """A verification layout (:func:`simsd.speculative.verification.exact_layout` or
+    """A verification layout (:func:`simsd.decoding.layouts.exact_layout` or
     ``paper_layout``: device ids, host positions and labels, device tau labels) as the inputs of
     a direct model call: ``ids, positions (1, L)`` and ``labels (1, L, 3)`` int32."""
     import torch

@@ -23,6 +23,23 @@ from ..engine.batching import Fwd, Row
 KNOWN = (KIND_KNOWN, 0, 0)
 
 
+def exact_layout(states: torch.Tensor, start: int):
+    """Query tokens of the exact verification forward: copy ``c`` is ``states[c] (L,)``
+    (``states``: ``(n, L)``, or a list of ``(L,)``).
+
+    Each copy sits at the block's true positions and sees the cache and itself only
+    (``exact`` mask, ``grp = c``), so its logits equal a vanilla denoise forward on that state.
+    Returns ``ids (n*L,)`` on the device, ``positions``: ``n*L`` host ints and ``labels``:
+    ``n*L`` host ``(kind, tau, grp)`` triples.
+    """
+    if isinstance(states, (list, tuple)):
+        states = torch.stack(states)
+    n, L = states.shape
+    positions = list(range(start, start + L)) * n
+    labels = [(KIND_KNOWN, 0, c) for c in range(n) for _ in range(L)]
+    return states.reshape(n * L), positions, labels
+
+
 class RowLayouts:
     """The forward requests of one request on engine row ``row`` (a
     :class:`~simsd.engine.batching.Row`: its index, devices and cached lengths per model).
@@ -51,7 +68,7 @@ class RowLayouts:
 
     def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list, write: int = 0) -> Fwd:
         """Exact verification forward of the layout ``ids (L,)``, ``positions`` and ``labels``
-        (host; one copy per verified state, :func:`simsd.speculative.verification.exact_layout`
+        (host; one copy per verified state, :func:`exact_layout`
         at :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``)
         and is written. ``write``: the layout's first tokens also written after it (a proposed
         finished block's commit copy, :mod:`simsd.speculative.self_draft`; the caller rolls the

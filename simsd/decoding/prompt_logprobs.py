@@ -11,7 +11,7 @@ target's logits at ``i`` in that state -- the distribution a left-to-right (``se
 denoising step would reveal it from. The first token of the sequence has none (None, as vLLM).
 
 All states of a block are scored in one forward: one copy of the block per state (the ``exact``
-mask: each copy sees the cache and itself; :func:`~simsd.speculative.verification.exact_layout`'s
+mask: each copy sees the cache and itself; :func:`~simsd.decoding.layouts.exact_layout`'s
 layout), read-only; the block's commit forward then writes its K/V. The pass runs on a scratch
 cache of its own (the request's row is untouched: its decoding is the same with or without).
 """
@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from simsd_kernels import KIND_KNOWN
-
 from ..engine.host_sync import to_device
+from .layouts import KNOWN, exact_layout
 from .logprobs import entries, packed
 from .step import without_mask_token_
 
@@ -45,13 +44,13 @@ def prompt_logprobs(model, ids: list, block_length: int, mask_id: int, k: int) -
         if n > first:
             states = [block[:j] + [mask_id] * (L - j) for j in range(first, n)]
             C = len(states)
-            logits = model(to_device([sum(states, [])], dev), to_device([list(range(b, b + L)) * C], dev),
-                           to_device([[(KIND_KNOWN, 0, c) for c in range(C) for _ in range(L)]], dev, torch.int32),
+            copies, positions, labels = exact_layout(to_device(states, dev), b)
+            logits = model(copies[None], to_device([positions], dev), to_device([labels], dev, torch.int32),
                            "exact", cache, 0, unit=L)[0].view(C, L, -1)
             at = to_device(list(range(first, n)), dev)
             rows = without_mask_token_(logits[torch.arange(C, device=dev), at], mask_id)  # state j scores position j
             out += entries(packed(rows, to_device(block[first:], dev), k).tolist(), k)
         if n == L and b + L < P:
             model(to_device([block], dev), to_device([list(range(b, b + L))], dev),
-                  to_device([[(KIND_KNOWN, 0, 0)] * L], dev, torch.int32), "bidirectional", cache, L, None, unit=L)
+                  to_device([[KNOWN] * L], dev, torch.int32), "bidirectional", cache, L, None, unit=L)
     return out

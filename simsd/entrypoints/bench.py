@@ -35,10 +35,10 @@ import torch
 
 from ..config.speculative import is_self_draft
 from ..config.vocabulary import ParamError, opt
+from ..decoding.layouts import exact_layout
 from ..decoding.step import without_mask_token_
 from ..engine.batching import Fwd
 from ..engine.scheduler import decode_span
-from ..speculative.verification import exact_layout
 from ..speculative.verifiers import PaperVerifier
 from .commands import build_llms, prepare
 from .outputs import json_safe

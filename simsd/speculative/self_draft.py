@@ -23,11 +23,12 @@ import torch
 
 from simsd_kernels import KIND_KNOWN, TAU_INF
 
+from ..decoding.layouts import exact_layout
 from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
 from ..decoding.step import Step
 from .tree import ProposalTree, masks_after, step_candidates, step_draws
-from .verification import exact_layout, tree_verdict
+from .verification import tree_verdict
 from .verifiers import ExactVerifier, PaperVerifier, Verdict
 from .width import TreePlan, WidthPolicy
 

@@ -2,7 +2,8 @@
 
 * :func:`paper_layout`: ``[leftover | D_1..D_n | M_1..M_n]`` with the RoPE copy and the
   four-quadrant temporal mask labels (paper mode).
-* :func:`exact_layout`: one copy of the block per verified draft step (exact mode).
+* :func:`~simsd.decoding.layouts.exact_layout` (in the decoding layer: prompt scoring uses it
+  too): one copy of the block per verified draft step (exact mode).
 * :func:`token_verdicts`, :func:`accept_in_order`: greedy matching or speculative rejection
   sampling of the draft tokens in the draft's temporal order (paper mode);
   :func:`tree_verdict`: exact mode's comparison of whole steps over a proposal tree (greedy or
@@ -62,23 +63,6 @@ def paper_layout(block: torch.Tensor, known, drafted: torch.Tensor, tau: torch.T
     ids = torch.cat([block, drafted]).index_select(0, id_index)
     taus = F.pad(tau.to(device), (0, 1)).index_select(0, tau_index).to(torch.int32)
     return ids, positions, labels, taus, m_index
-
-
-def exact_layout(states: torch.Tensor, start: int):
-    """Query tokens of the exact verification forward: copy ``c`` is ``states[c] (L,)``
-    (``states``: ``(n, L)``, or a list of ``(L,)``).
-
-    Each copy sits at the block's true positions and sees the cache and itself only
-    (``exact`` mask, ``grp = c``), so its logits equal a vanilla denoise forward on that state.
-    Returns ``ids (n*L,)`` on the device, ``positions``: ``n*L`` host ints and ``labels``:
-    ``n*L`` host ``(kind, tau, grp)`` triples.
-    """
-    if isinstance(states, (list, tuple)):
-        states = torch.stack(states)
-    n, L = states.shape
-    positions = list(range(start, start + L)) * n
-    labels = [(KIND_KNOWN, 0, c) for c in range(n) for _ in range(L)]
-    return states.reshape(n * L), positions, labels
 
 
 def token_verdicts(logits: torch.Tensor, drafted: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ..decoding.config import DecodeConfig
-from ..decoding.layouts import RowLayouts
+from ..decoding.layouts import RowLayouts, exact_layout
 from ..decoding.noise import ACCEPT, RESIDUAL, SAMPLE, NoiseKey, step_noise, uniform
 from ..decoding.penalties import penalize_
 from ..decoding.step import Step, without_mask_token_
@@ -32,7 +32,6 @@ from ..engine.batching import Fwd
 from .verification import (
     accept_in_order,
     accept_in_position_order,
-    exact_layout,
     paper_layout,
     revealing_copies,
     token_verdicts,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from simsd import load_checkpoint
+from simsd.decoding.layouts import exact_layout
 from simsd.models.model import labels_for, per_unit
-from simsd.speculative.verification import exact_layout
 from simsd_kernels import SHARED_GRP
 from tests.helpers import layout_tensors, random_checkpoint
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint, vanilla_generate
+from simsd.decoding.layouts import exact_layout
 from simsd.models.model import labels_for
 from simsd.speculative import SpecConfig, speculative_generate
-from simsd.speculative.verification import accept_in_order, exact_layout, paper_layout, token_verdicts
+from simsd.speculative.verification import accept_in_order, paper_layout, token_verdicts
 from simsd_kernels import TAU_INF
 from tests.helpers import layout_tensors, random_checkpoint, rejection_rng
 
