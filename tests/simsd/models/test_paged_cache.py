@@ -19,7 +19,7 @@ from simsd import load_checkpoint
 from simsd.config.vocabulary import ParamError
 from simsd.models.cache import KVCache
 from simsd.models.model import labels_for
-from simsd.models.pages import PageAllocator, PagesExhausted, check_page_size
+from simsd.models.pages import PageAllocator, PagesExhausted, check_page_size, page_keys
 from tests.helpers import random_checkpoint
 
 V = 96
@@ -96,3 +96,55 @@ def test_model_over_a_shared_pool_gives_the_contiguous_bits(dtype):
     cols = torch.arange(int(flat.seqlens.min()))[None].repeat(B, 1)
     for a, b in zip(flat.k + flat.v, paged.k + paged.v):
         assert torch.equal(flat.slots(a, cols), paged.slots(b, cols))
+
+
+def test_page_keys_name_whole_prefixes():
+    a, b = page_keys(list(range(10)), 4), page_keys(list(range(8)) + [7, 7, 7], 4)
+    assert len(a) == 2 and a == b  # equal first 8 tokens; the partial last page has no key
+    assert page_keys([0, 1, 2, 3, 9, 5, 6, 7], 4)[0] == a[0] and page_keys([0, 1, 2, 3, 9, 5, 6, 7], 4)[1] != a[1]
+    assert page_keys([1, 0, 2, 3, 4, 5, 6, 7], 4)[1] != a[1]  # a page's key depends on the pages before it
+    assert page_keys([1, 2, 3], 4) == []
+
+
+def test_prefix_pages_are_shared_counted_and_evicted_least_recently_used():
+    alloc = PageAllocator(num_pages=6, page_size=4, batch_size=3, max_pages=4)
+    sys_a = page_keys(list(range(12)), 4)   # three full pages of one system prompt
+    sys_b = page_keys(list(range(100, 108)), 4)
+    alloc.grow(0, 13)
+    assert alloc.register(0, sys_a) == 3 and alloc.cached_pages == 3
+    hit = alloc.match(page_keys(list(range(12)) + [50] * 4, 4))
+    assert hit == alloc.pages[0][:3] and alloc.match(sys_b) == []
+    alloc.share(1, hit[:2])
+    alloc.grow(1, 10)  # its own third page after the two shared ones
+    assert alloc.pages[1][:2] == hit[:2] and alloc.pages[1][2] not in alloc.pages[0]
+    assert (alloc.used_pages, alloc.free_pages) == (5, 1)
+    alloc.release(0)  # pages 0-1 still held by row 1; its third cached page and last page come back
+    assert (alloc.used_pages, alloc.free_pages, alloc.cached_pages) == (3, 3, 3)
+    assert alloc.match(sys_a) == hit  # still cached though no row holds the third page
+    alloc.release(1)
+    assert (alloc.used_pages, alloc.free_pages, alloc.cached_pages) == (0, 6, 3)
+    # pressure: free pages go first, then cached ones, least recently used first
+    alloc.grow(2, 12)
+    assert alloc.evictions == 0 and alloc.cached_pages == 3
+    alloc.release(2)
+    alloc.grow(2, 16)  # 4 pages: the 3 free ones and the least recently used cached page
+    assert alloc.evictions == 1 and alloc.match(sys_a) == hit[:2]  # the third page, given back first, went first
+    with pytest.raises(PagesExhausted):
+        alloc.grow(0, 12)  # 2 cached pages left, 3 needed: nothing taken
+    assert alloc.cached_pages == 2 and alloc.pages[0] == []
+
+
+def test_prefix_share_and_register_refuse_what_they_cannot_do():
+    alloc = PageAllocator(num_pages=4, page_size=2, batch_size=2, max_pages=2)
+    alloc.grow(0, 4)
+    keys = page_keys([1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match="3 page keys for 2 pages"):
+        alloc.register(0, keys + keys[:1])
+    assert alloc.register(0, keys) == 2 and alloc.register(0, keys) == 0
+    alloc.grow(1, 2)
+    with pytest.raises(ValueError, match="a shared prefix comes first"):
+        alloc.share(1, alloc.match(keys))
+    assert alloc.register(1, keys[:1]) == 0  # another page holds that key: left unregistered
+    alloc.release(1)
+    with pytest.raises(ValueError, match="not a cached prefix"):
+        alloc.share(1, [3])
