@@ -87,6 +87,24 @@ class KVCache:
         if taken:
             self.block_table[row, have:have + len(taken)] = torch.tensor(taken, dtype=torch.int32)
 
+    def share_prefix(self, row: int, keys: list, max_pages: int | None = None) -> int:
+        """Give row ``row`` (of this view; it holds no page) the cached pages of the longest
+        prefix of ``keys`` (:func:`simsd.models.pages.page_keys` of its tokens), at most
+        ``max_pages`` of them, as its first pages, and make them its committed length; returns
+        the pages taken (:meth:`~simsd.models.pages.PageAllocator.share`)."""
+        pages = self.allocator.match(keys)[:max_pages]
+        if pages:
+            self.allocator.share(self._first_row + row, pages)
+            self.block_table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.seqlens[row] = len(pages) * self.page_size
+        return len(pages)
+
+    def register(self, row: int, keys: list) -> int:
+        """Offer row ``row``'s first ``len(keys)`` pages (full pages of committed tokens named by
+        ``keys``) to the prefix cache; returns the pages newly cached
+        (:meth:`~simsd.models.pages.PageAllocator.register`)."""
+        return self.allocator.register(self._first_row + row, keys)
+
     def release(self, row: int) -> None:
         """Return row ``row``'s pages to the pool and empty the row (length 0)."""
         self.allocator.release(self._first_row + row)

@@ -148,3 +148,45 @@ def test_prefix_share_and_register_refuse_what_they_cannot_do():
     alloc.release(1)
     with pytest.raises(ValueError, match="not a cached prefix"):
         alloc.share(1, [3])
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_shared_prefix_gives_the_bits_of_prefilling_it_again(dtype):
+    """A row that takes another row's cached prompt pages and prefills only the rest has the
+    K/V and logits of a row that prefilled the whole prompt, bit for bit under shape-invariant
+    numerics (``invariant``, units of a block: the rest is a whole number of blocks)."""
+    path = random_checkpoint("target", tokenizer=False, vocab_size=V, num_hidden_layers=2, seed=1, std=0.2)
+    m = load_checkpoint(path, dtype=dtype, with_tokenizer=False).model
+    m.invariant = True
+    page, L = 8, 4
+    cache = m.new_cache(3, 32, page_size=page, num_pages=10, block_size=L)
+    gen = torch.Generator().manual_seed(1)
+    system = torch.randint(0, V - 2, (16,), generator=gen).tolist()
+    prompts = [system + [3, 4, 5, 6], system + [7, 8, 9, 10]]
+
+    def prefill(row: int, ids: list, start: int):
+        cache.grow(row, len(ids))
+        n = len(ids) - start
+        view = cache.rows(row, row + 1)
+        lab = torch.tensor([[(0, 0, p // L) for p in range(start, len(ids))]], dtype=torch.int32)
+        return m(torch.tensor([ids[start:]]), torch.arange(start, len(ids))[None], lab, "block_causal", view,
+                 torch.tensor([n], dtype=torch.int32), unit=L)
+
+    whole = prefill(0, prompts[0], 0)
+    assert cache.register(0, page_keys(prompts[0], page)) == 2 and cache.allocator.cached_pages == 2
+    assert cache.rows(1, 2).share_prefix(0, page_keys(prompts[0], page)) == 2  # the same prompt
+    assert cache.seqlens.tolist()[:2] == [20, 16]
+    again = prefill(1, prompts[0], 16)
+    assert torch.equal(again, whole[:, 16:])
+    assert cache.share_prefix(2, page_keys(prompts[1], page), max_pages=1) == 1
+    assert cache.allocator.pages[2] == cache.allocator.pages[0][:1]
+    other = prefill(2, prompts[1], 8)
+    fresh = m.new_cache(1, 32)
+    lab = torch.tensor([[(0, 0, p // L) for p in range(20)]], dtype=torch.int32)
+    want = m(torch.tensor([prompts[1]]), torch.arange(20)[None], lab, "block_causal", fresh,
+             torch.tensor([20], dtype=torch.int32), unit=L)
+    assert torch.equal(other, want[:, 8:])
+    cols = torch.arange(20)[None]
+    for a, b in zip(fresh.k + fresh.v, cache.k + cache.v):
+        assert torch.equal(fresh.slots(a, cols), cache.rows(2, 3).slots(b, cols))
