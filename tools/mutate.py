@@ -926,6 +926,18 @@ MUTANTS = [
       note="the Triton door reads every key from the row's first page"),
     m("paged door", "simsd/models/pages.py", "            heapq.heappush(self._free, p)", "            pass",
       PAGED_CACHE, note="a released row's pages never return to the pool"),
+    # issue 37 item 3: the prefix cache -------------------------------------------------------------
+    m("prefix cache", "simsd/models/pages.py", "self._unused.pop(p, None)", "pass", PAGED_CACHE,
+      note="a shared cached page stays evictable while a row holds it"),
+    m("prefix cache", "simsd/models/pages.py", "            if self._refs[p]:\n                continue",
+      "            if False:\n                continue", PAGED_CACHE,
+      note="a page another row still holds is given back when one of its rows ends"),
+    m("prefix cache", "simsd/models/pages.py", "            if p in self._key_of:\n", "            if False:\n",
+      PAGED_CACHE, note="a cached page is forgotten when its last row ends"),
+    m("prefix cache", "simsd/models/pages.py", "del self._page_of[self._key_of.pop(p)]", "self._key_of.pop(p)",
+      PAGED_CACHE, note="an evicted page still found under its old key"),
+    m("prefix cache", "simsd/models/pages.py", "prev = hashlib.sha256(prev + array(", "prev = hashlib.sha256(array(",
+      PAGED_CACHE, note="a page's key ignores the pages before it"),
 ]
 
 

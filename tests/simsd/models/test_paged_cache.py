@@ -132,6 +132,11 @@ def test_prefix_pages_are_shared_counted_and_evicted_least_recently_used():
     with pytest.raises(PagesExhausted):
         alloc.grow(0, 12)  # 2 cached pages left, 3 needed: nothing taken
     assert alloc.cached_pages == 2 and alloc.pages[0] == []
+    # a cached page no row held is in use again once shared: never evicted while a row holds it
+    alloc.share(0, alloc.match(sys_a))
+    alloc.release(2)
+    assert alloc.grow(1, 16) == [p for p in range(6) if p not in hit[:2]]
+    assert alloc.free_pages == 0 and alloc.evictions == 1 and alloc.match(sys_a) == hit[:2]
 
 
 def test_prefix_share_and_register_refuse_what_they_cannot_do():
