@@ -4,7 +4,7 @@
         --teacher simsd/assets/tiny-sdar-target --kd-weight 1.0 --ce-weight 0.0 ...
 
 The student reads the same block-diffusion input ``[x_t | x_0]`` under the same mask as in
-training (:func:`train_tiny_sdar.train_forward`); the teacher is run on the identical input in
+training (:func:`bd_objective.train_forward`); the teacher is run on the identical input in
 float32 under ``no_grad``. Loss at the masked positions of ``x_t``::
 
     kd_weight * mean_masked KL(teacher || student) + ce_weight * (the 1/t-weighted CE of training)
@@ -14,10 +14,9 @@ deterministic given ``--seed`` (and the thread count), like the training stage.
 """
 from __future__ import annotations
 
+import bd_objective as O
 import torch
 import torch.nn.functional as F
-
-import train_tiny_sdar as T
 
 
 def load_teacher(path) -> torch.nn.Module:
@@ -33,10 +32,10 @@ def load_teacher(path) -> torch.nn.Module:
 
 def kd_terms(student, teacher, x0, B, mask_id, mask, g) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean KL(teacher || student), 1/t-weighted CE)`` at the masked positions of one noise draw."""
-    xt, masked, w = T.noise(x0, B, mask_id, g)
+    xt, masked, w = O.noise(x0, B, mask_id, g)
     with torch.no_grad():
-        t_logp = F.log_softmax(T.train_forward(teacher, xt, x0, mask, select=masked).float(), dim=-1)
-    s_logp = F.log_softmax(T.train_forward(student, xt, x0, mask, select=masked), dim=-1)
+        t_logp = F.log_softmax(O.train_forward(teacher, xt, x0, mask, select=masked).float(), dim=-1)
+    s_logp = F.log_softmax(O.train_forward(student, xt, x0, mask, select=masked), dim=-1)
     kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
     ce = (F.nll_loss(s_logp, x0[masked], reduction="none") * w[masked]).sum() / x0.numel()
     return kl, ce
@@ -51,24 +50,9 @@ def kd_loss(student, teacher, x0, B, mask_id, mask, g, kd_weight: float, ce_weig
 def heldout_kl(student, teacher, windows, B, mask_id, seed=1234, bs=16) -> float:
     """Mean masked-position KL(teacher || student) on fixed windows with the held-out noise seed."""
     g = torch.Generator().manual_seed(seed)
-    mask = T.bd_mask(windows.shape[1], B)
+    mask = O.bd_mask(windows.shape[1], B)
     tot = 0.0
     for i in range(0, len(windows), bs):
         x0 = windows[i:i + bs]
         tot += float(kd_terms(student, teacher, x0, B, mask_id, mask, g)[0]) * x0.shape[0]
     return tot / len(windows)
-
-
-def tokenized_corpus(tok) -> dict:
-    """``build/tiny-sdar/corpus.pt`` if the tokenizer stage left it there; otherwise the same corpus
-    tokenized with ``tok`` (the bundled tokenizer, which is the one that stage trained)."""
-    import corpus
-
-    f = T.WORK / "corpus.pt"
-    if f.is_file():
-        return torch.load(f)
-    sp = corpus.split()
-    data = {w: {k: T.encode_docs(tok, v) for k, v in corpus.documents(w, sp).items()} for w in ("train", "heldout")}
-    T.WORK.mkdir(parents=True, exist_ok=True)
-    torch.save(data, f)
-    return data

@@ -43,6 +43,7 @@ def chat_ids(tok, text: str) -> list:
 
 
 def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
+    import bd_objective
     import corpus
 
     import train_tiny_sdar as T
@@ -56,7 +57,7 @@ def heldout_loss_of(ck, L: int = 256) -> tuple[float, int]:
             ids.extend(tok(d, add_special_tokens=False)["input_ids"] + [eot])
         streams[name] = {"ids": torch.tensor(ids)}
     windows = T.heldout_windows(streams, L)
-    return T.heldout_loss(ck.model, windows, ck.config.block_size, ck.mask_token_id), len(windows)
+    return bd_objective.heldout_loss(ck.model, windows, ck.config.block_size, ck.mask_token_id), len(windows)
 
 
 def agreement(target, draft, prompt_ids: list, cfg: DecodeConfig) -> dict:

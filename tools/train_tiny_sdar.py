@@ -48,17 +48,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from bd_objective import bd_loss, bd_mask, heldout_loss, train_forward  # noqa: E402
+
 import distill  # noqa: E402
 from simsd.models.config import ModelConfig  # noqa: E402
 from simsd.models.model import SDARForCausalLM, labels_for  # noqa: E402
 from simsd.testing import build_tokenizer, config_dict, save_checkpoint  # noqa: E402
-from simsd_kernels.rope import apply_rope  # noqa: E402
 
 WORK = ROOT / "build" / "tiny-sdar"
 ASSETS = ROOT / "simsd" / "assets"
@@ -139,69 +139,22 @@ def heldout_windows(streams: dict, L: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def tokenized_corpus(tok) -> dict:
+    """``build/tiny-sdar/corpus.pt`` if the tokenizer stage left it there; otherwise the same corpus
+    tokenized with ``tok`` (the bundled tokenizer, which is the one that stage trained)."""
+    import corpus
+
+    f = WORK / "corpus.pt"
+    if f.is_file():
+        return torch.load(f)
+    sp = corpus.split()
+    data = {w: {k: encode_docs(tok, v) for k, v in corpus.documents(w, sp).items()} for w in ("train", "heldout")}
+    WORK.mkdir(parents=True, exist_ok=True)
+    torch.save(data, f)
+    return data
+
+
 # ----------------------------------------------------------------------------- model
-def bd_mask(L: int, B: int) -> torch.Tensor:
-    """``(2L, 2L)`` bool: rows/cols ``[x_t | x_0]``; True = may attend."""
-    blk = torch.arange(L) // B
-    same, before = blk[:, None] == blk[None, :], blk[None, :] < blk[:, None]
-    top = torch.cat([same, before], dim=1)                                      # noisy queries
-    bottom = torch.cat([torch.zeros(L, L, dtype=torch.bool), same | before], dim=1)  # clean queries
-    return torch.cat([top, bottom], dim=0)
-
-
-def train_forward(model: SDARForCausalLM, xt: torch.Tensor, x0: torch.Tensor, mask: torch.Tensor,
-                  select: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits ``(N, L, V)`` at the noisy positions for the input ``[x_t | x_0]`` (shared positions);
-    with ``select`` (``(N, L)`` bool) only the logits ``(n_selected, V)`` of those positions."""
-    N, L = xt.shape
-    c = model.config
-    pos = torch.arange(L).repeat(2)[None].expand(N, 2 * L)
-    x = model.model.embed_tokens(torch.cat([xt, x0], dim=1))
-    for layer in model.model.layers:
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = a.q_norm(a.q_proj(h).view(N, 2 * L, c.num_attention_heads, c.head_dim))
-        k = a.k_norm(a.k_proj(h).view(N, 2 * L, c.num_key_value_heads, c.head_dim))
-        v = a.v_proj(h).view(N, 2 * L, c.num_key_value_heads, c.head_dim)
-        q, k = apply_rope(q, pos, c.rope_theta), apply_rope(k, pos, c.rope_theta)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=c.head_dim ** -0.5, enable_gqa=True)
-        x = x + a.o_proj(o.transpose(1, 2).reshape(N, 2 * L, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    x = x[:, :L] if select is None else x[:, :L][select]
-    return model.lm_head(model.model.norm(x)).float()
-
-
-def noise(x0: torch.Tensor, B: int, mask_id: int, g: torch.Generator):
-    """Per block ``m ~ U{1..B}`` masked positions; returns ``x_t``, masked (bool), weight ``1/t``."""
-    N, L = x0.shape
-    nb = L // B
-    m = torch.randint(1, B + 1, (N, nb, 1), generator=g)
-    ranks = torch.rand(N, nb, B, generator=g).argsort(-1).argsort(-1)
-    masked = (ranks < m).view(N, L)
-    weight = (B / m.float()).expand(N, nb, B).reshape(N, L)
-    return torch.where(masked, torch.full_like(x0, mask_id), x0), masked, weight
-
-
-def bd_loss(model, x0, B, mask_id, mask, g) -> torch.Tensor:
-    xt, masked, w = noise(x0, B, mask_id, g)
-    logits = train_forward(model, xt, x0, mask, select=masked)
-    ce = F.cross_entropy(logits, x0[masked], reduction="none")
-    return (ce * w[masked]).sum() / x0.numel()
-
-
-@torch.no_grad()
-def heldout_loss(model, windows, B, mask_id, seed=1234, bs=16) -> float:
-    """The training loss on fixed ``windows`` with a fixed noise seed (no gradient)."""
-    g = torch.Generator().manual_seed(seed)
-    mask = bd_mask(windows.shape[1], B)
-    tot = 0.0
-    for i in range(0, len(windows), bs):
-        x0 = windows[i:i + bs]
-        tot += float(bd_loss(model, x0, B, mask_id, mask, g)) * x0.shape[0]
-    return tot / len(windows)
-
-
 @torch.no_grad()
 def check_against_inference(model: SDARForCausalLM, vocab: int, B: int, mask_id: int, seed: int = 0) -> float:
     """Max |train - inference| logit difference, relative to the logits' scale, for a noisy block
@@ -239,7 +192,7 @@ def stage_train(args) -> None:
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(str(args.init_from or WORK / "tokenizer"))
-    data = distill.tokenized_corpus(tok)
+    data = tokenized_corpus(tok)
     B, L, mask_id = args.block, args.seq_len, tok.mask_token_id
     stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
     if args.init_from:  # continue from a saved checkpoint (bf16 weights -> fp32 master weights)
