@@ -333,9 +333,9 @@ class BatchEngine:
         2. the prefill chunk (:meth:`prefill`, a group of one row) of the lowest row not in
            ``held`` (the caller's rows that ran a chunk since the last decoding forward): the
            rows admitted together are prefilled before they decode together, and a long
-           prompt's chunks alternate with the other rows' forwards;
+           prompt's chunk forwards (one per model) alternate with the other rows' forwards;
         3. the largest group that can share a forward, draft groups first (so that the
-           target's forwards batch as many rows as possible).
+           target's forwards batch as many rows as possible), a held row's chunk last.
 
         Rule 1 bounds every wait: a request that has waited ``MAX_WAIT`` rounds goes before
         every request that has waited less, so none waits more than ``MAX_WAIT + rows - 1``
@@ -346,10 +346,11 @@ class BatchEngine:
         if aged:
             oldest = min(aged, key=lambda i: (-waited[i], i))
             return next(g for g in groups if oldest in g[2])
-        chunk = next((g for g in groups if pending[g[2][0]][1].prefill and g[2][0] not in held), None)
+        waits = {g[2][0] for g in groups if pending[g[2][0]][1].prefill and g[2][0] in held}
+        chunk = next((g for g in groups if pending[g[2][0]][1].prefill and g[2][0] not in waits), None)
         if chunk is not None:
             return chunk
-        return max(groups, key=lambda g: (g[0] != "target", len(g[2])))
+        return max(groups, key=lambda g: (g[2][0] not in waits, g[0] != "target", len(g[2])))
 
     @staticmethod
     def _groups(pending) -> list:
