@@ -12,12 +12,13 @@ the long prompt's submission to the end of its prefill:
 
 * ``longest_pause_s``: the longest wall time between two consecutive forwards that advance a
   decoding row (the end of one to the end of the next, any decoding row; the forwards are timed
-  around :meth:`BatchEngine.forward`); the goal of chunking is about one chunk's forward plus
-  one decoding forward;
+  around :meth:`BatchEngine.forward`); the goal of chunking is one chunk's forward plus one
+  decoding forward and the round's host work;
 * ``longest_block_gap_s``: the longest time between two consecutive finished blocks of one
   decoding row (the streams' view);
-* ``chunk_forward_s``: the median wall time of one chunk forward (per model), and
-  ``prefill_forward_s``: the whole prefill's forward time summed;
+* ``chunk_forward_s``: the median wall time of one chunk forward of the target,
+  ``prefill_forward_s``: the whole prefill's forward time summed (every model), and
+  ``decode_forward_s``: the median decoding forward from the submission on;
 * ``ttft_s``: the long prompt's time to first token (submission to its first finished block);
 * ``prefill_rounds``: the forwards of the long prompt's prefill, and ``rounds``: the forwards in
   the window.
@@ -38,9 +39,9 @@ from simsd.assets import DEFAULT_TARGET
 
 
 def around(times: list, start: float, end: float) -> list:
-    """The gaps between consecutive ``times`` (sorted) from the last one before ``start`` to the
-    first one after ``end``."""
-    before = [t for t in times if t < start][-1:]
+    """The gaps between consecutive ``times`` (sorted) from the last one before ``start`` (or
+    ``start``) to the first one after ``end``."""
+    before = [t for t in times if t < start][-1:] or [start]
     inside = [t for t in times if start <= t <= end]
     after = [t for t in times if t > end][:1]
     span = before + inside + after
@@ -58,7 +59,7 @@ def measure(mode: str, chunk: int | None, args) -> dict:
     def timed(name, mask_mode, reqs):
         t0 = time.perf_counter()
         out = forward(name, mask_mode, reqs)
-        forwards.append((t0, time.perf_counter(), sorted(reqs), any(r.prefill for r in reqs.values())))
+        forwards.append((t0, time.perf_counter(), sorted(reqs), any(r.prefill for r in reqs.values()), name))
         return out
     engine.forward = timed
     blocks: dict = {}  # row handle index -> finished-block times
@@ -71,7 +72,7 @@ def measure(mode: str, chunk: int | None, args) -> dict:
     short, _ = prompt_ids(llm.get_tokenizer(), args.rows)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     handles = [llm.submit(ids, params, listener=listener(k)) for k, ids in enumerate(short)]
-    for _ in range(8):
+    for _ in range(24):  # the rows decode (each has finished a block)
         sched.step()
     if args.chunk % L:
         raise SystemExit(f"--chunk must be a multiple of the block length {L}")
@@ -88,10 +89,13 @@ def measure(mode: str, chunk: int | None, args) -> dict:
     gaps = [g for k in range(args.rows) for g in around(blocks[k], submitted, done)]
     window = [f for f in forwards if submitted <= f[0] and f[1] <= done]
     chunk_fw = [f[1] - f[0] for f in window if f[3]]
+    target_chunks = [f[1] - f[0] for f in window if f[3] and f[4] == "target"]
+    decode_fw = [f[1] - f[0] for f in forwards if f[0] >= submitted and not f[3]]
     assert all(h.request.error is None for h in handles + [lone])
     out = {"mode": mode, "max_prefill_tokens": chunk, "long_prompt_tokens": len(long), "rows": args.rows,
            "longest_pause_s": max(pauses), "longest_block_gap_s": max(gaps),
-           "chunk_forward_s": statistics.median(chunk_fw), "prefill_forward_s": sum(chunk_fw),
+           "chunk_forward_s": statistics.median(target_chunks), "prefill_forward_s": sum(chunk_fw),
+           "decode_forward_s": statistics.median(decode_fw),
            "ttft_s": blocks["long"][0] - submitted, "prefill_rounds": len(chunk_fw), "rounds": len(window),
            "tokens": [h.result().token_ids for h in handles]}
     llm.shutdown()
@@ -118,14 +122,14 @@ def main(argv=None) -> int:
             raise SystemExit(f"{mode}: the decoding rows' tokens depend on the chunk size")
         for r in pair:
             r.pop("tokens")
-            r["pause_per_chunk_forward"] = r["longest_pause_s"] / pair[1]["chunk_forward_s"]
         rows += pair
-    print(f"{'mode':8} {'chunk':>6} {'pause ms':>9} {'block gap ms':>13} {'chunk fwd ms':>13} {'prefill ms':>11} "
-          f"{'ttft ms':>8} {'prefill fwds':>13}")
+    print(f"{'mode':8} {'chunk':>6} {'pause ms':>9} {'block gap ms':>13} {'chunk fwd ms':>13} {'decode fwd ms':>14} "
+          f"{'prefill ms':>11} {'ttft ms':>8} {'prefill fwds':>13}")
     for r in rows:
         print(f"{r['mode']:8} {str(r['max_prefill_tokens']):>6} {1e3 * r['longest_pause_s']:9.1f} "
               f"{1e3 * r['longest_block_gap_s']:13.1f} {1e3 * r['chunk_forward_s']:13.1f} "
-              f"{1e3 * r['prefill_forward_s']:11.1f} {1e3 * r['ttft_s']:8.1f} {r['prefill_rounds']:13d}")
+              f"{1e3 * r['decode_forward_s']:14.1f} {1e3 * r['prefill_forward_s']:11.1f} {1e3 * r['ttft_s']:8.1f} "
+              f"{r['prefill_rounds']:13d}")
     settings = {k: getattr(args, k) for k in ("modes", "chunk", "chunks", "rows", "max_tokens", "dtype", "threads")}
     write_json(args.out, {"settings": settings, "environment": environment()}, rows)
     print(f"wrote {args.out}")
