@@ -463,11 +463,13 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "exact"])
-def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
+def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode, chunk):
     """What ``simsd serve --tp`` relies on (simsd/engine/tp_rounds.py): a scheduler whose rounds
     take a leader's published inputs (:meth:`Scheduler.run_round` with the requests rebuilt)
     runs the leader's rounds: the same rows, cancellations and results, with staggered arrivals,
-    a waiting and a running request cancelled, 3 rows for 6 requests."""
+    a waiting and a running request cancelled, 3 rows for 6 requests; with chunked prefill too
+    (the prefill chunks are rounds: the same picks on both sides)."""
     target, draft = pair
     done = []
     followers = {}  # leader's request -> the follower's copy
@@ -476,8 +478,9 @@ def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode):
         for r in admits:
             followers[r] = request(mode, target, draft, int(r.request_id), True, [])
         follower.run_round([followers[r] for r in cancels], [followers[r] for r in admits])
-    leader = Scheduler(engine_for(mode, target, draft, rows=3), max_waiting=8, publish=publish)
-    follower = Scheduler(engine_for(mode, target, draft, rows=3), max_waiting=0)
+    leader = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk), max_waiting=8,
+                       publish=publish)
+    follower = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk), max_waiting=0)
     reqs = [request(mode, target, draft, i, True, done) for i in range(len(PROMPTS))]
     arrivals, r = [0, 0, 2, 3, 5, 9], 0
     while r < 2000 and (r <= max(arrivals) or leader.num_running or leader.num_waiting):
