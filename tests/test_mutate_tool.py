@@ -25,7 +25,8 @@ def mutate():
 KINDS = {"verdict", "schedule", "strategy", "confidence", "sampling", "reveal step", "rejection", "stop ids",
          "mask rule (all mirrors)", "mask rule (one mirror)", "mask padding", "cache commit", "layout", "user path",
          "hang", "counters", "noise", "split plan", "backend self-check", "graph self-check", "batch retry",
-         "api counters", "protocol", "prompt bounds", "tp check", "admission", "memory", "stop-id bounds"}
+         "api counters", "protocol", "prompt bounds", "tp check", "admission", "memory", "stop-id bounds",
+         "chunked prefill"}
 
 
 def test_the_mutant_list_is_usable(mutate):

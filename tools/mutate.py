@@ -88,6 +88,7 @@ OPTIONS = "tests/simsd/entrypoints/test_options.py"
 PROMPTS = "tests/simsd/entrypoints/test_prompts.py"
 DETOK = "tests/simsd/entrypoints/test_detokenize.py"
 SCHED = "tests/simsd/engine/test_scheduler.py"
+CHUNKED = "tests/simsd/engine/test_chunked_prefill.py"
 SERVER = "tests/simsd/entrypoints/openai/test_server.py"
 TP = "tests/simsd/engine/test_tp.py"
 MEMORY = "tests/simsd/engine/test_memory.py"
@@ -938,6 +939,17 @@ MUTANTS = [
       PAGED_CACHE, note="an evicted page still found under its old key"),
     m("prefix cache", "simsd/models/pages.py", "prev = hashlib.sha256(prev + array(", "prev = hashlib.sha256(array(",
       PAGED_CACHE, note="a page's key ignores the pages before it"),
+    # issue 37 item 4: chunked prefill --------------------------------------------------------------
+    m("chunked prefill", BAT, "aged = [i for i, n in (waited or {}).items() if i in pending and n >= MAX_WAIT]",
+      "aged = []", CHUNKED, note="no ageing: a request passed over for MAX_WAIT rounds does not go first"),
+    m("chunked prefill", BAT, "waits = {g[2][0] for g in groups if pending[g[2][0]][1].prefill and g[2][0] in held}",
+      "waits = set()", CHUNKED, note="a row's prefill chunks run back to back while other rows wait"),
+    m("chunked prefill", BAT, "end = min(start + chunk, aligned)", "end = min(start + chunk, aligned - 1)",
+      CHUNKED, note="the last chunk stops a token short of the block-aligned prompt"),
+    m("chunked prefill", BAT, "if name in self.graphs and not prefill:", "if name in self.graphs:", CHUNKED,
+      note="prefill chunks replayed as CUDA graphs (a graph per chunk width)"),
+    m("chunked prefill", "simsd/engine/scheduler.py", "self.prefill_seconds += end - start",
+      "self.prefill_seconds += 0.0", SCHED, API_ENGINE, note="prefill rounds counted as decode time"),
 ]
 
 

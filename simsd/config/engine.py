@@ -51,6 +51,12 @@ class EngineArgs:
     kv_cache_memory: float | None = Setting(float, "memory the KV caches (target and draft) may take; fewer rows "
                                                    "than batch_size if they do not fit (default: batch_size rows)",
                                             low=0, open_low=True, unit="bytes").field(None)
+    max_prefill_tokens: int | None = Setting(int, "the most prompt tokens one prefill forward writes, a whole "
+                                                  "number of blocks: a longer prompt is prefilled in chunks "
+                                                  "interleaved with the other rows' forwards, which then pause for "
+                                                  "one chunk at a time (default: no limit, a prompt's "
+                                                  "block-aligned part in one forward)", low=1,
+                                             unit="tokens").field(None)
     max_waiting: int = Setting(int, "requests that may wait for a row; beyond it submit raises QueueFull (the "
                                     "server answers 503)", low=0).field(64)
     block_length: int | None = SETTINGS["block_length"].field(None)

@@ -50,6 +50,9 @@ _LOCAL = ("simsd loads local checkpoint directories only: download one first (hu
 _SEED = ("simsd has no engine seed: each request samples with its own SamplingParams(seed=...) (None: a fresh one, "
          "reported in RequestOutput.seed), its noise a function of that seed alone; a default for requests that "
          "give none: default_params=SamplingParams(seed=N), simsd serve --seed N")
+_CHUNKS = ("simsd has no token budget per step: each forward is one model's, a prompt's prefill chunks run as "
+           "forwards of their own between the other rows' (max_prefill_tokens=N: at most N prompt tokens, whole "
+           "blocks, per prefill forward; default: no limit)")
 _MEMORY = ("simsd sizes its KV caches by kv_cache_memory (bytes; default: batch_size rows of max_model_len "
            "positions), not by a share of the device's memory")
 
@@ -72,12 +75,15 @@ ENGINE = {
                                     "per round", (None,)),
     "speculative_config": Lacks("give the draft as draft= (or speculative_model=) and the draft steps per round as "
                                 "max_gamma= or SamplingParams(gamma=...)", (None,)),
+    "enable_chunked_prefill": Lacks(_CHUNKS, (None, False)),
+    "max_num_batched_tokens": Lacks(_CHUNKS, (None,)),
     "revision": Lacks(_LOCAL, (None,)),
     "download_dir": Lacks(_LOCAL, (None,)),
     "model_path": Same("target", source="SGLang"),
     "speculative_draft_model_path": Same("draft", source="SGLang"),
     "tp_size": Same("tp", source="SGLang"),
     "max_running_requests": Same("batch_size", source="SGLang"),
+    "chunked_prefill_size": Same("max_prefill_tokens", ((-1, None),), source="SGLang"),
     "context_length": Same("max_model_len", source="SGLang"),
     "random_seed": Lacks(_SEED, (None,), "SGLang"),
     "mem_fraction_static": Lacks(_MEMORY, (), "SGLang"),

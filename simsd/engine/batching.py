@@ -59,6 +59,8 @@ from .memory import check_engine_memory
 CAPACITY_QUANTUM = 256
 #: distinct forward labels / write counts an engine keeps on its devices (:meth:`BatchEngine._constant`)
 CONSTANTS = 256
+#: rounds a pending forward request may be passed over before its group goes first (:meth:`BatchEngine.pick`)
+MAX_WAIT = 4
 
 
 def round_capacity(capacity: int) -> int:
@@ -112,7 +114,8 @@ class Fwd:
     ``num_write`` tokens are kept in the row's cache. ``logits``: which tokens' logits to return
     (a slice, or None for none). ``count``: counted as a forward of the row (diagnostic forwards
     are not). ``step``: a denoising step to apply to the logits, whose result the row receives
-    instead (a :class:`BatchStep`).
+    instead (a :class:`BatchStep`). ``prefill``: a chunk of the row's prompt
+    (:meth:`BatchEngine.prefill`): run alone, eagerly, not counted.
 
     Positions and labels travel to the device with those of the forward's other rows in one
     copy each (host values: no device op per request).
@@ -127,6 +130,7 @@ class Fwd:
     count: bool = True
     step: BatchStep | None = None
     tau: torch.Tensor | None = None
+    prefill: bool = False
 
 
 @dataclass
@@ -141,6 +145,7 @@ class Row:
     devices: dict
     cached: dict = field(default_factory=dict)
     forwards: dict = field(default_factory=dict)
+    #: the prompt's prefill chunks run (one forward per model each; :meth:`BatchEngine.prefill`)
     prefill_forwards: int = 0
     caches: dict = field(default_factory=dict)
     query_tokens: dict = field(default_factory=dict)
@@ -198,6 +203,9 @@ class BatchEngine:
             static shapes runs exactly the computation the graphs replay.
         capture: the capture function of the graph runners (default
             :func:`simsd.engine.graphs.cuda_capture`; tests pass ``eager_capture``).
+        max_prefill_tokens: the most prompt tokens one prefill forward writes (a whole number
+            of blocks; :meth:`prefill`), or None: no limit, a prompt's block-aligned part in one
+            forward per model.
 
     The caches hold ``capacity + margin`` tokens per row (callers round ``capacity`` with
     :func:`round_capacity` first). The engine is driven by a
@@ -211,14 +219,21 @@ class BatchEngine:
     Raises:
         ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.engine.graphs`);
             caches and workspace that would not fit the free memory
-            (:func:`simsd.engine.memory.check_engine_memory`).
+            (:func:`simsd.engine.memory.check_engine_memory`); ``max_prefill_tokens`` that is not
+            a positive multiple of ``block_length``.
     """
 
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
-                 cuda_graphs: bool = False, static_shapes: bool | None = None, capture=None):
+                 cuda_graphs: bool = False, static_shapes: bool | None = None, capture=None,
+                 max_prefill_tokens: int | None = None):
+        if max_prefill_tokens is not None and (max_prefill_tokens < block_length
+                                               or max_prefill_tokens % block_length):
+            raise ValueError(f"max_prefill_tokens must be a positive multiple of the block length {block_length} "
+                             f"(whole blocks per prefill forward), got {max_prefill_tokens}")
         self.models = models
         self.block_length = block_length
         self.capacity = capacity
+        self.max_prefill_tokens = max_prefill_tokens
         self.static = cuda_graphs if static_shapes is None else static_shapes
         check_engine_memory(models, batch_size, capacity, margin)
         self.caches = {n: m.new_cache(batch_size, capacity + margin) for n, m in models.items()}
@@ -272,49 +287,85 @@ class BatchEngine:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-    def prefill(self, index: int, prompt_ids: list) -> list:
-        """Prefill row ``index`` in every model (separately per row): the block-aligned part of
-        the prompt, block-causal, written to the cache. Returns the prompt tail (the rest)."""
+    def prefill(self, index: int, prompt_ids: list):
+        """Row ``index``'s prefill as a program (a generator of :class:`Fwd`, as a row program's;
+        the :class:`~simsd.engine.scheduler.Scheduler` runs its requests as rounds between the
+        other rows' forwards): the block-aligned part of the prompt (``floor(P / L) * L`` tokens),
+        block-causal, written to every model's cache in chunks of at most ``max_prefill_tokens``
+        (whole blocks; None: one chunk), each chunk one forward per model in the engine's model
+        order, no logits. ``row.prefill_forwards`` counts the chunks run. Returns the prompt tail
+        (the rest, host ints; it opens the first decode block).
+
+        Chunk boundaries are block boundaries, so a chunk's tokens see exactly what they see in
+        one whole forward (the cache holds the earlier blocks): with shape-invariant numerics
+        (``SDARForCausalLM.invariant``, unit = the block length) on the torch backend the cache
+        holds the same bits whatever the chunk size (docs/exactness.md)."""
         row = self.rows[index]
         row.prompt = list(prompt_ids)
         L = self.block_length
         aligned = (len(prompt_ids) // L) * L
-        for name, model in self.models.items():
-            if aligned:
-                dev = model.device
-                model(to_device([prompt_ids[:aligned]], dev), to_device([list(range(aligned))], dev),
-                      to_device([[(KIND_KNOWN, 0, p // L) for p in range(aligned)]], dev, torch.int32),
-                      "block_causal", self._view(name, index, index + 1), to_device([aligned], dev, torch.int32),
-                      None, unit=L)
-            row.cached[name] = aligned
-        row.prefill_forwards = 1 if aligned else 0
+        chunk = self.max_prefill_tokens or max(aligned, 1)
+        for start in range(0, aligned, chunk):
+            end = min(start + chunk, aligned)
+            positions = range(start, end)
+            labels = [(KIND_KNOWN, 0, p // L) for p in positions]
+            for name, model in self.models.items():
+                yield Fwd(name, to_device(prompt_ids[start:end], model.device), positions, labels, "block_causal",
+                          num_write=end - start, logits=None, count=False, prefill=True)
+            row.prefill_forwards += 1
         return list(prompt_ids[aligned:])
 
     def max_requests(self) -> int:
         """An upper bound on the forward requests of a row program that makes progress: every
         request of a round either commits a token or belongs to a round that does (at most
         ``2 block_length + 8`` requests per committed token, optimistic drafts included), over
-        the capacity."""
-        return (self.capacity + self.block_length) * (2 * self.block_length + 8) + 64
+        the capacity, plus the prefill's (at most one per block and model)."""
+        return ((self.capacity + self.block_length) * (2 * self.block_length + 8) + 64
+                + len(self.models) * (self.capacity // self.block_length))
 
-    def pick(self, pending: dict) -> tuple:
+    def pick(self, pending: dict, waited: dict | None = None, held: frozenset = frozenset()) -> tuple:
         """The next forward among ``pending`` (``{row: (program, Fwd)}``): ``(model, mask_mode,
-        rows)`` of the largest group that can share a forward, draft groups first (so that the
-        target's forwards batch as many rows as possible)."""
-        return max(self._groups(pending), key=lambda g: (g[0] != "target", len(g[2])))
+        rows)`` of, in this order of precedence,
+
+        1. the group of the request that has waited longest (the lowest row among equals), once
+           one has been passed over for :data:`MAX_WAIT` rounds (``waited``: ``{row: rounds its
+           request has waited}``);
+        2. the prefill chunk (:meth:`prefill`, a group of one row) of the lowest row not in
+           ``held`` (the caller's rows that ran a chunk since the last decoding forward): the
+           rows admitted together are prefilled before they decode together, and a long
+           prompt's chunk forwards (one per model) alternate with the other rows' forwards;
+        3. the largest group that can share a forward, draft groups first (so that the
+           target's forwards batch as many rows as possible), a held row's chunk last.
+
+        Rule 1 bounds every wait: a request that has waited ``MAX_WAIT`` rounds goes before
+        every request that has waited less, so none waits more than ``MAX_WAIT + rows - 1``
+        rounds. Which forward goes first changes no token (a row's tokens do not depend on its
+        neighbours) and no row's forward count (each request is one forward of its row)."""
+        groups = self._groups(pending)
+        aged = [i for i, n in (waited or {}).items() if i in pending and n >= MAX_WAIT]
+        if aged:
+            oldest = min(aged, key=lambda i: (-waited[i], i))
+            return next(g for g in groups if oldest in g[2])
+        waits = {g[2][0] for g in groups if pending[g[2][0]][1].prefill and g[2][0] in held}
+        chunk = next((g for g in groups if pending[g[2][0]][1].prefill and g[2][0] not in waits), None)
+        if chunk is not None:
+            return chunk
+        return max(groups, key=lambda g: (g[2][0] not in waits, g[0] != "target", len(g[2])))
 
     @staticmethod
     def _groups(pending) -> list:
-        """``(model, mode, rows)`` of requests that can share a forward."""
+        """``(model, mode, rows)`` of requests that can share a forward (a prefill request alone:
+        its forward runs one row, as wide as its chunk)."""
         groups: dict = {}
         for i, (_, req) in sorted(pending.items()):
-            groups.setdefault((req.model, req.mask_mode), []).append(i)
-        for (name, mode) in list(groups):  # bidirectional requests join the model's other group
+            groups.setdefault((req.model, req.mask_mode, i if req.prefill else None), []).append(i)
+        for key in list(groups):  # bidirectional requests join the model's other group
+            name, mode, _ = key
             if mode == "bidirectional":
-                other = next((k for k in groups if k[0] == name and k[1] != "bidirectional"), None)
+                other = next((k for k in groups if k[0] == name and k[1] != "bidirectional" and k[2] is None), None)
                 if other is not None:
-                    groups[other] = sorted(groups[other] + groups.pop((name, mode)))
-        return [(n, m, rows) for (n, m), rows in groups.items()]
+                    groups[other] = sorted(groups[other] + groups.pop(key))
+        return [(n, m, rows) for (n, m, _), rows in groups.items()]
 
     def forward(self, name: str, mode: str, reqs: dict) -> dict:
         """Run the requests ``reqs`` (``{row: Fwd}``, one group of :meth:`pick`) as one batched
@@ -323,7 +374,10 @@ class BatchEngine:
         The forward covers the rows ``[min(reqs), max(reqs)]`` (all rows with static shapes);
         each row writes all ``Lq`` query tokens into its cache and keeps its request's
         ``num_write`` of them (the model's per-row writes), so every covered row needs ``Lq``
-        free slots (the engine's margin).
+        free slots (the engine's margin). A prefill chunk (``Fwd.prefill``, a group of its own)
+        runs eagerly over its row alone, whatever ``static_shapes`` and ``cuda_graphs`` (a chunk
+        of any width captures no graph), and is not counted in ``forwards`` nor timed in
+        ``costs``.
 
         Raises:
             ValueError: a write past a row's cache capacity (checked before the forward).
@@ -331,7 +385,10 @@ class BatchEngine:
         model = self.models[name]
         a, b = min(reqs), max(reqs) + 1
         Lq = max(len(r.positions) for r in reqs.values())
-        if self.static:
+        prefill = any(r.prefill for r in reqs.values())
+        if prefill and (len(reqs) > 1 or not all(r.prefill for r in reqs.values())):
+            raise ValueError(f"a prefill request runs alone, got a forward of rows {sorted(reqs)}")
+        if self.static and not prefill:
             a, b = 0, len(self.rows)
             Lq = -(-Lq // self.block_length) * self.block_length
         if mode == "bidirectional" and any(len(r.positions) != Lq for r in reqs.values()):
@@ -342,15 +399,15 @@ class BatchEngine:
                 raise ValueError(f"KV cache overflow in row {i} of {name}: {Lq} tokens written, {room} free slots")
         ids, positions, labels, num_write = self._inputs(model.device, mode, reqs, a, b, Lq)
         want = any(r.logits is not None for r in reqs.values())
-        started = self.costs[name].start(model.device)
-        if name in self.graphs:
+        started = None if prefill else self.costs[name].start(model.device)
+        if name in self.graphs and not prefill:
             logits = self.graphs[name](ids, positions, labels, mode, num_write, want)
             if logits is not None:
                 logits = logits.clone()  # a graph's output is overwritten by its next replay
         else:
             logits = model(ids, positions, labels, mode, self._view(name, a, b), num_write,
                            slice(None) if want else None, unit=self.block_length)
-        self.forwards[name] += 1
+        self.forwards[name] += not prefill
         if logits is not None:
             self._flag_nonfinite(name, logits, reqs, a)
         for i, r in reqs.items():
@@ -432,6 +489,8 @@ class BatchEngine:
         if with_tau:
             labels = to_device(labels, device, torch.int32)
             labels[..., 1].add_(torch.cat(taus).view(R, Lq))
+        elif any(r.prefill for r in reqs.values()):  # a prompt's chunk: not worth keeping
+            labels = to_device(labels, device, torch.int32)
         else:
             labels = self._constant(labels, device)
         return ids, to_device(positions, device), labels, self._constant(num_write, device)

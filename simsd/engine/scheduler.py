@@ -4,10 +4,16 @@ The engine has a fixed number of rows (its static KV caches); a :class:`Schedule
 busy with a stream of requests:
 
 * **admit** between rounds: while a row is free and a request waits, the row is emptied
-  (:meth:`BatchEngine.release`), the prompt is prefilled into it (alone, as in a single run)
-  and the request's row program starts;
+  (:meth:`BatchEngine.release`) and its program starts: first the prompt's prefill
+  (:meth:`BatchEngine.prefill`: one forward request per chunk of at most the engine's
+  ``max_prefill_tokens`` and per model, each run alone over the row, as in a single run), then
+  the request's row program;
 * **round**: one batched forward of the pending requests of the running rows (the group
-  :meth:`BatchEngine.pick` chooses), then every served program advances to its next request;
+  :meth:`BatchEngine.pick` chooses: a prefill chunk of one row, or decoding forwards of several;
+  a row's next chunk waits for a decoding round; a request passed over for
+  :data:`~simsd.engine.batching.MAX_WAIT` rounds goes first), then every served program
+  advances to its next request. A long prompt's prefill is thus interleaved with the other
+  rows' decoding: they pause for a chunk's forward at a time, not the whole prompt's;
 * **retire** at once: a program that returns (or raises, or is cancelled) frees its row in the
   same round, so the next round can admit a waiting request into it.
 
@@ -24,11 +30,12 @@ undone (row lengths and forward counts; the sampling noise is stateless, so noth
 re-run row by row, so that only the rows whose own forward fails are failed.
 
 Time: :meth:`Scheduler.decode_clock` is a clock that stands still while prompts are prefilled
-(each admission is bracketed by device synchronisations, so a prefill's device time falls
-inside it and the rounds' device time outside). A request's ``decode_seconds`` is the time
-of that clock from its admission to its end: the rounds it took part in (shared with the
-requests in flight), no prefill, its own or another's. Over a run, the clock's span from the
-first admission to the last end is the run's decode time (docs/statistics.md "Decode time").
+(each prefill round is bracketed by device synchronisations, so a chunk's device time falls
+inside it and the decoding rounds' device time outside). A request's ``decode_seconds`` is the
+time of that clock from the end of its prefill to its end: the decoding rounds it took part in
+(shared with the requests in flight), no prefill chunk, its own or another's. Over a run, the
+clock's span from the first prefill's end to the last end is the run's decode time
+(docs/statistics.md "Decode time").
 
 The scheduler is the one driver of row programs: the batch decoders run their prompts through
 it on the calling thread (:func:`run_requests`), :class:`simsd.LLM` on its own thread or the
@@ -84,11 +91,12 @@ class Request:
         source: what the request was built from, for the other ranks of a tensor-parallel
             leader to build the same request (:mod:`simsd.engine.tp_rounds`); None otherwise.
 
-    Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (prefill done,
-    decoding starts), ``finished``; ``decode_interval``: ``(start, end)`` on the scheduler's
-    :meth:`~Scheduler.decode_clock` (None if never admitted), ``decode_seconds`` its length;
+    Times (``time.perf_counter()`` seconds): ``arrived`` (submitted), ``admitted`` (its prefill's
+    last chunk done, decoding starts; None while it prefills), ``finished``;
+    ``decode_interval``: ``(start, end)`` on the scheduler's :meth:`~Scheduler.decode_clock` from
+    ``admitted`` (None if it never got there), ``decode_seconds`` its length;
     ``row``: the engine row while running; ``forward_requests``: the forward requests its
-    program issued.
+    program issued, prefill chunks included.
     """
     prompt_ids: list
     program: Callable
@@ -129,9 +137,9 @@ class Scheduler:
             whose round fails halts: it fails the requests in flight and waiting, takes no new
             ones, and keeps the exception in ``error``.
 
-    Attributes (read from any thread): ``rounds`` (batched forwards run), ``round_seconds``
-    (their total wall time, forward and row programs), ``prefill_seconds`` (the admissions'
-    total, prefills included, device-synchronised), ``finished`` (requests ended, by outcome:
+    Attributes (read from any thread): ``rounds`` (batched forwards run, prefill chunks
+    included), ``round_seconds`` (their total wall time, forward and row programs),
+    ``prefill_seconds`` (the prefill rounds' total, device-synchronised), ``finished`` (requests ended, by outcome:
     ``ok``, ``error``, ``cancelled``), ``round_started`` (``time.monotonic()`` when the scheduling
     thread's round in progress began, admissions included; None between rounds: a stuck engine
     shows as a round that does not end).
@@ -145,6 +153,9 @@ class Scheduler:
         self._free = set(range(len(engine.rows)))
         self._running: dict = {}   # row -> Request
         self._pending: dict = {}   # row -> (program, Fwd): the request the row waits on
+        self._waited: dict = {}    # row -> rounds its pending request has been passed over
+        self._held: set = set()    # rows that ran a prefill chunk since the last decoding round
+        self._paused: float | None = None  # perf_counter() when the prefill round under way began
         self._waiting: deque = deque()
         self._cancels: set = set()
         self._admitting: list = []  # taken off the queue by take_inputs, not in a row yet
@@ -190,9 +201,12 @@ class Scheduler:
         return len(self._waiting) + len(self._admitting) < self.max_waiting + len(self._free)
 
     def decode_clock(self) -> float:
-        """``time.perf_counter()`` less the time spent admitting requests (prefills): a clock
-        that runs while rows decode (see the module doc)."""
-        return time.perf_counter() - self.prefill_seconds
+        """``time.perf_counter()`` less the time spent in prefill rounds (the one under way
+        included): a clock that runs while rows decode and stands still while prompts are
+        prefilled (see the module doc)."""
+        now = time.perf_counter()
+        paused = self._paused
+        return now - self.prefill_seconds - (0.0 if paused is None else now - paused)
 
     def submit(self, req: Request, block: bool = False, timeout: float | None = None) -> Request:
         """Queue ``req`` for a row.
@@ -364,9 +378,14 @@ class Scheduler:
         for req in admits:
             self._admit(req)
         if self._pending:
-            start = time.perf_counter()
-            name, mode, rows = self.engine.pick(self._pending)
+            name, mode, rows = self.engine.pick(self._pending, self._waited, frozenset(self._held))
             reqs = {i: self._pending[i][1] for i in rows}
+            prefill = any(r.prefill for r in reqs.values())
+            if prefill:  # off the decode clock: the rounds so far end on it, the chunk's device time off it
+                self.engine.synchronize()
+            start = time.perf_counter()
+            if prefill:
+                self._paused = start
             undo = self._snapshot(name, reqs)
             try:
                 outs, failed = self.engine.forward(name, mode, reqs), {}
@@ -379,8 +398,18 @@ class Scheduler:
                     self._retire(i, error=error, prog=prog)
                 else:
                     self._advance(i, prog, outs[i])
+            if prefill:
+                self.engine.synchronize()
+            end = time.perf_counter()
+            if prefill:
+                self.prefill_seconds += end - start
+                self._paused = None
+                self._held.update(rows)
+            else:
+                self._held.clear()
             self.rounds += 1
-            self.round_seconds += time.perf_counter() - start
+            self.round_seconds += end - start
+            self._waited = {i: 0 if i in rows else self._waited.get(i, 0) + 1 for i in self._pending}
         return bool(self._running or self._waiting)
 
     def run_until_idle(self, max_rounds: int | None = None) -> None:
@@ -392,7 +421,7 @@ class Scheduler:
                 raise RuntimeError(f"still busy after {max_rounds} rounds")
 
     def _admit(self, req: Request) -> None:
-        """Prefill ``req`` into the lowest free row and start its program (low rows first:
+        """Start ``req``'s program (:meth:`_prefilled`) in the lowest free row (low rows first:
         forwards cover a short row range)."""
         with self._cv:
             index = min(self._free)
@@ -400,21 +429,22 @@ class Scheduler:
             self._admitting.remove(req)
             req.row = index
             self._running[index] = req
-        self.engine.synchronize()  # the rounds so far end on the decode clock
-        start = time.perf_counter()
         try:
             row = self.engine.release(index)
-            tail = self.engine.prefill(index, req.prompt_ids)
-            prog = req.program(row, tail)
-            self.engine.synchronize()  # the prefill ends off the decode clock
         except Exception as exc:
-            self.prefill_seconds += time.perf_counter() - start
             self._retire(index, error=exc)
             return
+        self._advance(index, self._prefilled(req, row), None)
+
+    def _prefilled(self, req: Request, row):
+        """``req``'s program on ``row``: the prompt's prefill (:meth:`BatchEngine.prefill`), then
+        (``admitted``, the start of ``decode_interval``) the request's own row program, built
+        with the prompt tail."""
+        tail = yield from self.engine.prefill(row.index, req.prompt_ids)
+        prog = req.program(row, tail)
         req.admitted = time.perf_counter()
-        self.prefill_seconds += req.admitted - start
         req.decode_interval = (self.decode_clock(),) * 2
-        self._advance(index, prog, None)
+        return (yield from prog)
 
     def _over_limit(self, i: int) -> RuntimeError | None:
         """Count a served request of row ``i``; the error of a program past
@@ -440,6 +470,8 @@ class Scheduler:
         """Free row ``i`` at once and end its request."""
         req = self._running.pop(i)
         self._pending.pop(i, None)
+        self._waited.pop(i, None)
+        self._held.discard(i)
         if prog is not None:
             try:
                 prog.close()
@@ -501,8 +533,8 @@ class Scheduler:
 
 def decode_span(requests) -> float:
     """The decode time of a run of requests of one scheduler (anything with a
-    ``decode_interval``): the span of the decode clock from the first admission to the last
-    end; prefills excluded (docs/statistics.md "Decode time")."""
+    ``decode_interval``): the span of the decode clock from the first prefill's end to the last
+    end; prefill rounds excluded (docs/statistics.md "Decode time")."""
     spans = [r.decode_interval for r in requests if r.decode_interval is not None]
     return max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
 

@@ -100,7 +100,7 @@ HELP = {
 UNITS = {"kv_cache_memory": ("GiB", 2 ** 30)}
 
 _MODEL = ("target", "draft", "mask_token_id", "device", "draft_device", "dtype", "attention_backend", "invariant",
-          "cuda_graphs", "threads", "block_length")
+          "cuda_graphs", "threads", "block_length", "max_prefill_tokens")
 _SOURCES = ("prompt", "prompts_file", "prompt_ids", "prompt_set")  # one of them
 _PROMPTS = _SOURCES + ("raw", "limit")
 _REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",

@@ -76,7 +76,8 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     """The checks of an engine's settings that need torch and the checkpoints' small files, before
     any weight loads: the devices, CUDA graphs, the process group of ``tp``, the attention
     backend on each device, the checkpoints (read: config, tokenizer, tensor headers), the
-    block length, ``max_model_len`` and ``max_gamma`` against the models' positions, and
+    block length, ``max_model_len`` and ``max_gamma`` against the models' positions,
+    ``max_prefill_tokens`` against the block length, and
     ``default_params`` against all of it (refused as a request would be; its ``max_tokens`` must
     leave a position for a prompt).
 
@@ -127,6 +128,10 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
         raise ParamError("max_model_len", f"{opt('max_model_len')} must be an integer in ({block_length}, {limit}] "
                                           f"(the models' positions), got {max_model_len}")
     at_most("max_gamma", config.max_gamma, block_length, "the block length")
+    if config.max_prefill_tokens is not None and config.max_prefill_tokens % block_length:
+        raise ParamError("max_prefill_tokens", f"{opt('max_prefill_tokens')} must be a whole number of blocks (a "
+                                               f"multiple of the block length {block_length}), got "
+                                               f"{config.max_prefill_tokens}")
     if config.tp > 1:
         check_tp(infos["target"].config, config.tp)
     dtype = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -287,7 +292,7 @@ def build_engine(config: EngineArgs, default_params: SamplingParams | None = Non
                        speculation_width=config.speculation_width), check=False)
     try:
         engine = BatchEngine(models, config.block_length, size.rows, size.capacity, size.margin,
-                             cuda_graphs=config.cuda_graphs)
+                             cuda_graphs=config.cuda_graphs, max_prefill_tokens=config.max_prefill_tokens)
     except RuntimeError as exc:  # torch.OutOfMemoryError among them
         if "out of memory" not in str(exc).lower():
             raise

@@ -60,10 +60,10 @@ def single(mode, target, draft, i, sampling, fold=False):
     return out.results[0]
 
 
-def engine_for(mode, target, draft, rows):
+def engine_for(mode, target, draft, rows, max_prefill_tokens=None):
     models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
     margin = 2 * 4 if mode == "vanilla" else (4 + 2) * 4
-    return BatchEngine(models, 4, rows, capacity=64, margin=margin)
+    return BatchEngine(models, 4, rows, capacity=64, margin=margin, max_prefill_tokens=max_prefill_tokens)
 
 
 def request(mode, target, draft, i, sampling, done, fold=False):
@@ -161,35 +161,40 @@ def test_rows_are_admitted_between_rounds_and_retired_at_once(pair):
 
 
 def test_decode_clock_excludes_every_prefill(pair, monkeypatch):
-    """A request's ``decode_seconds`` is its time in rows less every prefill in between (its own
-    and those of requests admitted meanwhile); the clock's span over a run is the run's decode
-    time: its wall time less the prefills."""
+    """A request's ``decode_seconds`` is its time from the end of its prefill to its end less
+    every prefill chunk in between (those of requests admitted meanwhile, interleaved with its
+    rounds); the clock's span over a run is the run's decode time: its wall time less the
+    prefill chunks after the first prefill's end."""
     import time
     target, draft = pair
-    engine = engine_for("vanilla", target, draft, rows=2)
-    prefills, prefill = [], engine.prefill
+    engine = engine_for("vanilla", target, draft, rows=2, max_prefill_tokens=4)
+    prefills, forward = [], engine.forward
 
-    def slow_prefill(index, ids):  # a prefill long enough to see in the clocks
+    def slow_forward(name, mode, reqs):  # prefill chunks long enough to see in the clocks
+        if not any(r.prefill for r in reqs.values()):
+            return forward(name, mode, reqs)
         t0 = time.perf_counter()
-        time.sleep(0.2)
-        out = prefill(index, ids)
+        time.sleep(0.1)
+        out = forward(name, mode, reqs)
         prefills.append((t0, time.perf_counter()))
         return out
-    monkeypatch.setattr(engine, "prefill", slow_prefill)
+    monkeypatch.setattr(engine, "forward", slow_forward)
     sched = Scheduler(engine, max_waiting=8)
-    reqs = [request("vanilla", target, draft, i, False, []) for i in (2, 3, 4, 0)]  # 5, 17, 11, 9 tokens
+    reqs = [request("vanilla", target, draft, i, False, []) for i in (2, 3, 5, 1)]  # prompts of 13, 6, 11, 8
     for r in reqs:
         sched.submit(r)
     start = time.perf_counter()
     sched.run_until_idle(max_rounds=2000)
     wall = time.perf_counter() - start
-    assert len(prefills) == 4 and sched.prefill_seconds >= 0.8
+    assert all(r.error is None for r in reqs)
+    assert len(prefills) == 3 + 1 + 2 + 2 and sched.prefill_seconds >= 0.8
+    assert [r.rows[0].row.prefill_forwards for r in reqs] == [3, 1, 2, 2]
     overlapped = 0
     for r in reqs:
         inside = sum(b - a for a, b in prefills if r.admitted < a < r.finished)
         overlapped += inside > 0
-        assert r.decode_seconds == pytest.approx(r.finished - r.admitted - inside, abs=0.02), r.request_id
-    assert overlapped >= 1  # a request ran while another one was admitted
+        assert r.decode_seconds == pytest.approx(r.finished - r.admitted - inside, abs=0.03), r.request_id
+    assert overlapped >= 1  # a request decoded while another one's prompt was prefilled
     span = max(r.decode_interval[1] for r in reqs) - min(r.decode_interval[0] for r in reqs)
     first = min(r.admitted for r in reqs)
     assert span == pytest.approx(wall - (first - start) - sum(b - a for a, b in prefills if a > first), abs=0.03)
@@ -458,11 +463,13 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "exact"])
-def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
+def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode, chunk):
     """What ``simsd serve --tp`` relies on (simsd/engine/tp_rounds.py): a scheduler whose rounds
     take a leader's published inputs (:meth:`Scheduler.run_round` with the requests rebuilt)
     runs the leader's rounds: the same rows, cancellations and results, with staggered arrivals,
-    a waiting and a running request cancelled, 3 rows for 6 requests."""
+    a waiting and a running request cancelled, 3 rows for 6 requests; with chunked prefill too
+    (the prefill chunks are rounds: the same picks on both sides)."""
     target, draft = pair
     done = []
     followers = {}  # leader's request -> the follower's copy
@@ -471,8 +478,9 @@ def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode):
         for r in admits:
             followers[r] = request(mode, target, draft, int(r.request_id), True, [])
         follower.run_round([followers[r] for r in cancels], [followers[r] for r in admits])
-    leader = Scheduler(engine_for(mode, target, draft, rows=3), max_waiting=8, publish=publish)
-    follower = Scheduler(engine_for(mode, target, draft, rows=3), max_waiting=0)
+    leader = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk), max_waiting=8,
+                       publish=publish)
+    follower = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk), max_waiting=0)
     reqs = [request(mode, target, draft, i, True, done) for i in range(len(PROMPTS))]
     arrivals, r = [0, 0, 2, 3, 5, 9], 0
     while r < 2000 and (r <= max(arrivals) or leader.num_running or leader.num_waiting):

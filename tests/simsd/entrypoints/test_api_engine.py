@@ -59,18 +59,20 @@ def test_calling_thread_runs_the_same_rounds_every_time(exact):
 
 def test_decode_seconds_leave_out_every_prefill(exact, monkeypatch):
     """A run's decode time (the outputs' ``decode_span``) and each request's
-    ``decode_seconds`` exclude the prefills, also those that happen while others decode."""
-    prefill = exact.engine.prefill
+    ``decode_seconds`` exclude the prefill forwards, also those that run while others decode."""
+    forward, slowed = exact.engine.forward, []
 
-    def slow(index, ids):
-        time.sleep(0.25)
-        return prefill(index, ids)
-    monkeypatch.setattr(exact.engine, "prefill", slow)
+    def slow(name, mode, reqs):
+        if any(r.prefill for r in reqs.values()):
+            time.sleep(0.25)
+            slowed.append(name)
+        return forward(name, mode, reqs)
+    monkeypatch.setattr(exact.engine, "forward", slow)
     start = time.perf_counter()
     outs = exact.generate(PROMPTS, params())
     wall = time.perf_counter() - start
     span = decode_span(outs)
-    assert 0 < span <= wall - 5 * 0.25
+    assert len(slowed) >= 5 and 0 < span <= wall - len(slowed) * 0.25
     for o in outs:
         a, b = o.decode_interval
         assert o.stats["decode_seconds"] == pytest.approx(b - a) and b - a <= span

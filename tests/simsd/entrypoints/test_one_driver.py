@@ -1,8 +1,8 @@
 """One driver (docs/design.md §6): the batch decoders and the Python API run the same row programs
 through the scheduler, so they give the same tokens and the same per-row statistics, built in
 one place (``RowProgram.stats_for``); the batch decoders keep no engine after a call, and every
-model forward of the engine is called from the engine itself (the batched forward, the prefill, the
-CUDA-graph runner), with no wrapper between."""
+model forward of the engine is called from the engine itself (the batched forward, which runs
+the prefill chunks too, and the CUDA-graph runner), with no wrapper between."""
 import dataclasses
 import gc
 import inspect
@@ -98,19 +98,21 @@ def test_no_engine_outlives_a_batch_call(pair, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["vanilla", "paper", "exact"])
 def test_every_model_forward_is_called_by_the_engine(pair, mode, monkeypatch):
-    """Prefill, batched forwards and graph replays (eager capture on the CPU) all call the model
-    straight from the engine's methods: the batched forward, the prefill and the graph runner
-    (its eager path and the forward it captures)."""
+    """Prefill chunks, batched forwards and graph replays (eager capture on the CPU) all call the
+    model straight from the engine's methods: the batched forward (prefill chunks are its
+    requests, ``BatchEngine.prefill`` only yields them) and the graph runner (its eager path and
+    the forward it captures)."""
     import simsd.engine.graphs as graphs
     monkeypatch.setattr(graphs, "cuda_capture", graphs.eager_capture)
     monkeypatch.setattr(graphs, "check_graphable", lambda model: None)
     target, draft = pair
-    callers = []
+    callers, modes = [], []
 
     def hook(module, args):
         frames = inspect.stack()[2:6]
         caller = next((f for f in frames if in_packages(f.filename)), None)
         callers.append("?" if caller is None else (Path(caller.filename).name, caller.function))
+        modes.append((args[3], args[6] if len(args) > 6 else "?"))  # mask mode, logits
     handles = [c.model.register_forward_pre_hook(hook) for c in (target, draft)]
     try:
         for graphs_on in (False, True):
@@ -123,10 +125,12 @@ def test_every_model_forward_is_called_by_the_engine(pair, mode, monkeypatch):
     finally:
         for h in handles:
             h.remove()
-    engine = {("batching.py", "forward"), ("batching.py", "prefill"), ("graphs.py", "__call__"),
-              ("graphs.py", "_run")}
+    engine = {("batching.py", "forward"), ("graphs.py", "__call__"), ("graphs.py", "_run")}
     assert len(callers) > 20 and set(callers) <= engine, set(callers)
-    assert {("batching.py", "forward"), ("batching.py", "prefill")} <= set(callers), set(callers)
+    assert ("batching.py", "forward") in callers
+    # the prefill chunks: block-causal without logits (a folded commit is block-causal with logits)
+    prefills = [c for c, m in zip(callers, modes) if m == ("block_causal", None)]
+    assert prefills and set(prefills) == {("batching.py", "forward")}
 
 
 def _project_frames() -> list:
@@ -139,11 +143,17 @@ def _project_frames() -> list:
     return names[::-1]
 
 
+#: the torch backend's calls below ``TorchAttention.forward`` for a prefill chunk (block-causal groups)
+PREFILL = ("TorchAttention._grouped", "TorchAttention._sdpa")
+
+
 def test_the_path_from_a_request_to_the_attention_kernel(pair, monkeypatch):
     """The hops of docs/design.md §6 (no wrapper between): ``LLM.submit`` queues the request
     (``Scheduler.submit``); on the scheduling thread a round (``Scheduler.step``: its inputs taken,
     then ``Scheduler.run_round``) runs the engine's batched forward, which calls the model, whose
-    layers call the backend's door, which launches the kernel (here the torch backend's SDPA calls)."""
+    layers call the backend's door, which launches the kernel (here the torch backend's SDPA calls:
+    per run of rows when decoding, per group of tokens that see the same keys for the prompt's
+    prefill chunk)."""
     import torch.nn.functional as F
 
     from simsd.engine.scheduler import Scheduler
@@ -166,11 +176,10 @@ def test_the_path_from_a_request_to_the_attention_kernel(pair, monkeypatch):
     finally:
         assert llm.shutdown(timeout=60)
     assert queued == [["LLM.submit"]]
-    decode = [s for s in launches if "BatchEngine.forward" in s]
-    assert decode and all(s == decode[0] for s in decode), {tuple(s) for s in decode}
-    assert decode[0] == ["Scheduler._loop", "Scheduler.step", "Scheduler.run_round", "BatchEngine.forward",
-                         "SDARForCausalLM.forward", "DecoderLayer.forward", "TorchAttention.forward",
-                         "TorchAttention._runs", "TorchAttention._sdpa"], decode[0]
+    hops = ["Scheduler._loop", "Scheduler.step", "Scheduler.run_round", "BatchEngine.forward",
+            "SDARForCausalLM.forward", "DecoderLayer.forward", "TorchAttention.forward"]
+    assert launches and all(s[:len(hops)] == hops for s in launches), {tuple(s) for s in launches}
+    assert {tuple(s[len(hops):]) for s in launches} == {("TorchAttention._runs", "TorchAttention._sdpa"), PREFILL}
 
 
 def test_one_speculative_decoder_per_llm(pair, monkeypatch):

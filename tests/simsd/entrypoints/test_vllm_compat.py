@@ -147,7 +147,9 @@ def test_two_spellings_positional_and_of_a_request_are_refused_naming_both():
                                                ("random_seed", 1, "SamplingParams"),
                                                ("enforce_eager", False, "cuda_graphs=True"),
                                                ("num_speculative_tokens", 4, "max_gamma"),
-                                               ("quantization", "awq", "unquantized")])
+                                               ("quantization", "awq", "unquantized"),
+                                               ("enable_chunked_prefill", True, "max_prefill_tokens=N"),
+                                               ("max_num_batched_tokens", 8192, "max_prefill_tokens=N")])
 def test_lacking_engine_names_are_refused_naming_what_simsd_offers(name, value, says):
     with pytest.raises(ParamError, match=rf"^LLM\(\.\.\.\): {name}={value!r} \((vLLM|SGLang)'s\) has no simsd .*{says}"
                        ) as exc:
