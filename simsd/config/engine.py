@@ -51,6 +51,20 @@ class EngineArgs:
     kv_cache_memory: float | None = Setting(float, "memory the KV caches (target and draft) may take; fewer rows "
                                                    "than batch_size if they do not fit (default: batch_size rows)",
                                             low=0, open_low=True, unit="bytes").field(None)
+    page_size: int | None = Setting(int, "KV cache page size in tokens, a whole number of blocks: the rows share "
+                                         "one pool of pages per model (kv_cache_memory, default batch_size rows' "
+                                         "worth), taken as a request grows and returned when it ends; requests "
+                                         "are admitted while pages are free and the latest is preempted (started "
+                                         "over, the same tokens) when they run out (default: none, every row owns "
+                                         "max_model_len positions)", low=1, unit="tokens").field(None)
+    enable_prefix_caching: bool = Setting(bool, "share the KV pages of prompt prefixes already computed between "
+                                                "requests (whole pages; a prompt's cached part is not prefilled "
+                                                "again); needs page_size").field(False)
+    gpu_memory_utilization: float | None = Setting(float, "the share of the device's total memory the run may "
+                                                          "take (vLLM's meaning): the KV caches get what the "
+                                                          "weights and the workspace leave (instead of "
+                                                          "kv_cache_memory)", low=0, open_low=True,
+                                                   high=1).field(None)
     max_prefill_tokens: int | None = Setting(int, "the most prompt tokens one prefill forward writes, a whole "
                                                   "number of blocks: a longer prompt is prefilled in chunks "
                                                   "interleaved with the other rows' forwards, which then pause for "

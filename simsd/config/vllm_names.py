@@ -53,8 +53,6 @@ _SEED = ("simsd has no engine seed: each request samples with its own SamplingPa
 _CHUNKS = ("simsd has no token budget per step: each forward is one model's, a prompt's prefill chunks run as "
            "forwards of their own between the other rows' (max_prefill_tokens=N: at most N prompt tokens, whole "
            "blocks, per prefill forward; default: no limit)")
-_MEMORY = ("simsd sizes its KV caches by kv_cache_memory (bytes; default: batch_size rows of max_model_len "
-           "positions), not by a share of the device's memory")
 
 #: :class:`simsd.LLM`'s keywords as vLLM's ``LLM`` (and SGLang's ``Engine``) spell them
 ENGINE = {
@@ -64,7 +62,6 @@ ENGINE = {
     "max_num_seqs": Same("batch_size"),
     "dtype": Same("dtype", (("auto", None), ("float", "float32"), ("half", "float16"))),
     "seed": Lacks(_SEED, (None,)),
-    "gpu_memory_utilization": Lacks(_MEMORY),
     "trust_remote_code": Lacks("simsd runs SDAR with its own model code and loads the tokenizer with "
                                "trust_remote_code=False: it never runs a checkpoint's Python", ANY),
     "tokenizer": Lacks("simsd uses the target checkpoint's own tokenizer (a draft's must equal it)", (None,)),
@@ -86,7 +83,7 @@ ENGINE = {
     "chunked_prefill_size": Same("max_prefill_tokens", ((-1, None),), source="SGLang"),
     "context_length": Same("max_model_len", source="SGLang"),
     "random_seed": Lacks(_SEED, (None,), "SGLang"),
-    "mem_fraction_static": Lacks(_MEMORY, (), "SGLang"),
+    "mem_fraction_static": Same("gpu_memory_utilization", source="SGLang"),
 }
 
 _NO_MIN_P = ("simsd shapes the model's distribution by its penalties, temperature, top_k and top_p (min_p: use "

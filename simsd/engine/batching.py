@@ -54,6 +54,7 @@ from simsd_kernels import KIND_KNOWN, KIND_MASK
 from .costs import ForwardCost
 from .host_sync import to_device
 from .memory import check_engine_memory
+from .pages import EnginePages
 
 #: cache capacities are rounded up to a multiple of this (eager and graph engines alike)
 CAPACITY_QUANTUM = 256
@@ -206,9 +207,18 @@ class BatchEngine:
         max_prefill_tokens: the most prompt tokens one prefill forward writes (a whole number
             of blocks; :meth:`prefill`), or None: no limit, a prompt's block-aligned part in one
             forward per model.
+        page_size: the KV caches' page size in tokens (a whole number of blocks; a row's slots
+            are ``capacity + margin`` rounded up to whole pages; default: one page per row).
+        num_pages: a shared pool of this many pages per model instead of every row owning its
+            ``capacity + margin`` slots: pages are taken as rows grow and returned when they end,
+            requests are admitted by free pages (:class:`simsd.engine.pages.EnginePages`,
+            ``pages``); None (default): the contiguous layout.
+        prefix_caching: with a pool, share cached prompt pages between requests (the prefix
+            cache of :mod:`simsd.engine.pages`).
 
     The caches hold ``capacity + margin`` tokens per row (callers round ``capacity`` with
-    :func:`round_capacity` first). The engine is driven by a
+    :func:`round_capacity` first), in every row's own pages or, with ``num_pages``, in a shared
+    pool. The engine is driven by a
     :class:`~simsd.engine.scheduler.Scheduler`, which admits requests into rows
     (:meth:`release`, :meth:`prefill`), chooses each forward (:meth:`pick`) and runs it
     (:meth:`forward`). Whoever wants captured graphs reused keeps the engine (e.g.
@@ -220,12 +230,16 @@ class BatchEngine:
         ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.engine.graphs`);
             caches and workspace that would not fit the free memory
             (:func:`simsd.engine.memory.check_engine_memory`); ``max_prefill_tokens`` that is not
-            a positive multiple of ``block_length``.
+            a positive multiple of ``block_length``; ``prefix_caching`` without ``num_pages``.
+        ParamError(page_size): a page size that is not a positive whole number of blocks.
     """
 
     def __init__(self, models: dict, block_length: int, batch_size: int, capacity: int, margin: int,
                  cuda_graphs: bool = False, static_shapes: bool | None = None, capture=None,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, page_size: int | None = None,
+                 num_pages: int | None = None, prefix_caching: bool = False):
+        if prefix_caching and num_pages is None:
+            raise ValueError("prefix caching shares the pages of a pool: give num_pages")
         if max_prefill_tokens is not None and (max_prefill_tokens < block_length
                                                or max_prefill_tokens % block_length):
             raise ValueError(f"max_prefill_tokens must be a positive multiple of the block length {block_length} "
@@ -235,8 +249,15 @@ class BatchEngine:
         self.capacity = capacity
         self.max_prefill_tokens = max_prefill_tokens
         self.static = cuda_graphs if static_shapes is None else static_shapes
-        check_engine_memory(models, batch_size, capacity, margin)
-        self.caches = {n: m.new_cache(batch_size, capacity + margin) for n, m in models.items()}
+        paging = {} if page_size is None and num_pages is None else \
+            {"page_size": page_size, "num_pages": num_pages, "block_size": block_length}
+        # a row's slots: whole pages (page_size need not divide capacity + margin)
+        slots = capacity + margin if page_size is None else -(-(capacity + margin) // page_size) * page_size
+        pool = None if num_pages is None else (num_pages + 1) * (page_size or slots)
+        check_engine_memory(models, batch_size, capacity, margin, pool)
+        self.caches = {n: m.new_cache(batch_size, slots, **paging) for n, m in models.items()}
+        #: the shared pools' bookkeeping (None: every row owns its pages)
+        self.pages = None if num_pages is None else EnginePages(self.caches, margin, prefix_caching)
         for cache in self.caches.values():
             cache.check_lengths = False  # the engine checks lengths on the host (no device read)
         self._views: dict = {}   # (model, a, b) -> the cache view of rows [a, b)
@@ -258,9 +279,13 @@ class BatchEngine:
         self.reset()
 
     def reset(self) -> None:
-        """Empty the caches and the row counters (captured graphs stay valid)."""
+        """Empty the caches and the row counters (captured graphs stay valid; a pool's rows give
+        their pages back)."""
         for cache in self.caches.values():
             cache.reset()
+            if cache.shared:
+                for b in range(cache.batch_size):
+                    cache.release(b)
         self.nonfinite.zero_()
         self.rows = [self._new_row(i) for i in range(self.caches[next(iter(self.caches))].batch_size)]
         self.forwards = {n: 0 for n in self.models}
@@ -274,9 +299,9 @@ class BatchEngine:
     def release(self, index: int) -> Row:
         """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
         its cache lengths go to 0 (the stale K/V past them is never read) and it gets a fresh
-        :class:`Row` (counters at 0), which is returned."""
+        :class:`Row` (counters at 0), which is returned; with a pool its pages go back."""
         for cache in self.caches.values():
-            cache.seqlens[index] = 0
+            cache.release(index)
         self.nonfinite[:, index] = 0
         self.rows[index] = self._new_row(index)
         return self.rows[index]
@@ -305,7 +330,10 @@ class BatchEngine:
         L = self.block_length
         aligned = (len(prompt_ids) // L) * L
         chunk = self.max_prefill_tokens or max(aligned, 1)
-        for start in range(0, aligned, chunk):
+        hit = 0 if self.pages is None else self.pages.share_prefix(index, row.prompt[:aligned])
+        for name in self.models:
+            row.cached[name] = hit
+        for start in range(hit, aligned, chunk):
             end = min(start + chunk, aligned)
             positions = range(start, end)
             labels = [(KIND_KNOWN, 0, p // L) for p in positions]
@@ -313,6 +341,8 @@ class BatchEngine:
                 yield Fwd(name, to_device(prompt_ids[start:end], model.device), positions, labels, "block_causal",
                           num_write=end - start, logits=None, count=False, prefill=True)
             row.prefill_forwards += 1
+        if self.pages is not None:
+            self.pages.register_prefix(index, row.prompt[:aligned])
         return list(prompt_ids[aligned:])
 
     def max_requests(self) -> int:
@@ -381,22 +411,22 @@ class BatchEngine:
 
         Raises:
             ValueError: a write past a row's cache capacity (checked before the forward).
+            simsd.engine.pages.PagesExhausted: with a pool, too few free pages for the slots the
+                forward writes (nothing run; the rows keep the pages they got).
         """
         model = self.models[name]
-        a, b = min(reqs), max(reqs) + 1
-        Lq = max(len(r.positions) for r in reqs.values())
         prefill = any(r.prefill for r in reqs.values())
         if prefill and (len(reqs) > 1 or not all(r.prefill for r in reqs.values())):
             raise ValueError(f"a prefill request runs alone, got a forward of rows {sorted(reqs)}")
-        if self.static and not prefill:
-            a, b = 0, len(self.rows)
-            Lq = -(-Lq // self.block_length) * self.block_length
+        a, b = (0, len(self.rows)) if self.static and not prefill else (min(reqs), max(reqs) + 1)
+        Lq = self._width(reqs)
         if mode == "bidirectional" and any(len(r.positions) != Lq for r in reqs.values()):
             mode = "exact"
         for i in range(a, b):  # checked on the host, where the lengths are known
             room = self.caches[name].max_len - self.rows[i].cached[name]
             if Lq > room:
                 raise ValueError(f"KV cache overflow in row {i} of {name}: {Lq} tokens written, {room} free slots")
+        self.reserve(name, reqs)
         ids, positions, labels, num_write = self._inputs(model.device, mode, reqs, a, b, Lq)
         want = any(r.logits is not None for r in reqs.values())
         started = None if prefill else self.costs[name].start(model.device)
@@ -418,6 +448,26 @@ class BatchEngine:
         outs = self._outputs(logits, reqs, a)
         self.costs[name].stop(started, (b - a) * Lq, len(reqs))  # the forward and its requests' steps
         return outs
+
+    def _width(self, reqs: dict) -> int:
+        """The query tokens per row of a forward of ``reqs``: the longest request's, rounded up to
+        whole blocks with static shapes (a prefill chunk: its own)."""
+        Lq = max(len(r.positions) for r in reqs.values())
+        if self.static and not any(r.prefill for r in reqs.values()):
+            Lq = -(-Lq // self.block_length) * self.block_length
+        return Lq
+
+    def reserve(self, name: str, reqs: dict) -> None:
+        """With a pool: give every row of ``reqs`` (``{row: Fwd}``) the pages of model ``name``'s
+        slots that a forward of them writes (its length plus the forward's width), as
+        :meth:`forward` does first; nothing without a pool.
+
+        Raises:
+            simsd.engine.pages.PagesExhausted: the pool ran out (the rows keep what they got).
+        """
+        if self.pages is not None:
+            Lq = self._width(reqs)
+            self.pages.reserve(name, {i: self.rows[i].cached[name] + Lq for i in reqs})
 
     def _flag_nonfinite(self, name: str, logits: torch.Tensor, reqs: dict, a: int) -> None:
         """Set the non-finite flag of model ``name`` (device-side, no host read) for every row

@@ -113,15 +113,21 @@ def fmt_bytes(n: int) -> str:
     return f"{int(n)} bytes"
 
 
-def estimate(models: dict, batch_size: int, capacity: int, margin: int, with_weights: bool = True) -> Estimate:
+def estimate(models: dict, batch_size: int, capacity: int, margin: int, with_weights: bool = True,
+             pool_tokens: int | None = None) -> Estimate:
     """Bytes a run allocates: ``models`` maps a name to ``(config, dtype, device, dense_attention)``
     (``dense_attention``: the torch reference attention, which builds dense masks and scores);
-    ``capacity`` and ``margin`` as in :class:`simsd.engine.batching.BatchEngine`."""
+    ``capacity`` and ``margin`` as in :class:`simsd.engine.batching.BatchEngine`; ``pool_tokens``:
+    the slots of a shared page pool per model (its pages, the scratch page included, times the
+    page size) instead of ``batch_size x (capacity + margin)``."""
     est = Estimate()
     for config, dtype, device, dense in models.values():
         if with_weights:
             est.add(device, "weights", weight_bytes(config, dtype))
-        est.add(device, "kv_caches", kv_cache_bytes(config, dtype, batch_size, capacity + margin))
+        if pool_tokens is None:
+            est.add(device, "kv_caches", kv_cache_bytes(config, dtype, batch_size, capacity + margin))
+        else:
+            est.add(device, "kv_caches", kv_cache_bytes(config, dtype, 1, pool_tokens))
         est.add(device, "workspace", workspace_bytes(config, dtype, batch_size, margin, capacity + margin, dense))
     return est
 
@@ -137,6 +143,22 @@ def available_bytes(device) -> int | None:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def total_bytes(device) -> int | None:
+    """The total memory of ``device`` in bytes (CPU: ``MemTotal``; CUDA: the device's), or None
+    where it cannot be known."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -173,17 +195,20 @@ def _dense(model) -> bool:
         return True
 
 
-def check_engine_memory(models: dict, batch_size: int, capacity: int, margin: int) -> None:
+def check_engine_memory(models: dict, batch_size: int, capacity: int, margin: int,
+                        pool_tokens: int | None = None) -> None:
     """Before a :class:`simsd.engine.batching.BatchEngine` allocates its caches: ``ValueError``
     (one line: the estimate, the free memory and the largest batch size that fits) when the
     caches and the workspace of the largest forward do not fit a device's free memory (the
-    models' weights are loaded already, so they are not counted again)."""
+    models' weights are loaded already, so they are not counted again); ``pool_tokens``: a shared
+    pool's slots per model (:func:`estimate`)."""
     import dataclasses
 
     def parts(n: int) -> Estimate:
         return estimate({name: (dataclasses.replace(m.config, num_key_value_heads=m.num_local_kv_heads)
                                 if hasattr(m, "num_local_kv_heads") else m.config, m.dtype, m.device, _dense(m))
-                         for name, m in models.items()}, n, capacity, margin, with_weights=False)
+                         for name, m in models.items()}, n, capacity, margin, with_weights=False,
+                        pool_tokens=pool_tokens)
 
     est = parts(batch_size)
     short = shortfall(est)

@@ -14,6 +14,11 @@ busy with a stream of requests:
   :data:`~simsd.engine.batching.MAX_WAIT` rounds goes first), then every served program
   advances to its next request. A long prompt's prefill is thus interleaved with the other
   rows' decoding: they pause for a chunk's forward at a time, not the whole prompt's;
+* **pages** (an engine with a shared KV page pool, :mod:`simsd.engine.pages`): a request is
+  admitted only while the pool has the pages of its prompt and one forward free; when a forward's
+  rows cannot grow, the most recently admitted request is **preempted** (its row and pages
+  freed, queued again at the head; readmitted, it starts over and keyed noise gives it the same
+  tokens);
 * **retire** at once: a program that returns (or raises, or is cancelled) frees its row in the
   same round, so the next round can admit a waiting request into it.
 
@@ -57,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .batching import BatchEngine
+from .pages import PagesExhausted
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +102,9 @@ class Request:
     ``decode_interval``: ``(start, end)`` on the scheduler's :meth:`~Scheduler.decode_clock` from
     ``admitted`` (None if it never got there), ``decode_seconds`` its length;
     ``row``: the engine row while running; ``forward_requests``: the forward requests its
-    program issued, prefill chunks included.
+    program issued, prefill chunks included (since its last admission); ``preemptions``: the
+    times it was stopped for want of KV pages and queued again (:meth:`Scheduler._preempt`);
+    ``admission``: its admission's rank (the most recent is preempted first).
     """
     prompt_ids: list
     program: Callable
@@ -113,6 +121,8 @@ class Request:
     finished: float | None = None
     decode_interval: tuple | None = None
     forward_requests: int = 0
+    preemptions: int = 0
+    admission: int = -1
 
     @property
     def done(self) -> bool:
@@ -142,7 +152,7 @@ class Scheduler:
     ``prefill_seconds`` (the prefill rounds' total, device-synchronised), ``finished`` (requests ended, by outcome:
     ``ok``, ``error``, ``cancelled``), ``round_started`` (``time.monotonic()`` when the scheduling
     thread's round in progress began, admissions included; None between rounds: a stuck engine
-    shows as a round that does not end).
+    shows as a round that does not end), ``preemptions`` (requests stopped for want of KV pages).
     """
 
     def __init__(self, engine: BatchEngine, max_waiting: int = 64, publish: Callable | None = None):
@@ -168,6 +178,10 @@ class Scheduler:
         self.round_seconds = 0.0
         self.prefill_seconds = 0.0
         self.finished = {"ok": 0, "error": 0, "cancelled": 0}
+        self.preemptions = 0
+        #: preempted requests go back to the queue (a tensor-parallel follower's are dropped)
+        self.requeue = True
+        self._admissions = itertools.count()
         self.round_started: float | None = None
 
     # -- any thread ---------------------------------------------------------------------
@@ -219,11 +233,14 @@ class Scheduler:
             QueueFull: ``max_waiting`` requests wait already (and ``block`` is False, or the
                 timeout passed).
             SchedulerClosed: :meth:`stop` was called.
-            ValueError: ``req.capacity`` exceeds the engine's row capacity.
+            ValueError: ``req.capacity`` exceeds the engine's row capacity, or needs more pages
+                than the engine's pool holds.
         """
         if req.capacity > self.engine.capacity:
             raise ValueError(f"request {req.request_id} needs {req.capacity} cache tokens, a row holds "
                              f"{self.engine.capacity}")
+        if self.engine.pages is not None:
+            self.engine.pages.check_fits(req.request_id, req.capacity)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
@@ -357,9 +374,18 @@ class Scheduler:
             cancels, self._cancels = self._cancels, set()
             cancels = [r for r in cancels if r.row is not None and self._running.get(r.row) is r]
             n = min(len(self._waiting), len(self._free) + len(cancels))
-            admits = [self._waiting.popleft() for _ in range(n)]
+            pages = self.engine.pages
+            budget = None if pages is None else pages.free_after([r.row for r in cancels])
+            admits = []
+            while len(admits) < n:  # first come; with a pool, while the pages of their prompts are free
+                if budget is not None:
+                    need = pages.admission_pages(len(self._waiting[0].prompt_ids))
+                    if need > budget and (admits or len(self._running) > len(cancels)):
+                        break
+                    budget -= need
+                admits.append(self._waiting.popleft())
             self._admitting = list(admits)
-            if n:
+            if admits:
                 self._cv.notify_all()  # room in the queue
         return cancels, admits
 
@@ -379,7 +405,10 @@ class Scheduler:
             self._admit(req)
         if self._pending:
             name, mode, rows = self.engine.pick(self._pending, self._waited, frozenset(self._held))
-            reqs = {i: self._pending[i][1] for i in rows}
+            reqs = self._make_room(name, {i: self._pending[i][1] for i in rows})
+            if not reqs:  # every request of the forward was preempted: the next round picks again
+                return bool(self._running or self._waiting)
+            rows = sorted(reqs)
             prefill = any(r.prefill for r in reqs.values())
             if prefill:  # off the decode clock: the rounds so far end on it, the chunk's device time off it
                 self.engine.synchronize()
@@ -420,6 +449,48 @@ class Scheduler:
             if max_rounds is not None and n >= max_rounds:
                 raise RuntimeError(f"still busy after {max_rounds} rounds")
 
+    def _make_room(self, name: str, reqs: dict) -> dict:
+        """With a pool: take the pages model ``name``'s forward of ``reqs`` writes
+        (:meth:`BatchEngine.reserve`), preempting the most recently admitted running request
+        while the pool is short (:meth:`_preempt`); returns the requests left (all of them
+        without a pool or when the pages were there)."""
+        while reqs:
+            try:
+                self.engine.reserve(name, reqs)
+                return reqs
+            except PagesExhausted:
+                victim = max(self._running, key=lambda i: self._running[i].admission)
+                self._preempt(victim)
+                reqs = {i: r for i, r in reqs.items() if i != victim}
+        return reqs
+
+    def _preempt(self, i: int) -> None:
+        """Stop row ``i``'s request for want of pages: its program is closed, its row and pages
+        freed, and it waits again at the head of the queue (a tensor-parallel follower's is
+        dropped: the leader admits it again). Readmitted, it starts over from its prompt: keyed
+        noise gives it the same tokens, and its blocks delivered already are not delivered again
+        (:class:`simsd.entrypoints.outputs.RequestHandle`)."""
+        req = self._running.pop(i)
+        entry = self._pending.pop(i, None)
+        self._waited.pop(i, None)
+        self._held.discard(i)
+        if entry is not None:
+            try:
+                entry[0].close()
+            except Exception:
+                pass
+        self.engine.release(i)
+        req.row, req.admitted, req.decode_interval, req.forward_requests = None, None, None, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        log.info("simsd scheduler: request %s preempted for KV pages (%d free)", req.request_id,
+                 self.engine.pages.free_pages)
+        with self._cv:
+            self._free.add(i)
+            if self.requeue:
+                self._waiting.appendleft(req)
+            self._cv.notify_all()
+
     def _admit(self, req: Request) -> None:
         """Start ``req``'s program (:meth:`_prefilled`) in the lowest free row (low rows first:
         forwards cover a short row range)."""
@@ -428,6 +499,7 @@ class Scheduler:
             self._free.discard(index)
             self._admitting.remove(req)
             req.row = index
+            req.admission = next(self._admissions)
             self._running[index] = req
         try:
             row = self.engine.release(index)

@@ -74,7 +74,8 @@ def follow(scheduler: Scheduler, rebuild: Callable, group) -> int:
         RuntimeError: a cancellation of a request this rank does not run (the ranks have parted).
         what the broadcast raises when the leader is gone (gloo: a closed connection).
     """
-    running: dict = {}  # key -> Request, until it ends
+    running: dict = {}  # key -> Request, until it ends or is preempted (the leader admits it again)
+    scheduler.requeue = False
     rounds = 0
     while True:
         box = [None]
@@ -93,5 +94,5 @@ def follow(scheduler: Scheduler, rebuild: Callable, group) -> int:
             admits.append(req)
         scheduler.run_round(cancels, admits)
         rounds += 1
-        for key in [k for k, r in running.items() if r.done]:
+        for key in [k for k, r in running.items() if r.done or r.row is None]:
             del running[key]

@@ -76,9 +76,8 @@ class LLM:
     ``speculative_model`` for ``draft``, ``tensor_parallel_size`` for ``tp``, ``max_num_seqs``
     for ``batch_size``, ``dtype="auto"``; ``trust_remote_code`` is accepted and ignored (simsd runs
     SDAR with its own model code and never runs a checkpoint's Python); ``seed`` (simsd's seed is
-    a request's, ``SamplingParams(seed=...)``) and ``gpu_memory_utilization`` (simsd's is
-    ``kv_cache_memory``) are refused with a :class:`ParamError` saying so, as are both spellings
-    of one setting (``model`` and ``target``).
+    a request's, ``SamplingParams(seed=...)``) is refused with a :class:`ParamError` saying so, as
+    are both spellings of one setting (``model`` and ``target``).
 
     Attributes: ``config`` (the :class:`EngineArgs` the engine was built with, defaults
     resolved), ``verifier_class`` (None, or the verifier of paper/exact requests instead of the
@@ -308,10 +307,16 @@ class LLM:
         """A snapshot: ``running``, ``waiting``, ``rows``, ``rounds``, ``round_seconds``,
         ``batched_forwards`` (per model) and the totals of finished requests
         (``requests`` by outcome, ``prompt_tokens``, ``generation_tokens``, ``target_forwards``,
-        ``draft_forwards``, ``proposed``, ``accepted``)."""
+        ``draft_forwards``, ``proposed``, ``accepted``); ``preemptions`` (requests stopped for want
+        of KV pages and started over) and ``kv_pages``: with ``page_size``, the pools' pages per
+        model (``pages_total``, ``pages_used``, ``pages_free``, ``pages_cached``, ``evictions``),
+        ``page_size`` and the prefix cache's ``prefix_queried_tokens`` and ``prefix_hit_tokens``
+        (:meth:`simsd.engine.pages.EnginePages.stats`); None without pages."""
         s = self.scheduler
+        pages = self.engine.pages
         return {"running": s.num_running, "waiting": s.num_waiting, "rows": self.batch_size, "rounds": s.rounds,
                 "round_seconds": s.round_seconds, "batched_forwards": dict(self.engine.forwards),
+                "preemptions": s.preemptions, "kv_pages": None if pages is None else pages.stats(),
                 **self.totals.snapshot()}
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> bool:

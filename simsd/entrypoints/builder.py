@@ -77,7 +77,9 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
     any weight loads: the devices, CUDA graphs, the process group of ``tp``, the attention
     backend on each device, the checkpoints (read: config, tokenizer, tensor headers), the
     block length, ``max_model_len`` and ``max_gamma`` against the models' positions,
-    ``max_prefill_tokens`` against the block length, and
+    ``max_prefill_tokens`` and ``page_size`` against the block length, the KV settings that go
+    together (``enable_prefix_caching`` needs ``page_size``; ``gpu_memory_utilization`` or
+    ``kv_cache_memory``), and
     ``default_params`` against all of it (refused as a request would be; its ``max_tokens`` must
     leave a position for a prompt).
 
@@ -128,6 +130,16 @@ def check_engine(config: EngineArgs, default_params: SamplingParams | None = Non
         raise ParamError("max_model_len", f"{opt('max_model_len')} must be an integer in ({block_length}, {limit}] "
                                           f"(the models' positions), got {max_model_len}")
     at_most("max_gamma", config.max_gamma, block_length, "the block length")
+    if config.page_size is not None and config.page_size % block_length:
+        raise ParamError("page_size", f"{opt('page_size')} must be a whole number of blocks (a multiple of the block "
+                                      f"length {block_length}: a committed block never straddles a page's end), got "
+                                      f"{config.page_size}")
+    if config.enable_prefix_caching and config.page_size is None:
+        raise ParamError("enable_prefix_caching", f"{opt('enable_prefix_caching')} shares KV pages: give "
+                                                  f"{opt('page_size')} too")
+    if config.gpu_memory_utilization is not None and config.kv_cache_memory is not None:
+        raise ParamError("gpu_memory_utilization", f"{opt('gpu_memory_utilization')} and {opt('kv_cache_memory')} "
+                                                   f"both size the KV caches: give one of them")
     if config.max_prefill_tokens is not None and config.max_prefill_tokens % block_length:
         raise ParamError("max_prefill_tokens", f"{opt('max_prefill_tokens')} must be a whole number of blocks (a "
                                                f"multiple of the block length {block_length}), got "
@@ -292,7 +304,9 @@ def build_engine(config: EngineArgs, default_params: SamplingParams | None = Non
                        speculation_width=config.speculation_width), check=False)
     try:
         engine = BatchEngine(models, config.block_length, size.rows, size.capacity, size.margin,
-                             cuda_graphs=config.cuda_graphs, max_prefill_tokens=config.max_prefill_tokens)
+                             cuda_graphs=config.cuda_graphs, max_prefill_tokens=config.max_prefill_tokens,
+                             page_size=size.page_size, num_pages=size.num_pages,
+                             prefix_caching=config.enable_prefix_caching)
     except RuntimeError as exc:  # torch.OutOfMemoryError among them
         if "out of memory" not in str(exc).lower():
             raise

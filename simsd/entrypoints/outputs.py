@@ -162,6 +162,8 @@ class RequestHandle:
         self.program = None
         #: the prompt's log-probability entries (:func:`simsd.decoding.prompt_logprobs.prompt_logprobs`), when asked for
         self.prompt_entries: list | None = None
+        self._blocks: list = []  # the finished blocks' ids delivered so far
+        self._replayed = 0  # blocks the current program has finished (a preempted request's starts over)
 
     @property
     def done(self) -> bool:
@@ -214,8 +216,28 @@ class RequestHandle:
         except Exception:
             log.exception("simsd: the listener of request %s raised", self.request_id)
 
+    def start(self, program) -> None:
+        """A row program of this request starts: the first or, after a preemption, another one,
+        which decodes its blocks again (:meth:`on_block`)."""
+        self.program, self._replayed = program, 0
+
     def on_block(self, new_ids: list) -> bool:
-        """A finished block's ids (the row program's ``on_block``): True ends the generation."""
+        """A finished block's ids (the row program's ``on_block``): True ends the generation.
+
+        A request preempted for KV pages starts over (:meth:`simsd.engine.scheduler.Scheduler._preempt`):
+        the blocks delivered before are not delivered again, and must come out the same (keyed
+        noise: the tokens depend on the prompt, the parameters and the seed alone).
+
+        Raises:
+            RuntimeError: a block decoded again differs from the one delivered.
+        """
+        k, self._replayed = self._replayed, self._replayed + 1
+        if k < len(self._blocks):
+            if list(new_ids) != self._blocks[k]:
+                raise RuntimeError(f"request {self.request_id} started over after a preemption and decoded block {k} "
+                                   f"as {list(new_ids)}, not {self._blocks[k]} as delivered")
+            return False
+        self._blocks.append(list(new_ids))
         before = len(self.stream.token_ids)
         text = self.stream.push(new_ids)
         kept = self.stream.token_ids[before:]

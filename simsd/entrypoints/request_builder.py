@@ -92,7 +92,7 @@ class RequestBuilder:
             if params.prompt_logprobs is not None:  # at admission, on a scratch cache (the row's is untouched)
                 handle.prompt_entries = prompt_logprobs(self.target.model, ids, self.config.block_length,
                                                         self.target.mask_token_id, params.prompt_logprobs)
-            handle.program = new_program(row)
+            handle.start(new_program(row))
             return handle.program.program(tail, handle.on_block)
         # tensor-parallel: what another rank rebuilds the request from (the seed drawn here included)
         source = (prompt, params, seed, rid) if self.config.tp > 1 else None

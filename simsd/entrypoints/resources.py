@@ -89,15 +89,27 @@ class EngineSize:
     """The engine an :class:`~simsd.entrypoints.api.LLM` builds, sized before any weight loads:
     ``rows`` (``batch_size``, or fewer within ``kv_cache_memory``), ``capacity`` and ``margin``
     (tokens per row, as :class:`simsd.engine.batching.BatchEngine` takes them) and
-    ``row_bytes`` (the KV caches of one row, every model)."""
+    ``row_bytes`` (the KV caches of one row, every model); with ``page_size`` a shared pool of
+    ``num_pages`` pages (every model's; ``page_bytes`` each, every model) instead of a region
+    per row."""
     rows: int
     capacity: int
     margin: int
     row_bytes: int
+    page_size: int | None = None
+    num_pages: int | None = None
+    page_bytes: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
+        if self.num_pages is not None:
+            return (self.num_pages + 1) * self.page_bytes  # the scratch page included
         return self.rows * self.row_bytes
+
+    @property
+    def pool_tokens(self) -> int | None:
+        """A pool's slots per model (its pages and the scratch page), None without one."""
+        return None if self.num_pages is None else (self.num_pages + 1) * self.page_size
 
 
 def engine_models(config, infos: dict) -> dict:
@@ -141,16 +153,45 @@ def engine_size(config, infos: dict) -> EngineSize:
     gamma = config.max_gamma or block_length
     margin = max_query_blocks(config.mode, gamma, is_self_draft(config.draft),
                               config.speculation_width) * block_length  # the longest query
-    row_bytes = sum(kv_cache_bytes(cfg, dtype, 1, capacity + margin)
-                    for cfg, dtype, _, _ in engine_models(config, infos).values())
-    rows = config.batch_size
-    if config.kv_cache_memory is not None:
-        rows = min(rows, int(config.kv_cache_memory // row_bytes))
+    models = engine_models(config, infos)
+    row_bytes = sum(kv_cache_bytes(cfg, dtype, 1, capacity + margin) for cfg, dtype, _, _ in models.values())
+    rows, budget, name = config.batch_size, config.kv_cache_memory, "kv_cache_memory"
+    if config.gpu_memory_utilization is not None:
+        budget, name = kv_budget(config, models, rows, capacity, margin), "gpu_memory_utilization"
+    # what the budget is, as the errors name it
+    given = None if budget is None else (
+        f"{opt(name)} {fmt_bytes(max(budget, 0))}" if name == "kv_cache_memory" else
+        f"{opt(name)} {config.gpu_memory_utilization} leaves {fmt_bytes(max(budget, 0))}: it")
+    if config.page_size is not None:
+        ps = config.page_size
+        per_row = -(-(capacity + margin) // ps)  # a row's pages at most
+        page_bytes = sum(kv_cache_bytes(cfg, dtype, 1, ps) for cfg, dtype, _, _ in models.values())
+        num_pages = rows * per_row if budget is None else int(budget // page_bytes) - 1  # less the scratch page
+        if num_pages < per_row:
+            raise ParamError(name, f"{given} holds {max(num_pages, 0)} KV pages of {ps} tokens "
+                                   f"({fmt_bytes(page_bytes)} each), fewer than one request of {L} tokens needs "
+                                   f"({per_row}); lower {opt('max_model_len')}")
+        return EngineSize(rows, capacity, margin, row_bytes, ps, num_pages, page_bytes)
+    if budget is not None:
+        rows = min(rows, int(budget // row_bytes))
         if rows < 1:
-            raise ParamError("kv_cache_memory", f"{opt('kv_cache_memory')} {fmt_bytes(config.kv_cache_memory)} holds "
-                                                f"no row of {L} tokens ({fmt_bytes(row_bytes)} per row); lower "
-                                                f"{opt('max_model_len')}")
+            raise ParamError(name, f"{given} holds no row of {L} tokens ({fmt_bytes(row_bytes)} per row); lower "
+                                   f"{opt('max_model_len')}")
     return EngineSize(rows, capacity, margin, row_bytes)
+
+
+def kv_budget(config, models: dict, rows: int, capacity: int, margin: int) -> float:
+    """The bytes ``gpu_memory_utilization`` leaves the KV caches on the target's device: that
+    share of its total memory (:func:`simsd.engine.memory.total_bytes`) less the weights of the
+    models on it, the workspace of the largest forward and the runtime's reserve."""
+    from ..engine.memory import RESERVE_BYTES, total_bytes
+    device = models["target"][2]
+    total = total_bytes(device)
+    if total is None:
+        raise ParamError("gpu_memory_utilization", f"{opt('gpu_memory_utilization')}: the total memory of {device} "
+                                                   f"is unknown here; give {opt('kv_cache_memory')}")
+    rest = estimate(models, rows, capacity, margin, pool_tokens=0)  # weights and workspace, no KV
+    return config.gpu_memory_utilization * total - rest.total(device) - RESERVE_BYTES
 
 
 def llm_estimate(config, infos: dict, size: EngineSize) -> Estimate:
@@ -158,7 +199,7 @@ def llm_estimate(config, infos: dict, size: EngineSize) -> Estimate:
     not loaded yet (a loaded one's are in memory already), the KV caches of ``size.rows`` rows
     and the workspace of the largest forward."""
     models = engine_models(config, infos)
-    total = estimate(models, size.rows, size.capacity, size.margin, with_weights=False)
+    total = estimate(models, size.rows, size.capacity, size.margin, with_weights=False, pool_tokens=size.pool_tokens)
     for role, (_, dtype, device, _) in models.items():
         if getattr(infos[role], "model", None) is None:
             total.add(device, "weights", weight_bytes(infos[role].config, dtype))  # whole, before any TP shard

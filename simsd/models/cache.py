@@ -25,6 +25,10 @@ class KVCache:
     per row the pools are the ``(B, max_len, Hkv, D)`` buffers of a contiguous cache). With
     ``num_pages`` the pool is shared: rows own no page until :meth:`grow` takes them from the
     :class:`~simsd.models.pages.PageAllocator` (:attr:`allocator`) and :meth:`release` returns them.
+    A shared pool has one more page, :attr:`scratch`, that the allocator never hands out: every
+    table entry of a row past its own pages names it, so the writes of a forward that covers a
+    row without a request of its own (the door writes every covered row's query tokens) land
+    there, never in another row's page; nothing reads it as a committed slot.
     """
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
@@ -35,13 +39,15 @@ class KVCache:
         max_pages = 1 if max_len == page_size == 0 else check_page_size(page_size, max_len, block_size)
         owned = num_pages is None
         num_pages = batch_size * max_pages if owned else int(num_pages)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        #: the page unowned table entries name (a shared pool's extra page; None when rows own theirs)
+        self.scratch = None if owned else num_pages
+        shape = (num_pages + (not owned), page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.max_len, self.page_size = max_len, page_size
         self.allocator = PageAllocator(num_pages, max(page_size, 1), batch_size, max_pages)
-        self.block_table = torch.zeros((batch_size, max_pages), dtype=torch.int32, device=device)
+        self.block_table = torch.full((batch_size, max_pages), self.scratch or 0, dtype=torch.int32, device=device)
         self._first_row = 0  # this cache's first row in the allocator (a view's start)
         if owned:  # every row takes its consecutive pages now
             for b in range(batch_size):
@@ -65,6 +71,7 @@ class KVCache:
         view.seqlens = self.seqlens[start:stop]
         view.block_table = self.block_table[start:stop]
         view.max_len, view.page_size, view.allocator = self.max_len, self.page_size, self.allocator
+        view.scratch = self.scratch
         view.check_lengths = self.check_lengths
         view._first_row = self._first_row + start
         return view
@@ -106,9 +113,18 @@ class KVCache:
         return self.allocator.register(self._first_row + row, keys)
 
     def release(self, row: int) -> None:
-        """Return row ``row``'s pages to the pool and empty the row (length 0)."""
-        self.allocator.release(self._first_row + row)
+        """Return row ``row``'s pages to the pool and empty the row (length 0; its table entries
+        name :attr:`scratch`). A cache whose rows own their pages keeps them (length 0 only)."""
         self.seqlens[row] = 0
+        if self.scratch is None:
+            return
+        self.allocator.release(self._first_row + row)
+        self.block_table[row].fill_(self.scratch)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the rows share a pool (pages taken as they grow) rather than own their pages."""
+        return self.scratch is not None
 
     def slots(self, t: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Entries of the pool ``t`` (one of :attr:`k`, :attr:`v`) at logical slots ``cols (B, L)``

@@ -59,6 +59,28 @@ class _LLMCollector:
         yield fw
         yield SummaryMetricFamily("simsd_round_seconds", "Wall time of the scheduler's rounds (one batched "
                                   "forward and its rows' work).", count_value=m["rounds"], sum_value=m["round_seconds"])
+        yield CounterMetricFamily("simsd_preemptions", "Requests stopped for want of KV pages and started over.",
+                                  value=m["preemptions"])
+        pages = m["kv_pages"]
+        if pages is not None:
+            models = sorted(k for k, v in pages.items() if isinstance(v, dict))
+            for key, help_ in (("pages_total", "KV cache pages of the pool."),
+                               ("pages_used", "KV cache pages held by running requests."),
+                               ("pages_free", "KV cache pages free (cached pages no request holds included)."),
+                               ("pages_cached", "KV cache pages in the prefix cache.")):
+                g = GaugeMetricFamily(f"simsd_kv_{key}", help_, labels=["model"])
+                for name in models:
+                    g.add_metric([name], pages[name][key])
+                yield g
+            ev = CounterMetricFamily("simsd_kv_page_evictions", "Cached KV pages taken back for growth.",
+                                     labels=["model"])
+            for name in models:
+                ev.add_metric([name], pages[name]["evictions"])
+            yield ev
+            yield CounterMetricFamily("simsd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(whole pages).", value=pages["prefix_queried_tokens"])
+            yield CounterMetricFamily("simsd_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                      "prefilled).", value=pages["prefix_hit_tokens"])
 
 
 class Metrics:

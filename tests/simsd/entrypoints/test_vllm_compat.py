@@ -143,7 +143,6 @@ def test_two_spellings_positional_and_of_a_request_are_refused_naming_both():
 
 
 @pytest.mark.parametrize("name, value, says", [("seed", 0, r"SamplingParams\(seed=\.\.\.\)"),
-                                               ("gpu_memory_utilization", 0.9, "kv_cache_memory"),
                                                ("random_seed", 1, "SamplingParams"),
                                                ("enforce_eager", False, "cuda_graphs=True"),
                                                ("num_speculative_tokens", 4, "max_gamma"),

@@ -64,10 +64,12 @@ def test_shared_pool_grows_and_releases_through_the_table():
     c.grow(1, 3)
     c.grow(0, 4)
     c.rows(1, 2).grow(0, 5)
-    assert c.allocator.pages == [[2, 3], [0, 1, 4]] and c.block_table[:, :3].tolist() == [[2, 3, 0], [0, 1, 4]]
+    # the pool's sixth page (id 5) is the scratch page that unowned entries name
+    assert c.allocator.pages == [[2, 3], [0, 1, 4]] and c.block_table[:, :3].tolist() == [[2, 3, 5], [0, 1, 4]]
+    assert c.k[0].shape[0] == 6 and c.scratch == 5
     c.seqlens.fill_(3)
     c.release(1)
-    assert c.allocator.free_pages == 3 and c.seqlens.tolist() == [3, 0]
+    assert c.allocator.free_pages == 3 and c.seqlens.tolist() == [3, 0] and c.block_table[1].tolist() == [5] * 4
 
 
 @pytest.mark.bitwise
