@@ -224,7 +224,9 @@ class BatchEngine:
     (:meth:`forward`). Whoever wants captured graphs reused keeps the engine (e.g.
     :class:`simsd.LLM`).
 
-    ``forwards[name]`` counts the batched forwards run per model (prefill excluded).
+    ``forwards[name]`` counts the batched forwards run per model (prefill excluded),
+    ``prefill_tokens[name]`` the prompt tokens its prefill forwards computed (a prefix cache hit
+    computes none).
 
     Raises:
         ValueError: ``cuda_graphs`` on a model that cannot be captured (see :mod:`simsd.engine.graphs`);
@@ -289,6 +291,7 @@ class BatchEngine:
         self.nonfinite.zero_()
         self.rows = [self._new_row(i) for i in range(self.caches[next(iter(self.caches))].batch_size)]
         self.forwards = {n: 0 for n in self.models}
+        self.prefill_tokens = {n: 0 for n in self.models}
 
     def _new_row(self, index: int) -> Row:
         devices = {n: m.device for n, m in self.models.items()}
@@ -438,6 +441,8 @@ class BatchEngine:
             logits = model(ids, positions, labels, mode, self._view(name, a, b), num_write,
                            slice(None) if want else None, unit=self.block_length)
         self.forwards[name] += not prefill
+        if prefill:
+            self.prefill_tokens[name] += sum(r.num_write for r in reqs.values())
         if logits is not None:
             self._flag_nonfinite(name, logits, reqs, a)
         for i, r in reqs.items():

@@ -307,7 +307,8 @@ class LLM:
         """A snapshot: ``running``, ``waiting``, ``rows``, ``rounds``, ``round_seconds``,
         ``batched_forwards`` (per model) and the totals of finished requests
         (``requests`` by outcome, ``prompt_tokens``, ``generation_tokens``, ``target_forwards``,
-        ``draft_forwards``, ``proposed``, ``accepted``); ``preemptions`` (requests stopped for want
+        ``draft_forwards``, ``proposed``, ``accepted``); ``prefill_tokens`` (per model: prompt
+        tokens the prefill forwards computed); ``preemptions`` (requests stopped for want
         of KV pages and started over) and ``kv_pages``: with ``page_size``, the pools' pages per
         model (``pages_total``, ``pages_used``, ``pages_free``, ``pages_cached``, ``evictions``),
         ``page_size`` and the prefix cache's ``prefix_queried_tokens`` and ``prefix_hit_tokens``
@@ -316,7 +317,8 @@ class LLM:
         pages = self.engine.pages
         return {"running": s.num_running, "waiting": s.num_waiting, "rows": self.batch_size, "rounds": s.rounds,
                 "round_seconds": s.round_seconds, "batched_forwards": dict(self.engine.forwards),
-                "preemptions": s.preemptions, "kv_pages": None if pages is None else pages.stats(),
+                "prefill_tokens": dict(self.engine.prefill_tokens), "preemptions": s.preemptions,
+                "kv_pages": None if pages is None else pages.stats(),
                 **self.totals.snapshot()}
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> bool:
