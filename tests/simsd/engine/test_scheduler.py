@@ -60,10 +60,11 @@ def single(mode, target, draft, i, sampling, fold=False):
     return out.results[0]
 
 
-def engine_for(mode, target, draft, rows, max_prefill_tokens=None):
+def engine_for(mode, target, draft, rows, max_prefill_tokens=None, num_pages=None):
     models = {"target": target.model} if mode == "vanilla" else {"target": target.model, "draft": draft.model}
     margin = 2 * 4 if mode == "vanilla" else (4 + 2) * 4
-    return BatchEngine(models, 4, rows, capacity=64, margin=margin, max_prefill_tokens=max_prefill_tokens)
+    pages = {} if num_pages is None else {"page_size": 4, "num_pages": num_pages}
+    return BatchEngine(models, 4, rows, capacity=64, margin=margin, max_prefill_tokens=max_prefill_tokens, **pages)
 
 
 def request(mode, target, draft, i, sampling, done, fold=False):
@@ -463,14 +464,17 @@ def test_graph_engine_shapes_with_continuous_batching(pair, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "exact"])
-@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
-def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode, chunk):
+@pytest.mark.parametrize("chunk, pages", [(None, None), (4, None), (None, "small")], ids=["whole", "chunked", "pages"])
+def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode, chunk, pages):
     """What ``simsd serve --tp`` relies on (simsd/engine/tp_rounds.py): a scheduler whose rounds
     take a leader's published inputs (:meth:`Scheduler.run_round` with the requests rebuilt)
     runs the leader's rounds: the same rows, cancellations and results, with staggered arrivals,
     a waiting and a running request cancelled, 3 rows for 6 requests; with chunked prefill too
-    (the prefill chunks are rounds: the same picks on both sides)."""
+    (the prefill chunks are rounds: the same picks on both sides); and over a page pool too small
+    for every row (the same preemptions on both sides: a follower drops its preempted copy, the
+    leader admits the request again and publishes it)."""
     target, draft = pair
+    num_pages = None if pages is None else {"vanilla": 10, "exact": 14}[mode]  # a row needs up to 9 or 13
     done = []
     followers = {}  # leader's request -> the follower's copy
 
@@ -478,9 +482,11 @@ def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode, ch
         for r in admits:
             followers[r] = request(mode, target, draft, int(r.request_id), True, [])
         follower.run_round([followers[r] for r in cancels], [followers[r] for r in admits])
-    leader = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk), max_waiting=8,
-                       publish=publish)
-    follower = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk), max_waiting=0)
+    leader = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk, num_pages=num_pages),
+                       max_waiting=8, publish=publish)
+    follower = Scheduler(engine_for(mode, target, draft, rows=3, max_prefill_tokens=chunk, num_pages=num_pages),
+                         max_waiting=0)
+    follower.requeue = False  # as simsd.engine.tp_rounds.follow sets it
     reqs = [request(mode, target, draft, i, True, done) for i in range(len(PROMPTS))]
     arrivals, r = [0, 0, 2, 3, 5, 9], 0
     while r < 2000 and (r <= max(arrivals) or leader.num_running or leader.num_waiting):
@@ -500,6 +506,8 @@ def test_a_follower_given_the_leaders_inputs_runs_the_same_rounds(pair, mode, ch
     for q, f in followers.items():
         assert (f.result, f.cancelled, f.error) == (q.result, q.cancelled, q.error) and f.row == q.row
     assert follower.rounds == leader.rounds > 0 and follower.num_running == 0 and sorted(follower._free) == [0, 1, 2]
+    assert follower.preemptions == leader.preemptions and (leader.preemptions > 0) == (pages is not None)
+    assert follower.num_waiting == 0
 
 
 def test_a_leader_whose_publish_fails_halts(pair):

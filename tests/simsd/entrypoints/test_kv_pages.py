@@ -88,8 +88,8 @@ def test_a_shared_system_prompt_is_prefilled_once_and_gives_the_same_tokens(dtyp
     assert pages["prefix_hit_tokens"] == 3 * 32  # the first request computes them, the others share them
     assert pages["target"]["pages_cached"] == 2 and pages["target"]["pages_used"] == 0
     assert cached.totals.snapshot()["prompt_tokens"] == plain.totals.snapshot()["prompt_tokens"]
-    computed = {n: plain.metrics()["prefill_tokens"][n] - cached.metrics()["prefill_tokens"][n] for n in cached.engine.models}
-    assert computed == {n: 3 * 32 for n in cached.engine.models}  # every model skipped the shared pages
+    a, b = plain.metrics()["prefill_tokens"], cached.metrics()["prefill_tokens"]
+    assert {n: a[n] - b[n] for n in a} == {n: 3 * 32 for n in cached.engine.models}  # every model skipped them
 
 
 def test_cached_pages_are_evicted_under_pressure():
