@@ -141,6 +141,8 @@ LOGPROBS_MODES = "tests/simsd/speculative/test_logprobs_modes.py"
 PENALTIES = "tests/simsd/decoding/test_penalties.py"
 PAGED_DOOR = "tests/kernels/test_paged_door.py"
 PAGED_CACHE = "tests/simsd/models/test_paged_cache.py"
+PAGED_ENGINE = "tests/simsd/engine/test_paged_engine.py"
+KV_PAGES = "tests/simsd/entrypoints/test_kv_pages.py"
 EXACT_PENALTIES = "tests/simsd/speculative/test_exact_penalties.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
@@ -950,6 +952,22 @@ MUTANTS = [
       note="prefill chunks replayed as CUDA graphs (a graph per chunk width)"),
     m("chunked prefill", "simsd/engine/scheduler.py", "self.prefill_seconds += end - start",
       "self.prefill_seconds += 0.0", SCHED, API_ENGINE, note="prefill rounds counted as decode time"),
+    # issue 37 items 1-3: the engine over a shared page pool -------------------------------------------
+    m("engine pages", BAT, "        self.reserve(name, reqs)\n", "        pass\n", PAGED_ENGINE,
+      note="a forward's rows take no page for the slots it writes (they land in the scratch page)"),
+    m("engine pages", BAT, "slots = capacity + margin if page_size is None else -(-(capacity + margin) // page_size) "
+      "* page_size", "slots = capacity + margin", KV_PAGES, note="a row's slots not rounded up to whole pages"),
+    m("engine pages", "simsd/models/cache.py", "self.block_table[row].fill_(self.scratch)", "pass", PAGED_CACHE,
+      note="a released row's table still names the pages it gave back"),
+    m("engine pages", "simsd/engine/scheduler.py", "if need > budget and (admits or len(self._running) > "
+      "len(cancels)):", "if False:", PAGED_ENGINE, note="requests admitted whatever the free pages"),
+    m("engine pages", "simsd/entrypoints/outputs.py", "            return False\n        self._blocks.append",
+      "            pass\n        self._blocks.append", KV_PAGES,
+      note="a preempted request's blocks delivered again when it starts over"),
+    m("prefix cache", BAT, "            self.pages.register_prefix(index, row.prompt[:aligned])", "            pass",
+      KV_PAGES, note="a prefilled prompt's pages never offered to the prefix cache"),
+    m("prefix cache", "simsd/engine/pages.py", "self.prefix_hit += hit * self.page_size", "self.prefix_hit += 0",
+      KV_PAGES, "tests/bench/test_bench_prefix_cache.py", note="prefix cache hits not counted"),
 ]
 
 
