@@ -39,7 +39,9 @@ reused); acceptance uniforms drawn from the ``SAMPLE`` stream are independent of
 draft (it samples from ``PAPER_DRAFT``); an API ``max_tokens + 1`` is cut by the request's text
 stream at ``max_tokens`` before it shows; the invariant plan's natural tile equals
 ``INVARIANT_BLOCK_M`` for GQA groups >= 4; dropping the query heads from the tensor-parallel
-check changes nothing (they are a multiple of the KV heads, which are checked).
+check changes nothing (they are a multiple of the KV heads, which are checked); the engine's own
+page reservation in ``BatchEngine.forward`` is a guard for direct callers: the scheduler reserved
+the same pages first (``Scheduler._make_room``), so dropping it changes no scheduled run.
 """
 from __future__ import annotations
 
@@ -953,8 +955,9 @@ MUTANTS = [
     m("chunked prefill", "simsd/engine/scheduler.py", "self.prefill_seconds += end - start",
       "self.prefill_seconds += 0.0", SCHED, API_ENGINE, note="prefill rounds counted as decode time"),
     # issue 37 items 1-3: the engine over a shared page pool -------------------------------------------
-    m("engine pages", BAT, "        self.reserve(name, reqs)\n", "        pass\n", PAGED_ENGINE,
-      note="a forward's rows take no page for the slots it writes (they land in the scratch page)"),
+    m("engine pages", "simsd/engine/scheduler.py", "                self.engine.reserve(name, reqs)\n",
+      "                pass\n", PAGED_ENGINE, KV_PAGES,
+      note="no preemption: a forward whose rows cannot grow fails them (PagesExhausted)"),
     m("engine pages", BAT, "slots = capacity + margin if page_size is None else -(-(capacity + margin) // page_size) "
       "* page_size", "slots = capacity + margin", KV_PAGES, note="a row's slots not rounded up to whole pages"),
     m("engine pages", "simsd/models/cache.py", "self.block_table[row].fill_(self.scratch)", "pass", PAGED_CACHE,
