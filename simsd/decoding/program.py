@@ -68,6 +68,7 @@ class RowProgram:
         self.layouts = RowLayouts(row)
         self.stop_ids = list(stop_ids)
         self.generated: list = []
+        row.output = self.generated  # the engine offers the committed output's pages to a prefix cache
         self.logprobs: list | None = None if cfg.logprobs is None else []
         self.blocks = 0
         self.history = None

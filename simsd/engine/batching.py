@@ -156,6 +156,9 @@ class Row:
     dtypes: dict = field(default_factory=dict)
     #: the request's prompt ids (set by :meth:`BatchEngine.prefill`; the repetition penalty reads them)
     prompt: list = field(default_factory=list)
+    #: the ids of the request's finished blocks after the prompt (its row program's ``generated``;
+    #: with the prompt, the tokens of the committed cache slots)
+    output: list = field(default_factory=list)
 
     def nonfinite_flags(self, device) -> torch.Tensor:
         """``(M,)`` bool on ``device``: per model (in the engine's order, ``dtypes``' keys), true
@@ -299,10 +302,15 @@ class BatchEngine:
                    nonfinite=self.nonfinite[:, index], dtypes=self._dtypes,
                    query_tokens={n: 0 for n in self.models}, costs=self.costs)
 
-    def release(self, index: int) -> Row:
+    def release(self, index: int, offer: bool = True) -> Row:
         """Empty row ``index`` for a new request (continuous batching, :mod:`simsd.engine.scheduler`):
         its cache lengths go to 0 (the stale K/V past them is never read) and it gets a fresh
-        :class:`Row` (counters at 0), which is returned; with a pool its pages go back."""
+        :class:`Row` (counters at 0), which is returned; with a pool its pages go back, and with
+        the prefix cache and ``offer`` (False: a request that failed) its full pages of committed
+        tokens (prompt and output) are offered to the cache first."""
+        row = self.rows[index]
+        if self.pages is not None and offer and row.prompt:
+            self.pages.register_prefix(index, (row.prompt + row.output)[:min(row.cached.values())])
         for cache in self.caches.values():
             cache.release(index)
         self.nonfinite[:, index] = 0

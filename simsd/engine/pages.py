@@ -16,7 +16,9 @@ for every model: a row holds the same tokens in each). :class:`EnginePages` keep
   (:class:`~simsd.engine.scheduler.Scheduler`);
 * **prefix cache** (``prefix_caching``): a prompt's full pages of its block-aligned part are
   looked up before its prefill (:meth:`share_prefix`: the longest prefix cached in every model's
-  pool is shared, its prefill skipped) and offered to the cache after it (:meth:`register_prefix`);
+  pool is shared, its prefill skipped) and offered to the cache after it (:meth:`register_prefix`),
+  as are the full pages of its prompt and output when it ends (a chat's next turn starts with
+  them; the K/V of committed slots are those a prefill of their tokens writes);
   pages no row holds stay cached until a growth evicts them (least recently used first,
   :class:`simsd.models.pages.PageAllocator`). Committed K/V depend only on the tokens up to them
   (block-causal, absolute positions), so a hit gives the K/V a prefill would write: the same
@@ -107,7 +109,8 @@ class EnginePages:
         return hit * self.page_size
 
     def register_prefix(self, index: int, aligned: list) -> None:
-        """After row ``index``'s prefill: offer its full pages of the prompt ``aligned`` to every
+        """Offer row ``index``'s full pages of the committed tokens ``aligned`` (from slot 0: its
+        block-aligned prompt after its prefill, its prompt and output when it ends) to every
         pool's prefix cache (nothing without ``prefix_caching``)."""
         if self.prefix_caching:
             keys = page_keys(aligned, self.page_size)

@@ -549,7 +549,7 @@ class Scheduler:
                 prog.close()
             except Exception:  # a program that fails while closing is ended all the same
                 pass
-        self.engine.release(i)
+        self.engine.release(i, offer=error is None)
         with self._cv:
             self._free.add(i)
             self._cv.notify_all()

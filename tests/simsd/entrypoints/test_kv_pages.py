@@ -86,7 +86,8 @@ def test_a_shared_system_prompt_is_prefilled_once_and_gives_the_same_tokens(dtyp
     pages = cached.metrics()["kv_pages"]
     assert pages["prefix_queried_tokens"] == 4 * 32  # two whole pages of the 40-token block-aligned prompt
     assert pages["prefix_hit_tokens"] == 3 * 32  # the first request computes them, the others share them
-    assert pages["target"]["pages_cached"] == 2 and pages["target"]["pages_used"] == 0
+    # the two shared pages, and each request's third (its own tokens and answer: slots 32-47) when it ended
+    assert pages["target"]["pages_cached"] == 2 + 4 and pages["target"]["pages_used"] == 0
     assert cached.totals.snapshot()["prompt_tokens"] == plain.totals.snapshot()["prompt_tokens"]
     a, b = plain.metrics()["prefill_tokens"], cached.metrics()["prefill_tokens"]
     assert {n: a[n] - b[n] for n in a} == {n: 3 * 32 for n in cached.engine.models}  # every model skipped them
@@ -144,3 +145,21 @@ def test_gpu_memory_utilization_sizes_the_pool_from_the_total_memory():
     step = 0.001 * total / page_bytes(small)  # what the extra share holds in pages
     assert a >= small.engine.caches["target"].allocator.max_pages and abs((b - a) - step) <= 1
     assert (a + 1) * page_bytes(small) <= (64 << 20)  # weights and workspace took the rest
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_a_next_turn_finds_the_previous_answer_cached(mode):
+    """When a request ends, its prompt's and output's full pages are offered to the cache: a
+    next turn whose prompt starts with them (a chat's history) prefills only what follows, with
+    the tokens of a run without the cache (``--invariant``)."""
+    kw = dict(mode=mode, dtype="float32", device="cpu", batch_size=1, max_model_len=256, invariant=True,
+              page_size=16, scheduler_thread=False)
+    p = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=9)
+    turn1 = SYSTEM[:30]
+    plain, cached = LLM(**kw), LLM(enable_prefix_caching=True, **kw)
+    answer = run(cached, [turn1], [p])[0]
+    assert answer == run(plain, [turn1], [p])[0]
+    turn2 = turn1 + answer + [12, 13, 14]  # 73 tokens: the first 64 are 4 pages of prompt and answer
+    before = cached.metrics()["kv_pages"]["prefix_hit_tokens"]
+    assert run(cached, [turn2], [p]) == run(plain, [turn2], [p])
+    assert cached.metrics()["kv_pages"]["prefix_hit_tokens"] - before == 64
