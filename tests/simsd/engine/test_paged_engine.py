@@ -126,3 +126,23 @@ def test_admission_waits_for_pages_and_a_request_larger_than_the_pool_is_refused
     sched.run_until_idle()
     assert all(r.error is None and r.result for r in reqs)
     assert engine.pages.stats()["target"]["pages_free"] == 12
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_the_triton_door_over_a_pool_gives_the_contiguous_tokens(mode, pool):
+    """The same engine over the Triton kernels (interpreted on the CPU): pages of one block taken
+    as rows grow, a pool small enough to preempt, the tokens of the contiguous caches."""
+    pytest.importorskip("triton")
+    from simsd_kernels.backends import resolve_backend
+    target, draft = ckpt("target", "float32"), ckpt("target", "float32", std=0.22)
+    try:
+        resolve_backend("triton", target.model.device)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    target.model.attention_backend = draft.model.attention_backend = "triton"
+    cfg = DecodeConfig(block_length=BLOCK, strategy="static", max_new_tokens=12, seed=2,
+                       sampling=SamplingParams(temperature=1.0))
+    want = decode(mode, target, draft, cfg)
+    made = pool({"vanilla": 9, "exact": 13}[mode])
+    assert decode(mode, target, draft, cfg) == want
+    assert made[0].exhausted > 0

@@ -91,6 +91,13 @@ def test_a_shared_system_prompt_is_prefilled_once_and_gives_the_same_tokens(dtyp
     assert cached.totals.snapshot()["prompt_tokens"] == plain.totals.snapshot()["prompt_tokens"]
     a, b = plain.metrics()["prefill_tokens"], cached.metrics()["prefill_tokens"]
     assert {n: a[n] - b[n] for n in a} == {n: 3 * 32 for n in cached.engine.models}  # every model skipped them
+    # all four again at once on two rows: concurrent requests hold the same cached pages
+    held = []
+    reserve = cached.engine.reserve
+    cached.engine.reserve = lambda name, reqs: (reserve(name, reqs), held.append(
+        max(cached.engine.caches[name].allocator._refs)))[0]
+    assert run(cached, prompts, ps) == want
+    assert max(held) == 2
 
 
 def test_cached_pages_are_evicted_under_pressure():
