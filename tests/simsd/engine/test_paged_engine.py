@@ -146,3 +146,24 @@ def test_the_triton_door_over_a_pool_gives_the_contiguous_tokens(mode, pool):
     made = pool({"vanilla": 9, "exact": 13}[mode])
     assert decode(mode, target, draft, cfg) == want
     assert made[0].exhausted > 0
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "exact"])
+def test_graph_engines_over_a_pool_give_the_contiguous_tokens(mode, pool, monkeypatch):
+    """CUDA-graph engines (the capture replaced by eager replay, as tests/simsd/engine/test_batch.py
+    does) over a pool that preempts: every forward covers every row with static shapes, the rows'
+    page tables change in place between replays, the tokens stay the contiguous caches'."""
+    import simsd.engine.graphs
+    monkeypatch.setattr(simsd.engine.graphs, "cuda_capture", simsd.engine.graphs.eager_capture)
+    monkeypatch.setattr(simsd.engine.graphs, "check_graphable", lambda model: None)
+    target, draft = ckpt("target", "float32"), ckpt("target", "float32", std=0.22)
+    cfg = DecodeConfig(block_length=BLOCK, strategy="static", max_new_tokens=16, seed=4,
+                       sampling=SamplingParams(temperature=1.0))
+    want = decode(mode, target, draft, cfg)
+    made = pool({"vanilla": 11, "exact": 15}[mode])
+    if mode == "vanilla":
+        got = vanilla_generate_batch(target.model, PROMPTS, cfg, target.mask_token_id, [], cuda_graphs=True)
+    else:
+        got = speculative_generate_batch(target, draft, PROMPTS, cfg, SpecConfig(mode="exact"), cuda_graphs=True)
+    assert [r.token_ids for r in got.results] == want
+    assert made[0].graphs and made[0].graphs["target"].replays > 0 and made[0].exhausted > 0

@@ -12,6 +12,8 @@ enable_prefix_caching=..., gpu_memory_utilization=...)``, :mod:`simsd.engine.pag
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from simsd import LLM, ParamError, SamplingParams
@@ -170,3 +172,23 @@ def test_a_next_turn_finds_the_previous_answer_cached(mode):
     before = cached.metrics()["kv_pages"]["prefix_hit_tokens"]
     assert run(cached, [turn2], [p]) == run(plain, [turn2], [p])
     assert cached.metrics()["kv_pages"]["prefix_hit_tokens"] - before == 64
+
+
+def test_a_replayed_block_is_not_delivered_again_and_one_that_differs_is_an_error():
+    """What a preempted request's handle does when its program starts over (``RequestHandle.start``,
+    ``on_block``): blocks delivered before are swallowed when they come out the same, and one that
+    comes out otherwise (numerics that depend on the batch: bfloat16 without ``--invariant``) fails
+    the request with the block named, never a silent change of what was streamed."""
+    llm = LLM(mode="vanilla", dtype="float32", device="cpu", batch_size=1, page_size=16, scheduler_thread=False)
+    events = []
+    h = llm.submit([11, 12, 13], SamplingParams(max_tokens=64, ignore_eos=True),
+                   listener=lambda kind, payload: events.append((kind, payload)))
+    program = SimpleNamespace(logprobs=None)  # a row program as the handle reads it
+    h.start(program)
+    assert h.on_block([20, 21, 22]) is False and h.on_block([23, 24, 25, 26]) is False
+    assert [p[1] for k, p in events if k == "delta"] == [[20, 21, 22], [23, 24, 25, 26]]
+    h.start(program)  # started over after a preemption
+    assert h.on_block([20, 21, 22]) is False and len(events) == 2  # replayed: not delivered again
+    with pytest.raises(RuntimeError, match=r"decoded block 1 as \[23, 24, 25, 27\], not \[23, 24, 25, 26\]"):
+        h.on_block([23, 24, 25, 27])
+    assert h.cancel()
