@@ -29,7 +29,7 @@ import argparse
 import random
 import time
 
-from benchlib import ROOT, environment, prompt_ids, set_threads, write_json
+from benchlib import ROOT, environment, held_out_ids, set_threads, write_json
 from simsd import LLM, SamplingParams
 from simsd.assets import DEFAULT_TARGET
 
@@ -83,9 +83,7 @@ def main(argv=None) -> list:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_concurrency_cpu_tiny_pair.json"))
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    tokenizer = LLM(str(DEFAULT_TARGET), mode="vanilla", device="cpu", batch_size=1,
-                    scheduler_thread=False).get_tokenizer()
-    base = [i for p in prompt_ids(tokenizer, 8)[0] for i in p]
+    base = held_out_ids()
     lengths = length_mix(args.requests, args.max_model_len, args.seed)
     prompts = [base[7 * i:7 * i + 16] for i in range(args.requests)]
     params = [SamplingParams(max_tokens=n - 16, ignore_eos=True, temperature=1.0, seed=args.seed + i)

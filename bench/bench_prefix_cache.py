@@ -29,7 +29,7 @@ import argparse
 import statistics
 import time
 
-from benchlib import ROOT, environment, prompt_ids, set_threads, write_json
+from benchlib import ROOT, environment, held_out_ids, set_threads, write_json
 from simsd import LLM, SamplingParams
 from simsd.assets import DEFAULT_TARGET
 
@@ -67,10 +67,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prefix_cache_cpu_tiny_pair.json"))
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    tokenizer = LLM(str(DEFAULT_TARGET), mode="vanilla", device="cpu", batch_size=1,
-                    scheduler_thread=False).get_tokenizer()
-    ids, _ = prompt_ids(tokenizer, 8)
-    base = [i for p in ids for i in p]
+    base = held_out_ids()
     system = (base * (args.system // len(base) + 1))[:args.system]
     rows = []
     for mode in args.modes.split(","):

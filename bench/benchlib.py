@@ -99,6 +99,13 @@ def prompt_ids(tokenizer, n: int) -> tuple[list, list]:
     return ids, [p["id"] for p in prompts[:n]]
 
 
+def held_out_ids(n: int = 8) -> list:
+    """The first ``n`` bundled held-out prompts' ids (:func:`prompt_ids` with the bundled target's
+    tokenizer), concatenated: a stream of real tokens for workloads that cut their own prompts."""
+    ids, _ = prompt_ids(load_checkpoint(DEFAULT_TARGET).tokenizer, n)
+    return [i for p in ids for i in p]
+
+
 def environment() -> dict:
     import transformers
     return {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -139,14 +139,7 @@ def available_bytes(device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)  # plus what torch's caching allocator holds unused
         return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return meminfo("MemAvailable")
 
 
 def total_bytes(device) -> int | None:
@@ -155,10 +148,16 @@ def total_bytes(device) -> int | None:
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
+    return meminfo("MemTotal")
+
+
+def meminfo(field: str) -> int | None:
+    """A ``/proc/meminfo`` field in bytes (``MemAvailable``, ``MemTotal``), or None where that
+    file or field does not exist."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
