@@ -174,7 +174,8 @@ class RowProgram:
         "Statistics"): ``mode, new_tokens, cut_tokens`` (decoded after a stop or past the budget,
         not returned), ``decode_seconds, tokens_per_second, target_forwards,
         target_forwards_per_token, target_query_tokens_per_forward`` (the row's own query tokens
-        per target forward: the forward's width, padding excluded), ``prefill_forwards, blocks``."""
+        per target forward: the forward's width, padding excluded), ``prefill_forwards,
+        cached_prompt_tokens`` (found in the prefix cache, not prefilled), ``blocks``."""
         fw = self.row.forwards["target"]
         return {
             "mode": self.mode,
@@ -186,6 +187,7 @@ class RowProgram:
             "target_forwards_per_token": fw / max(n, 1),
             "target_query_tokens_per_forward": self.row.query_tokens["target"] / max(fw, 1),
             "prefill_forwards": self.row.prefill_forwards,
+            "cached_prompt_tokens": self.row.prefix_hit,
             "blocks": self.blocks,
         }
 

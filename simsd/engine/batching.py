@@ -159,6 +159,8 @@ class Row:
     #: the ids of the request's finished blocks after the prompt (its row program's ``generated``;
     #: with the prompt, the tokens of the committed cache slots)
     output: list = field(default_factory=list)
+    #: the prompt's tokens found in the prefix cache (not prefilled; :mod:`simsd.engine.pages`)
+    prefix_hit: int = 0
 
     def nonfinite_flags(self, device) -> torch.Tensor:
         """``(M,)`` bool on ``device``: per model (in the engine's order, ``dtypes``' keys), true
@@ -341,7 +343,7 @@ class BatchEngine:
         L = self.block_length
         aligned = (len(prompt_ids) // L) * L
         chunk = self.max_prefill_tokens or max(aligned, 1)
-        hit = 0 if self.pages is None else self.pages.share_prefix(index, row.prompt[:aligned])
+        hit = row.prefix_hit = 0 if self.pages is None else self.pages.share_prefix(index, row.prompt[:aligned])
         for name in self.models:
             row.cached[name] = hit
         for start in range(hit, aligned, chunk):

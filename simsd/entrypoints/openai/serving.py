@@ -105,10 +105,16 @@ async def serve(request: Request, model, chat: bool):
 
 def usage(outs, n: int = 1) -> dict:
     """OpenAI's ``usage`` of the outputs ``outs`` (all finished), ``n`` choices per prompt in a
-    row: the completion tokens of every choice, the prompt tokens of each prompt once."""
+    row: the completion tokens of every choice, the prompt tokens of each prompt once, and
+    ``prompt_tokens_details.cached_tokens`` (OpenAI's and vLLM's: the prompt tokens the prefix
+    cache held) when there are any."""
     p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(o.stats.get("cached_prompt_tokens", 0) for o in outs[::n])
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def echo_text(state: ServerState, handle) -> str | None:

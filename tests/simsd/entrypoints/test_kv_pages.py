@@ -83,8 +83,9 @@ def test_a_shared_system_prompt_is_prefilled_once_and_gives_the_same_tokens(dtyp
     plain = LLM(page_size=16, **kw)
     want = run(plain, prompts, ps)
     cached = LLM(page_size=16, enable_prefix_caching=True, **kw)
-    got = [run(cached, [p], [q])[0] for p, q in zip(prompts, ps)]  # one by one: each finds the ones before
-    assert got == want
+    outs = [cached.generate([p], [q])[0] for p, q in zip(prompts, ps)]  # one by one: each finds the ones before
+    assert [o.token_ids for o in outs] == want
+    assert [o.stats["cached_prompt_tokens"] for o in outs] == [0, 32, 32, 32]
     pages = cached.metrics()["kv_pages"]
     assert pages["prefix_queried_tokens"] == 4 * 32  # two whole pages of the 40-token block-aligned prompt
     assert pages["prefix_hit_tokens"] == 3 * 32  # the first request computes them, the others share them
