@@ -971,7 +971,8 @@ MUTANTS = [
       KV_PAGES, note="a prefilled prompt's pages never offered to the prefix cache"),
     m("prefix cache", "simsd/engine/pages.py", "self.prefix_hit += hit * self.page_size", "self.prefix_hit += 0",
       KV_PAGES, "tests/bench/test_bench_prefix_cache.py", note="prefix cache hits not counted"),
-    m("prefix cache", BAT, "if self.pages is not None and offer and row.prompt:", "if False:", KV_PAGES,
+    m("prefix cache", BAT, "if self.pages is not None and self.pages.prefix_caching and offer and row.prompt:",
+      "if False:", KV_PAGES,
       note="an ended request's prompt and output pages never offered to the prefix cache"),
 ]
 

@@ -311,7 +311,7 @@ class BatchEngine:
         the prefix cache and ``offer`` (False: a request that failed) its full pages of committed
         tokens (prompt and output) are offered to the cache first."""
         row = self.rows[index]
-        if self.pages is not None and offer and row.prompt:
+        if self.pages is not None and self.pages.prefix_caching and offer and row.prompt:
             self.pages.register_prefix(index, (row.prompt + row.output)[:min(row.cached.values())])
         for cache in self.caches.values():
             cache.release(index)

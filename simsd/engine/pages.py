@@ -49,11 +49,9 @@ class EnginePages:
         self.caches, self.margin, self.prefix_caching = caches, margin, prefix_caching
         first = next(iter(caches.values()))
         self.page_size, self.num_pages = first.page_size, first.allocator.num_pages
+        #: pages that hold a number of slots (the allocator's rule)
+        self.pages_for = first.allocator.pages_for
         self.prefix_queried = self.prefix_hit = 0
-
-    def pages_for(self, tokens: int) -> int:
-        """Pages that hold ``tokens`` slots."""
-        return -(-int(tokens) // self.page_size)
 
     @property
     def free_pages(self) -> int:
