@@ -66,21 +66,24 @@ class RowLayouts:
         L = block.shape[0]
         return Fwd(model, block, self.row.positions(model, L), [KNOWN] * L, "bidirectional", step=step)
 
-    def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list, write: int = 0) -> Fwd:
+    def exact(self, model: str, ids: torch.Tensor, positions: Sequence[int], labels: list, write: int = 0,
+              hidden: int = 0) -> Fwd:
         """Exact verification forward of the layout ``ids (L,)``, ``positions`` and ``labels``
         (host; one copy per verified state, :func:`exact_layout`
         at :meth:`start`); a pending commit joins as the shared prefix (``grp = SHARED_GRP``)
         and is written. ``write``: the layout's first tokens also written after it (a proposed
         finished block's commit copy, :mod:`simsd.speculative.self_draft`; the caller rolls the
-        cache back if the block is not finished so). The logits are those of the rest."""
+        cache back if the block is not finished so); ``hidden``: the next tokens, neither written
+        nor given logits (other proposed finished blocks, seen by their next blocks only). The
+        logits are those of the rest."""
         prev = self.pending.pop(model, None)
+        P = 0 if prev is None else prev.shape[0]
+        first = P + write + hidden
+        logits = slice(first, None) if first else slice(None)
         if prev is None:
-            return Fwd(model, ids, positions, labels, "exact", num_write=write,
-                       logits=slice(write, None) if write else slice(None))
-        P = prev.shape[0]
+            return Fwd(model, ids, positions, labels, "exact", num_write=write, logits=logits)
         return Fwd(model, torch.cat([prev, ids]), list(self.row.positions(model, P)) + list(positions),
-                   [(KIND_KNOWN, 0, SHARED_GRP)] * P + labels, "exact", num_write=P + write,
-                   logits=slice(P + write, None))
+                   [(KIND_KNOWN, 0, SHARED_GRP)] * P + labels, "exact", num_write=P + write, logits=logits)
 
     def commit(self, model: str, block: torch.Tensor, fold: bool = False) -> Fwd | None:
         """Commit forward: the clean block's K/V are stored (no logits). ``fold``: defer it to

@@ -27,6 +27,7 @@ from ..decoding.layouts import exact_layout
 from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
 from ..decoding.step import Step
+from ..engine.host_sync import to_device
 from .tree import ProposalTree, masks_after, step_candidates, step_draws
 from .verification import tree_verdict
 from .verifiers import ExactVerifier, PaperVerifier, Verdict
@@ -178,14 +179,14 @@ class SelfDraft:
             depths.append(d)
             left.append(masks_after(left[at[p]], per_step[d - 1]) if known else None)
             kind.append(plan.kind[j])
-        finish = at.get(plan.finish) if plan.finish is not None else None
+        finishes = [at[f] for f in plan.finishes if f in at]
         if not known:
-            states, parent, depths, left, kind, finish = self._prune(states, parent, depths, kind, finish)
+            states, parent, depths, left, kind, finishes = self._prune(states, parent, depths, kind, finishes)
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
         return ProposalTree(torch.stack(states), parent, depths, [m > 0 for m in left], proposed, kind,
-                            finish if finish is not None and left[finish] == 0 else None, masks)
+                            tuple(f for f in finishes if left[f] == 0), masks)
 
-    def _prune(self, states: list, parent: list, depth: list, kind: list, finish) -> tuple:
+    def _prune(self, states: list, parent: list, depth: list, kind: list, finishes: list) -> tuple:
         """The nodes whose step revealed something and whose parent had MASK, from one host read
         of every node's MASK count (renumbered, parents kept before children)."""
         left = (torch.stack(states) == self.mask_id).sum(-1).tolist()
@@ -196,7 +197,8 @@ class SelfDraft:
                 new_index[j] = len(keep)
                 keep.append(j)
         return ([states[j] for j in keep], [-1] + [new_index[parent[j]] for j in keep[1:]],
-                [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep], new_index.get(finish))
+                [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep],
+                [new_index[f] for f in finishes if f in new_index])
 
     def observe(self, tree: ProposalTree, node: int) -> None:
         """Count a round's outcome for the width policy: ``node`` the deepest valid node of
@@ -213,15 +215,24 @@ class SelfExactVerifier(ExactVerifier):
     verify step returns its copies' logits, and the deepest valid node's copy's go to
     :attr:`draft`, which proposes up to ``spec.gamma`` (default: the block length) steps.
 
-    **Lookahead** (``rnd.lookahead``: the next block will be decoded): when the tree has a node
-    chosen to carry it (:attr:`~simsd.speculative.tree.ProposalTree.finish`, a finished block
-    ``F``), the forward also carries ``F`` as the
-    block's commit (written to the cache, seeing the cache and itself) and the next block, all
-    MASK, at the next positions, seeing the cache, ``F`` (its ancestor in the tree mask, as the
-    cache would hold it) and itself: its target step is the next block's first step, its logits
-    the next block's first proposals. Its noise is the next block's. When ``F`` is the deepest
-    valid node the block is finished and committed by this forward; otherwise the row rolls
-    the written ``F`` back (:class:`~simsd.speculative.spec_row.SpecRow`)."""
+    **Lookahead** (``rnd.lookahead``: the next block will be decoded): each node of the tree
+    chosen to carry one (:attr:`~simsd.speculative.tree.ProposalTree.finishes`, a finished block
+    ``F``) comes with two more copies: ``F`` as the block's commit (seeing the cache and itself)
+    and the next block, all MASK, at the next positions, seeing the cache, ``F`` (its ancestor in
+    the tree mask, as the cache would hold it) and itself: its target step is the next block's
+    first step, its logits the next block's first proposals. Its noise is the next block's. The
+    first ``F``'s commit copy is written to the cache: when it is the deepest valid node the
+    block is finished and committed by this forward; otherwise the row rolls it back
+    (:class:`~simsd.speculative.spec_row.SpecRow`), and when another ``F`` is the deepest valid
+    node the block is finished, the next block begun, and that ``F`` committed as any finished
+    block is (folded into the next forward with ``fold_commit``). Siblings differ, so at most one
+    ``F`` is valid.
+
+    Layout: ``[F_0 .. F_m-1 | the tree's copies (C) | N_0 .. N_m-1]`` (``N_i`` the next block under
+    ``F_i``; labels: the copies ``grp`` 0..C-1, ``F_i`` ``grp C + 2i`` with ``tau C + 2i + 1``,
+    ``N_i`` ``grp C + 2i + 1``: ``N_i`` sees ``F_i`` and no other ``F``, after it in the layout as
+    the cache would hold it, so that its keys come in vanilla's order); ``F_0`` written, logits of
+    the copies and the ``N_i``."""
 
     def __init__(self, cfg, spec, mask_id: int, seed: int, alternatives: int | None = None):
         super().__init__(cfg, spec, mask_id, seed)
@@ -231,41 +242,49 @@ class SelfExactVerifier(ExactVerifier):
 
     def request(self, layouts, rnd):
         tree = rnd.draft.tree()
-        leaf = tree.finish if rnd.lookahead else None
-        if leaf is None:
+        leaves = tree.finishes if rnd.lookahead else ()
+        if not leaves:
             return super().request(layouts, rnd)
         shape, copies, indices = self.tree_copies(tree, rnd)
-        rnd.layout = (tree, shape, leaf)
+        at = to_device(list(leaves), copies.device)
+        rnd.layout = (tree, shape, at)
         ids, positions, labels = exact_layout(copies, rnd.start)
-        keys = [self.key(rnd.start)] * len(indices)
-        L, C = copies.shape[1], copies.shape[0]
-        nxt = torch.full((L,), self.mask_id, dtype=copies.dtype, device=copies.device)
-        ids = torch.cat([tree.states[leaf], ids, nxt])
-        positions = list(range(rnd.start, rnd.start + L)) + list(positions) + list(range(rnd.start + L,
-                                                                                          rnd.start + 2 * L))
-        labels = [(KIND_KNOWN, C + 1, C)] * L + list(labels) + [(KIND_KNOWN, 0, C + 1)] * L  # F: grp C, sees
-        fwd = layouts.exact("target", ids, positions, labels, write=L)  # grp C + 1 (its subtree); next: C + 1
-        history = None  # the next block's copy counts the proposed finished block as output
+        L, C, m = copies.shape[1], copies.shape[0], len(leaves)
+        here, after = list(range(rnd.start, rnd.start + L)), list(range(rnd.start + L, rnd.start + 2 * L))
+        nxt = torch.full((m, L), self.mask_id, dtype=copies.dtype, device=copies.device)
+        finished = tree.states.index_select(0, at)
+        ids = torch.cat([finished.view(-1), ids, nxt.view(-1)])
+        positions = here * m + list(positions) + after * m
+        labels = ([(KIND_KNOWN, C + 2 * i + 1, C + 2 * i) for i in range(m) for _ in range(L)] + list(labels)
+                  + [(KIND_KNOWN, 0, C + 2 * i + 1) for i in range(m) for _ in range(L)])
+        fwd = layouts.exact("target", ids, positions, labels, write=L, hidden=(m - 1) * L)
+        history = None  # a next block's copy counts its proposed finished block as output
         if rnd.history is not None:
-            history = [rnd.history] * C + [rnd.history.after(tree.states[leaf])]
-        fwd.step = Step(torch.cat([copies, nxt[None]]), indices + [0], self.cfg, self.mask_id,
-                        keys + [self.key(rnd.start + L)], keep_logits=True, history=history)
+            history = [rnd.history] * C + [rnd.history.after(tree.states[f]) for f in leaves]
+        fwd.step = Step(torch.cat([copies, nxt]), indices + [0] * m, self.cfg, self.mask_id,
+                        [self.key(rnd.start)] * C + [self.key(rnd.start + L)] * m, keep_logits=True, history=history)
         return fwd
 
     def judge(self, rnd, out):
-        tree, shape, leaf = rnd.layout
+        tree, shape, leaves = rnd.layout
         mine, logits = out[0], out[3].view(-1, *out[3].shape[-2:])
         C = shape[0].shape[0]
         new, taken, accepted, node, valid = tree_verdict(mine[:C], tree.states, shape)
         copy = shape[4].index_select(0, node.view(1))[0]  # the valid node's copy (a finished one has none)
         lp = self.revealing_logits(logits[:C], tree, shape, node)
-        if leaf is None:
+        if leaves is None:
             self.draft.keep(logits, copy)
             return Verdict(new, taken, accepted, valid, node, logits=lp)
-        self.draft.keep(logits, torch.where(node == leaf, C, copy))  # finished as proposed: the next block's
-        # else the next block's first proposals, if this block ends without a lookahead
-        self.draft.upcoming = logits[C].clone()
-        return Verdict(new, taken, accepted, valid, node, mine[C], leaf, lp, None if lp is None else logits[C])
+        hit = node == leaves
+        ahead = C + hit.long().argmax()  # the valid finished block's next block (the first if none is)
+        self.draft.keep(logits, torch.where(hit.any(), ahead, copy))  # finished as proposed: the next block's
+        # else, for the next block's first proposals if this block ends without a lookahead: the
+        # next block under the proposed finished block nearest the new block (its tokens the most alike)
+        near = C + (tree.states.index_select(0, leaves) != new).sum(-1).argmin()
+        self.draft.upcoming = logits.index_select(0, near.view(1))[0]
+        nxt = mine.index_select(0, ahead.view(1))[0]
+        return Verdict(new, taken, accepted, valid, node, nxt, tree.finishes, lp,
+                       None if lp is None else logits.index_select(0, ahead.view(1))[0])
 
 
 class SelfPaperVerifier(PaperVerifier):

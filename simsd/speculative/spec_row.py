@@ -37,8 +37,10 @@ class Stats:
       the returned ones and those cut after a stop or the token budget;
     * ``rounds``, ``accepted_per_round`` = accepted / rounds, ``fallback_steps``, ``speculations``
       (optimistic drafts started), ``speculations_kept``;
-    * ``lookahead_blocks``: blocks finished as a self-speculative round proposed them, committed
-      by that round, which also took the next block's first step (no commit forward of their own).
+    * ``lookahead_blocks``: blocks finished as a self-speculative round proposed them, by a round
+      that also took the next block's first step; ``lookahead_commits``: those of them committed
+      by that round (the finished block it wrote: no commit forward of their own; the others
+      are committed as any finished block is).
 
     ``origins`` records, per decoded token, whether it came from the draft (True) or the
     target (False), so that the decoder can count the draft's share of the returned tokens.
@@ -49,7 +51,7 @@ class Stats:
         self.target_tokens = 0
         self.fallback_steps = 0
         self.speculations = self.speculations_kept = 0
-        self.lookahead_blocks = 0
+        self.lookahead_blocks = self.lookahead_commits = 0
         self.origins: list = []
 
     def as_dict(self) -> dict:
@@ -58,7 +60,8 @@ class Stats:
                 "target_tokens": self.target_tokens, "rounds": self.rounds,
                 "accepted_per_round": self.accepted / self.rounds if self.rounds else 0.0,
                 "fallback_steps": self.fallback_steps, "speculations": self.speculations,
-                "speculations_kept": self.speculations_kept, "lookahead_blocks": self.lookahead_blocks}
+                "speculations_kept": self.speculations_kept, "lookahead_blocks": self.lookahead_blocks,
+                "lookahead_commits": self.lookahead_commits}
 
 
 @dataclass
@@ -155,7 +158,9 @@ class SpecRow(RowProgram):
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
-        self.ahead = None  # (block, host, logits) of the next block after its first step, taken by a lookahead round
+        # (block, host, logits, committed) of the next block after its first step, taken by a
+        # lookahead round (committed: the finished block was written by that round)
+        self.ahead = None
         self.stats = Stats()
 
     def key(self, start: int, stream: int = SAMPLE, round_index: int = 0) -> NoiseKey:
@@ -177,7 +182,7 @@ class SpecRow(RowProgram):
         if ahead is None:
             return super().new_block(tail)
         # the last round took this block's first step (a lookahead round: its logits are kept)
-        block, host, logits = ahead
+        block, host, logits, _ = ahead
         self.mark([self.mask_id] * len(host), host)
         blk = BlockState(block, host, self.layouts.start("target"), 0, 1, lp=self.block_logprobs())
         if blk.lp is not None:  # the first step's tokens, revealed from the lookahead copy's logits
@@ -199,7 +204,7 @@ class SpecRow(RowProgram):
         proposes from the target's last verify logits instead, with no forward."""
         draft = self.take(blk)
         # self-speculation may take the next block's first step in this round (a lookahead round)
-        lookahead = self.dec.self_draft and self.mode == "exact" and not blk.first and \
+        lookahead = self.dec.self_draft and self.mode == "exact" and \
             len(self.generated) + self.cfg.block_length < self.cfg.max_new_tokens
         if draft is None and self.dec.self_draft and self.mode == "paper":
             draft = self.verifier.draft.chain(blk.block, blk.step, blk.host.count(self.mask_id), self.key(blk.start),
@@ -260,8 +265,11 @@ class SpecRow(RowProgram):
         speculation committed it already. Folded commits are not combined with optimistic
         drafting (its rollback assumes explicit draft commits)."""
         fold = self.cfg.fold_commit and not self.optimistic
-        if self.ahead is not None:
+        if self.ahead is not None and self.ahead[3]:
             return  # a lookahead round committed it (self-speculation: no draft cache)
+        fwd = self.layouts.flush("target")  # the last block's folded commit, when a lookahead began and
+        if fwd is not None:  # finished this one with no forward of its own
+            yield fwd
         fwd = self.layouts.commit("target", blk.block, fold=fold)
         if fwd is not None:
             yield fwd
@@ -340,11 +348,14 @@ class SpecRow(RowProgram):
             accepted = {i for i in range(L) if valid[i] != rnd.host[i]}
             if self.dec.self_draft:
                 self.verifier.draft.observe(tree, node)
-            if ahead and node == verdict.finished:  # finished as proposed: committed, the next block begun
-                self.ahead = (verdict.next, nxt, verdict.next_logits)
-                self.stats.lookahead_blocks += 1
-            elif ahead:  # the proposed finished block was written to the cache: roll it back
-                self.row.truncate("target", self.row.cached["target"] - L)
+            if ahead:
+                written = node == verdict.finished[0]
+                if not written:  # the first proposed finished block was written to the cache: roll it back
+                    self.row.truncate("target", self.row.cached["target"] - L)
+                if node in verdict.finished:  # finished as proposed: the next block begun
+                    self.ahead = (verdict.next, nxt, verdict.next_logits, written)
+                    self.stats.lookahead_blocks += 1
+                    self.stats.lookahead_commits += written
         else:
             draft = rnd.draft
             host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)

@@ -45,9 +45,10 @@ class ProposalTree:
     copies: list
     proposed: object
     kind: list | None = None
-    #: the filled node that carries a lookahead (the block's commit and the next block's first
-    #: step, :class:`~simsd.speculative.self_draft.SelfExactVerifier`), or None
-    finish: int | None = None
+    #: the filled nodes that carry a lookahead each (the block's commit and the next block's
+    #: first step, :class:`~simsd.speculative.self_draft.SelfExactVerifier`), the first one's
+    #: commit written by the forward
+    finishes: tuple = ()
     #: the MASK count of the round's block (a host int), or None
     masks: int | None = None
 

@@ -67,8 +67,9 @@ class Verdict(NamedTuple):
     ``valid (L,)``, the deepest valid proposed state (the accepted tokens are where it differs
     from the round's block) and ``node``, its node in the round's proposal tree; a lookahead
     round (:class:`~simsd.speculative.self_draft.SelfExactVerifier`) gives ``next (L,)``, the
-    next block after its first step under the proposed finished block (``finished``: that
-    block's node; it stands when ``node`` is it). With log-probabilities asked for
+    next block after its first step under the proposed finished block that ``node`` is
+    (``finished``: the nodes of the proposed finished blocks, the first one's commit written by
+    the forward; ``next`` stands when ``node`` is one of them, else it is the first one's). With log-probabilities asked for
     (``DecodeConfig.logprobs``; None otherwise): ``logits (L, V)``, row ``i`` the target logits
     that revealed position ``i`` when it is revealed this round (MASK excluded;
     :mod:`simsd.decoding.logprobs`), and ``next_logits (L, V)``, those of ``next``."""
@@ -78,7 +79,7 @@ class Verdict(NamedTuple):
     valid: torch.Tensor | None = None
     node: torch.Tensor | None = None
     next: torch.Tensor | None = None
-    finished: int | None = None
+    finished: tuple = ()
     logits: torch.Tensor | None = None
     next_logits: torch.Tensor | None = None
 

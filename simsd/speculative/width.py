@@ -15,8 +15,9 @@ cost more than the steps it saves. :class:`WidthPolicy` grows every round's tree
 * **expected steps** of a tree: the round's own step plus the value of every node with MASK
   left (a valid node is one step accepted; a node that fills the block saves nothing, because
   the target's step on its parent would have filled it in the same forward), plus, when the
-  round may take the next block's first step (a *lookahead*), the value of the one filled node
-  that carries the commit and the next block (two copies);
+  round may take the next block's first step (a *lookahead*), the value of every filled node
+  that carries the block's commit and the next block (two copies each: siblings are exclusive,
+  so at most one of them is the target's and the values add up);
 * best first: each addition is the candidate node (a child of the tree's nodes, of a kind that
   applies) with the most value per copy; children of alternatives are grown as well as the
   primary's, so a step the primary got wrong can still be followed by accepted steps;
@@ -34,7 +35,7 @@ copy only fall as the tree grows, so the first that does not pay ends it).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config.speculative import MAX_ALTERNATIVES
 from .tree import applies, masks_after
@@ -57,11 +58,12 @@ def auto_copies(gamma: int) -> int:
 class TreePlan:
     """A round's tree shape, parents before children: node ``j`` is the ``kind[j]`` candidate of
     node ``parent[j]``'s step, at ``depth[j]`` (node 0: the round's block, parent -1, kind 0,
-    depth 0); ``finish``: the filled node that carries the lookahead, or None."""
+    depth 0); ``finishes``: the filled nodes that carry a lookahead, in the order they were added
+    (the first one's commit copy is written by the forward)."""
     parent: list
     kind: list
     depth: list
-    finish: int | None = None
+    finishes: list = field(default_factory=list)
 
     @classmethod
     def chain(cls, depth: int) -> "TreePlan":
@@ -110,7 +112,7 @@ class WidthPolicy:
         counts depend on the data); ``positional``: the strategy picks positions by confidence
         (the position alternatives apply); ``rows``: the rows sharing the forward, for the cost
         share; ``lookahead``: a filled node may carry the block's commit and the next block's
-        first step (two more copies)."""
+        first step (two more copies each)."""
         cap = auto_copies(self.gamma) + 2 * lookahead if self.width == "auto" else int(self.width)
         rates = [self.rates(masks, d) for d in range(1, self.gamma + 1)]
         plan = TreePlan([-1], [0], [0])
@@ -135,7 +137,7 @@ class WidthPolicy:
         copies, steps = 1, 1.0
         while heap:
             gain, _, j, k, cost, rest = heapq.heappop(heap)
-            if copies + cost > cap or (cost == 2 and plan.finish is not None):
+            if copies + cost > cap:
                 continue
             if self.width == "auto" and (steps - gain * cost) / self.seconds(copies + cost, rows) <= \
                     steps / self.seconds(copies, rows) * (1 + 1e-9):
@@ -147,7 +149,7 @@ class WidthPolicy:
             left.append(rest)
             value.append(value[j] * rates[d - 1][k])
             if cost == 2:
-                plan.finish = len(plan.parent) - 1
+                plan.finishes.append(len(plan.parent) - 1)
             copies, steps = copies + cost, steps - gain * cost
             offer(len(plan.parent) - 1)
         return plan

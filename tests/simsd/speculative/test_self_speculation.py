@@ -30,7 +30,7 @@ WIDTH = 7
 
 
 def spec(**kw):
-    return SpecConfig(mode="exact", speculation_width=WIDTH, **kw)
+    return SpecConfig(**{"mode": "exact", "speculation_width": WIDTH, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_self_speculation_equals_vanilla(target, strategy, T):
         for r in (got, full):  # every target forward is a round or a commit (each block but the last,
             assert r.stats["draft_forwards"] == 0  # unless a lookahead round committed it)
             st = r.stats
-            assert st["target_forwards"] == st["rounds"] + st["blocks"] - 1 - st["lookahead_blocks"]
+            assert st["target_forwards"] == st["rounds"] + st["blocks"] - 1 - st["lookahead_commits"]
         lookaheads += got.stats["lookahead_blocks"]
         accepted += full.stats["accepted"]
         proposed += full.stats["proposed"]
@@ -281,22 +281,42 @@ def test_paper_mode_verifies_the_targets_previous_predictions(target, T):
 
 
 def test_lookahead_commits_or_rolls_back(target, monkeypatch):
-    """A lookahead round writes its proposed finished block and takes the next block's first
-    step: kept when the block finished so (``lookahead_blocks``), rolled back otherwise; both
-    happen here, greedy and sampled, folded commits or not, and the tokens stay vanilla's."""
+    """A lookahead round writes its first proposed finished block and takes the next block's first
+    step under each: kept when the block finished so (``lookahead_commits``), rolled back
+    otherwise, and when another proposed finished block was the target's the next block is begun
+    and that block committed as any other (``lookahead_blocks`` counts both); all of it happens
+    here, greedy and sampled, folded commits or not, and the tokens stay vanilla's."""
     from simsd.engine.batching import Row
     rollbacks = []
     real = Row.truncate
     monkeypatch.setattr(Row, "truncate", lambda self, model, n: (rollbacks.append(model), real(self, model, n))[1])
-    kept = 0
     for fold in (False, True):
+        written = other = 0
         for T in (0.0, 1.0):
-            cfg = cfg_for("static", T, seed=1, fold_commit=fold, max_new_tokens=32)
-            got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec())
+            cfg = cfg_for("static", T, seed=1, fold_commit=fold, max_new_tokens=48)
+            got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec(speculation_width=24))
             for i, p in enumerate(PROMPTS):
                 assert got.results[i].token_ids == vanilla_ids(target, p, dataclasses.replace(cfg, seed=1 + i))
-            kept += sum(r.stats["lookahead_blocks"] for r in got.results)
-    assert kept > 0 and rollbacks and set(rollbacks) == {"target"}
+            written += sum(r.stats["lookahead_commits"] for r in got.results)
+            other += sum(r.stats["lookahead_blocks"] - r.stats["lookahead_commits"] for r in got.results)
+        assert written > 0 and other > 0, (fold, written, other)
+    assert rollbacks and set(rollbacks) == {"target"}
+
+
+def test_a_block_filled_by_its_lookahead_step_after_an_unwritten_finish(target, monkeypatch):
+    """A lookahead's next block can be finished by its first step (here: the entropy strategy with
+    a bound that reveals a whole block at once). When the finished block the round took was not
+    the one it wrote, that block's folded commit is still pending: it goes first, as a forward of
+    its own, then the next block's (they cannot share one). Vanilla's tokens."""
+    from simsd.decoding.layouts import RowLayouts
+    flushed = []
+    real = RowLayouts.flush
+    monkeypatch.setattr(RowLayouts, "flush", lambda self, model: flushed.append(real(self, model)) or flushed[-1])
+    cfg = dataclasses.replace(cfg_for("entropy", 0.0, seed=3, fold_commit=True, max_new_tokens=48), threshold=3.0)
+    got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec(speculation_width=24))
+    for i, p in enumerate(PROMPTS):
+        assert got.results[i].token_ids == vanilla_ids(target, p, dataclasses.replace(cfg, seed=3 + i))
+    assert any(f is not None for f in flushed)
 
 
 def test_a_block_without_a_lookahead_proposes_from_the_rolled_back_one():

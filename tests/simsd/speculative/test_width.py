@@ -33,11 +33,11 @@ def with_rates(policy, *levels, masks=(1, 2, 3, 4)):
 
 
 def copies(plan, masks, per_step=ONE):
-    """Block copies of a plan: the root, every node with MASK left, two for the lookahead node."""
+    """Block copies of a plan: the root, every node with MASK left, two for each lookahead node."""
     left = [masks]
     for j in range(1, len(plan.parent)):
         left.append(left[plan.parent[j]] - min(per_step[plan.depth[j] - 1], left[plan.parent[j]]))
-    return 1 + sum(1 for j in range(1, len(left)) if left[j]) + (2 if plan.finish is not None else 0), left
+    return 1 + sum(1 for j in range(1, len(left)) if left[j]) + 2 * len(plan.finishes), left
 
 
 def test_best_first_by_hand():
@@ -51,7 +51,7 @@ def test_best_first_by_hand():
     policy.width = 5
     plan = policy.plan(4, ONE, positional=True)
     assert (plan.parent, plan.kind, plan.depth) == ([-1, 0, 0, 1, 2], [0, 0, 1, 0, 0], [0, 1, 1, 2, 2])
-    assert plan.finish is None
+    assert plan.finishes == []
 
 
 def test_a_cap_is_respected_and_no_filled_node_without_a_lookahead():
@@ -60,7 +60,7 @@ def test_a_cap_is_respected_and_no_filled_node_without_a_lookahead():
             plan = WidthPolicy(cap, 4, 4).plan(masks, ONE, positional=True)
             n, left = copies(plan, masks)
             assert n <= cap, (cap, masks)
-            assert all(left[1:]) and plan.finish is None  # a filled node saves no step here
+            assert all(left[1:]) and plan.finishes == []  # a filled node saves no step here
             assert all(plan.parent[j] < j for j in range(1, len(plan.parent)))
     assert WidthPolicy(1, 4, 4).plan(4, ONE, positional=True).parent == [-1]  # the round's own step only
 
@@ -69,12 +69,30 @@ def test_a_lookahead_node_costs_two_copies_within_the_cap():
     # 1 MASK: the only useful node is one that fills the block and carries the lookahead
     assert WidthPolicy(2, 4, 4).plan(1, ONE, positional=True, lookahead=True).parent == [-1]  # 3 copies needed
     plan = WidthPolicy(3, 4, 4).plan(1, ONE, positional=True, lookahead=True)
-    assert plan.parent == [-1, 0] and plan.finish == 1 and copies(plan, 1)[0] == 3
+    assert plan.parent == [-1, 0] and plan.finishes == [1] and copies(plan, 1)[0] == 3
     for cap in range(4, 14):  # 2 MASK: a step, then the filled node (with the prior, worth more than siblings)
         plan = WidthPolicy(cap, 4, 4).plan(2, ONE, positional=True, lookahead=True)
         n, left = copies(plan, 2)
-        assert n <= cap and plan.finish is not None and left[plan.finish] == 0
-        assert [j for j in range(1, len(left)) if left[j] == 0] == [plan.finish]  # one filled node, at most
+        assert n <= cap and plan.finishes and all(left[f] == 0 for f in plan.finishes)
+        assert [j for j in range(1, len(left)) if left[j] == 0] == plan.finishes  # each filled node carries one
+
+
+def test_several_finished_blocks_each_carry_a_lookahead():
+    # 1 MASK: the finishing step's candidates (the primary, the runner-up tokens) are siblings that
+    # fill the block; each is worth its rate, and each takes two copies (its commit, the next block)
+    policy = with_rates(WidthPolicy(7, 4, 4), [0.5, 0.0, 0.2, 0.0, 0.0, 0.1])
+    plan = policy.plan(1, ONE, positional=True, lookahead=True)
+    assert plan.parent == [-1, 0, 0, 0] and plan.kind == [0, 0, 2, 5] and plan.finishes == [1, 2, 3]
+    assert copies(plan, 1)[0] == 7
+    policy.width = 6  # the third does not fit
+    assert policy.plan(1, ONE, positional=True, lookahead=True).finishes == [1, 2]
+    # 2 MASK: filled nodes under both of the first step's candidates, best first
+    policy = with_rates(WidthPolicy(40, 4, 4), [0.6, 0.3], [0.8, 0.0, 0.1])
+    plan = policy.plan(2, ONE, positional=True, lookahead=True)
+    n, left = copies(plan, 2)
+    assert n <= 40 and {plan.parent[f] for f in plan.finishes} == {1, 2}
+    value = {f: [0.6, 0.3][plan.kind[plan.parent[f]]] * [0.8, 0.0, 0.1][plan.kind[f]] for f in plan.finishes}
+    assert [value[f] for f in plan.finishes] == sorted(value.values(), reverse=True)  # the first is written
 
 
 def test_kinds_that_do_not_apply_are_not_planned():
@@ -88,7 +106,7 @@ def test_kinds_that_do_not_apply_are_not_planned():
     first = [ALTERNATIVES[k - 1] if k else (0, 0) for j, k in enumerate(plan.kind) if plan.depth[j] == 1]
     second = [ALTERNATIVES[k - 1] if k else (0, 0) for j, k in enumerate(plan.kind) if plan.depth[j] == 2]
     assert (1, 0) in first and all(skip < 2 for skip, _ in first)  # 2 MASK: one position may be left out
-    assert second == [] and plan.finish is None  # a second step fills the block: no lookahead asked
+    assert second == [] and plan.finishes == []  # a second step fills the block: no lookahead asked
     plan = WidthPolicy(40, 4, 4).plan(3, ONE, positional=True)
     assert all(ALTERNATIVES[k - 1][0] < 2 for j, k in enumerate(plan.kind) if k and plan.depth[j] == 2)  # 2 MASK
 
