@@ -28,6 +28,7 @@ from ..decoding.noise import NoiseKey, step_noise
 from ..decoding.sampling import filtered_probs
 from ..decoding.step import Step
 from ..engine.host_sync import to_device
+from .ngram import NgramIndex
 from .tree import ProposalTree, masks_after, step_candidates, step_draws
 from .verification import tree_verdict
 from .verifiers import ExactVerifier, PaperVerifier, Verdict
@@ -54,6 +55,9 @@ class SelfDraft:
     and the target did not take (a block one token away, most often: its predictions of the
     next block are proposals like any other), for the next block's first round. ``policy``: the
     :class:`~simsd.speculative.width.WidthPolicy` (its ``cost`` set by the row: the engine's).
+    ``ngram``: the row's :class:`~simsd.speculative.ngram.NgramIndex` (its history, fed by the row),
+    whose predictions are proposed beside the logits' (the ``NGRAM`` kinds of
+    :data:`~simsd.config.speculative.ALTERNATIVES`).
     """
 
     def __init__(self, cfg, mask_id: int, gamma: int, width="auto", alternatives: int | None = None):
@@ -61,6 +65,7 @@ class SelfDraft:
         self.policy = WidthPolicy(width, gamma, cfg.block_length)
         self.logits: torch.Tensor | None = None
         self.upcoming: torch.Tensor | None = None
+        self.ngram = NgramIndex()
 
     def keep(self, logits: torch.Tensor, copy: torch.Tensor) -> None:
         """Keep the logits of one verify copy: ``logits (C, L, V)`` of a verify forward's copies,
@@ -76,7 +81,7 @@ class SelfDraft:
         self.upcoming = None
 
     def propose(self, block: torch.Tensor, block_step: int, masks: int, key: NoiseKey,
-                lookahead: bool = False) -> ProposalTree:
+                lookahead: bool = False, host: list | None = None) -> ProposalTree:
         """The proposal tree of the round starting at ``block (L,)`` after ``block_step`` steps
         with ``masks`` MASK left: up to ``gamma`` steps deep (a node at depth ``d`` is step
         ``block_step + d`` applied to its parent's state from the kept logits with that step's
@@ -86,18 +91,22 @@ class SelfDraft:
         block's first step, two more copies). Without kept logits the tree is the block alone.
         The ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: the nodes' MASK
         counts are read in one host read after the tree is grown, and nodes that reveal nothing
-        or hang below a full state are dropped."""
+        or hang below a full state are dropped. ``host``: the block on the host, for the history's
+        predictions (:attr:`ngram`, fed by the row: :meth:`~simsd.speculative.ngram.NgramIndex.follow`;
+        None: none)."""
         logits, self.logits = self.logits, None
         if logits is None or masks == 0:
             return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0], masks=masks)
         per_step = self.per_step(block_step)
+        fill = None if host is None else self.ngram.fill(host, self.mask_id)
+        fill = None if fill is None or fill == host else to_device(fill, block.device)
         if self.alternatives is None:
             plan = self.policy.plan(masks, per_step, self.cfg.strategy in ("static", "dynamic"), self.policy.rows(),
-                                    lookahead)
+                                    lookahead, fill is not None)
         else:
             plan = self.fixed_plan(masks, per_step)
         started = time.perf_counter()
-        tree = self._grow(logits, block, block_step, masks, key, plan, per_step)
+        tree = self._grow(logits, block, block_step, masks, key, plan, per_step, fill)
         self.policy.proposing(time.perf_counter() - started, tree.nodes - 1)
         return tree
 
@@ -147,9 +156,10 @@ class SelfDraft:
         return [self.cfg.tokens_for_step(block_step + d) if known else 1 for d in range(self.gamma)]
 
     def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey, plan: TreePlan,
-              per_step: list) -> ProposalTree:
+              per_step: list, fill: torch.Tensor | None = None) -> ProposalTree:
         """The tree of ``plan``: each node's state is its kind's candidate of its parent's step
-        (the candidates of one parent drawn together, each step's draws once)."""
+        (the candidates of one parent drawn together, each step's draws once; ``fill (L,)``: the
+        history's predictions, or None)."""
         cfg = self.cfg
         known = cfg.strategy in ("sequential", "static")
         states, parent, depths, left, kind = [block], [-1], [0], [masks], [0]
@@ -168,7 +178,7 @@ class SelfDraft:
                 noise, drawn = draws[d]
                 wanted = [plan.kind[c] for c in range(j, len(plan.parent)) if plan.parent[c] == p]
                 cands, kinds = step_candidates(logits, states[at[p]], self.mask_id, cfg, index, noise, wanted,
-                                               left[at[p]] if known else None, draws=drawn)
+                                               left[at[p]] if known else None, draws=drawn, fill=fill)
                 children[p] = dict(zip(kinds, cands))
             state = children[p].get(plan.kind[j])
             if state is None:

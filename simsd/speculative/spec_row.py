@@ -15,7 +15,7 @@ import torch
 
 from simsd_kernels import TAU_INF
 
-from ..config.speculative import MAX_ALTERNATIVES
+from ..config.speculative import LOGIT_ALTERNATIVES
 from ..decoding.noise import PAPER_DRAFT, SAMPLE, NoiseKey
 from ..decoding.program import BlockState, RowProgram
 from ..decoding.step import Step
@@ -154,7 +154,7 @@ class SpecRow(RowProgram):
         width = plan.spec.speculation_width
         if not dec.self_draft and width != "auto" and isinstance(self.verifier, ExactVerifier) and \
                 plan.draft_cfg.strategy in ("sequential", "static"):
-            self.alternatives = min(MAX_ALTERNATIVES, max(0, (int(width) - plan.gamma - 1) // plan.gamma))
+            self.alternatives = min(LOGIT_ALTERNATIVES, max(0, (int(width) - plan.gamma - 1) // plan.gamma))
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
@@ -213,8 +213,10 @@ class SpecRow(RowProgram):
                 yield from self.self_step(blk)
                 return
         elif draft is None and self.dec.self_draft:
-            draft = self.verifier.draft.propose(blk.block, blk.step, blk.host.count(self.mask_id),
-                                                self.key(blk.start), lookahead)
+            own = self.verifier.draft
+            own.ngram.follow(self.row.prompt, self.generated, blk.first)
+            draft = own.propose(blk.block, blk.step, blk.host.count(self.mask_id), self.key(blk.start), lookahead,
+                                blk.host)
         elif draft is None:
             masks = blk.host.count(self.mask_id)
             draft = (yield from self.propose(blk.block, blk.step, masks, blk.start, self.round_index, self.history))

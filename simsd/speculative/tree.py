@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.speculative import ALTERNATIVES
+from ..config.speculative import ALTERNATIVES, NGRAM
 from ..decoding.sampling import filtered_probs, sample
 from ..decoding.step import tokens_to_reveal, without_mask_token_
 from ..decoding.strategies import select_positions
@@ -104,12 +104,13 @@ def tree_constants(parent: tuple, depth: tuple, copies: tuple, device: torch.dev
     return copy_index, parent_t, depth_t, copies_t, rank_t, path_t.view(N, N).bool()
 
 
-def applies(kind: int, positional: bool, masks: int | None) -> bool:
+def applies(kind: int, positional: bool, masks: int | None, ngram: bool = False) -> bool:
     """Whether a candidate of ``kind`` exists on a state with ``masks`` MASK (None: unknown): an
     alternative that leaves ``skip`` positions out needs a positional strategy and ``skip + 1``
-    MASK (:func:`step_candidates`)."""
-    skip = ALTERNATIVES[kind - 1][0] if kind else 0
-    return not skip or (positional and (masks is None or masks > skip))
+    MASK; one of the history's tokens needs its predictions (``ngram``: the round has some,
+    :func:`step_candidates`)."""
+    skip, rank = ALTERNATIVES[kind - 1] if kind else (0, 0)
+    return (not skip or (positional and (masks is None or masks > skip))) and (rank != NGRAM or ngram)
 
 
 def masks_after(masks: int, reveals: int) -> int:
@@ -130,7 +131,8 @@ def step_draws(logits: torch.Tensor, mask_id: int, cfg, noise) -> tuple:
 
 
 def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg, index: int, noise,
-                    kinds, masks: int | None, primary: tuple | None = None, draws: tuple | None = None) -> tuple:
+                    kinds, masks: int | None, primary: tuple | None = None, draws: tuple | None = None,
+                    fill: torch.Tensor | None = None) -> tuple:
     """The outcomes of one denoising step on ``state (L,)`` from ``logits (L, V)`` (MASK made
     impossible in place) proposed as siblings, each of a *kind*: 0 the step as the strategy
     takes it (step ``index`` of the schedule, ``noise`` its keyed draws, None when greedy),
@@ -142,7 +144,11 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
       most confident ones; the strategy's choice without them;
     * the ``rank``-th next most likely token at the most confident revealed position (every
       strategy): greedy, by logit; sampling, by arrival in the exponential race under the step's
-      noise (the same draw), the token already there left out.
+      noise (the same draw), the token already there left out;
+    * (``rank`` :data:`~simsd.config.speculative.NGRAM`) at every revealed position the token
+      ``fill (L,)`` predicts there (the row's history, :meth:`~simsd.speculative.ngram.NgramIndex.fill`;
+      MASK: no prediction, the logits' token kept). Such a state may equal a sibling (when the
+      history predicts the logits' token): it is then never the valid one of the two.
 
     ``kinds``: the kinds wanted, in order (those that do not apply,
     :func:`applies`, are left out). ``primary``: ``(new_state,
@@ -165,7 +171,7 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
     top = None
     states, out = [], []
     for kind in kinds:
-        if not applies(kind, positional, masks):
+        if not applies(kind, positional, masks, fill is not None):
             continue
         skip, rank = ALTERNATIVES[kind - 1] if kind else (0, 0)
         new, revealed = primary
@@ -176,7 +182,9 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
             drop = torch.cat([top, conf.masked_fill(~rest, float("-inf")).topk(skip - 1).indices])
             revealed = select_positions(cfg.strategy, rest.index_fill(0, drop, False), conf, ent, k, cfg.threshold)
             new = torch.where(revealed, tokens, state)
-        if rank:
+        if rank == NGRAM:
+            new = torch.where(revealed & (fill != mask_id), fill, new)
+        elif rank:
             at = conf.masked_fill(~revealed, float("-inf")).argmax().view(1)  # its most confident revealed position
             scores = logits[at[0]].float() if greedy else filtered_probs(logits[at[0]], cfg.sampling) / noise[at[0]]
             scores = scores.index_fill(0, new[at], float("-inf"))  # the token there now: not again

@@ -69,9 +69,9 @@ class Verdict(NamedTuple):
     round (:class:`~simsd.speculative.self_draft.SelfExactVerifier`) gives ``next (L,)``, the
     next block after its first step under the proposed finished block that ``node`` is
     (``finished``: the nodes of the proposed finished blocks, the first one's commit written by
-    the forward; ``next`` stands when ``node`` is one of them, else it is the first one's). With log-probabilities asked for
-    (``DecodeConfig.logprobs``; None otherwise): ``logits (L, V)``, row ``i`` the target logits
-    that revealed position ``i`` when it is revealed this round (MASK excluded;
+    the forward; ``next`` stands when ``node`` is one of them, else it is the first one's). With
+    log-probabilities asked for (``DecodeConfig.logprobs``; None otherwise): ``logits (L, V)``,
+    row ``i`` the target logits that revealed position ``i`` when it is revealed this round (MASK excluded;
     :mod:`simsd.decoding.logprobs`), and ``next_logits (L, V)``, those of ``next``."""
     block: torch.Tensor
     taken: torch.Tensor

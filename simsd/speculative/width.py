@@ -42,9 +42,13 @@ from .tree import applies, masks_after
 
 #: prior pseudo-counts (successes, trials) of a node of each kind (the primary proposal, then
 #: :data:`~simsd.config.speculative.ALTERNATIVES` in order) being its parent's target step, the
-#: same at every depth: the measured shares of the bundled target's next steps predicted from
-#: one-step-old logits (46%, 9.3%, 8.7%, 4.1%, 3.9%, 2.8%), weighted as two trials
-PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0))
+#: same at every depth, weighted as two trials: the measured shares of the bundled target's next
+#: steps predicted from one-step-old logits (46%, 9.3%, 8.7%, 4.1%, 3.9%, 2.8%), then the
+#: history's predictions at the primary's positions and the skipped ones (of the depth-1 steps
+#: that no logits candidate held, about one in three had its token predicted by the history: a
+#: guess of 10%, 5%, 3% of all; the row's own counts take over)
+PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0), (0.2, 2.0), (0.1, 2.0),
+         (0.06, 2.0))
 
 
 def auto_copies(gamma: int) -> int:
@@ -106,13 +110,15 @@ class WidthPolicy:
         valid."""
         return [s / t for s, t in self.counts(masks, depth)]
 
-    def plan(self, masks: int, per_step: list, positional: bool, rows: int = 1, lookahead: bool = False) -> TreePlan:
+    def plan(self, masks: int, per_step: list, positional: bool, rows: int = 1, lookahead: bool = False,
+             ngram: bool = False) -> TreePlan:
         """The next round's tree on a block with ``masks`` MASK left (module doc): ``per_step`` the
         tokens each of the next steps reveals (the schedule's; estimates where the strategy's
         counts depend on the data); ``positional``: the strategy picks positions by confidence
         (the position alternatives apply); ``rows``: the rows sharing the forward, for the cost
         share; ``lookahead``: a filled node may carry the block's commit and the next block's
-        first step (two more copies each)."""
+        first step (two more copies each); ``ngram``: the row's history predicts some of the block's
+        MASK positions (its kinds apply)."""
         cap = auto_copies(self.gamma) + 2 * lookahead if self.width == "auto" else int(self.width)
         rates = [self.rates(masks, d) for d in range(1, self.gamma + 1)]
         plan = TreePlan([-1], [0], [0])
@@ -128,7 +134,7 @@ class WidthPolicy:
             if rest == 0 and not lookahead:
                 return  # a filled node saves no step without a lookahead
             for k in range(1 + MAX_ALTERNATIVES):
-                if applies(k, positional, left[j]) and rates[d - 1][k] > 0:
+                if applies(k, positional, left[j], ngram) and rates[d - 1][k] > 0:
                     copies = 1 if rest else 2
                     heapq.heappush(heap, (-value[j] * rates[d - 1][k] / copies, order, j, k, copies, rest))
                     order += 1

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from simsd import DecodeConfig, SamplingParams
+from simsd.config.speculative import ALTERNATIVES, NGRAM
 from simsd.config.vocabulary import ParamError
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.speculative import SpecConfig, SpeculativeDecoder, speculative_generate, speculative_generate_batch
@@ -230,6 +231,48 @@ def test_alternatives_save_target_forwards_on_the_bundled_target():
             [r.token_ids for r in vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
                                                           target.stop_ids).results]
     assert forwards[1] < forwards[0], forwards
+
+
+@pytest.mark.parametrize("T", [0.0, 1.0])
+def test_history_predictions_save_target_forwards_on_the_bundled_target(T):
+    """The row's history's predictions (prompt lookup, the NGRAM kinds) beside the logits': the
+    bundled target repeats itself, and greedy, proposals of its history's tokens are the target's
+    steps (valid nodes of those kinds), with fewer target forwards than without them; sampled,
+    they are proposed. Vanilla's tokens either way."""
+    from simsd.entrypoints.prompts import load_prompts
+    from simsd.speculative.ngram import NgramIndex
+    from simsd.speculative.self_draft import SelfDraft
+    target, _ = bundled_pair("float32")
+    tok = target.tokenizer
+    prompts = [tok(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts("bundled")[:4]]
+    cfg = DecodeConfig(block_length=4, max_new_tokens=48, fold_commit=True, seed=5,
+                       sampling=SamplingParams(temperature=T))
+    want = [r.token_ids for r in vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
+                                                        target.stop_ids).results]
+    forwards, kinds = [], {"proposed": [], "valid": []}
+    real = SelfDraft.observe
+
+    def observe(self, tree, node):
+        kinds["proposed"] += [ALTERNATIVES[k - 1] for k in tree.kind[1:] if k]
+        j = node
+        while j > 0:
+            kinds["valid"].append(ALTERNATIVES[tree.kind[j] - 1] if tree.kind[j] else (0, 0))
+            j = tree.parent[j]
+        real(self, tree, node)
+    for history in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(SelfDraft, "observe", observe)
+            if not history:
+                mp.setattr(NgramIndex, "fill", lambda self, block, mask_id: list(block))
+            out = speculative_generate_batch(target, "self", prompts, cfg, spec(speculation_width=24))
+        assert [r.token_ids for r in out.results] == want
+        forwards.append(sum(r.stats["target_forwards"] for r in out.results))
+        assert any(rank == NGRAM for _, rank in kinds["proposed"]) == history
+        if T == 0.0:
+            assert any(rank == NGRAM for _, rank in kinds["valid"]) == history
+        kinds = {"proposed": [], "valid": []}
+    if T == 0.0:
+        assert forwards[0] < forwards[1], forwards
 
 
 def test_self_speculation_on_the_triton_kernels():

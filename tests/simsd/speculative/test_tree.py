@@ -3,6 +3,7 @@ constants the verdict reads."""
 import torch
 
 from simsd import DecodeConfig, SamplingParams
+from simsd.config.speculative import ALTERNATIVES, NGRAM
 from simsd.speculative.tree import ProposalTree, step_candidates, step_draws
 
 M = 9  # MASK (vocabulary of 10)
@@ -61,6 +62,27 @@ def test_every_alternative_by_hand():
     draws = step_draws(logits.clone(), M, cfg, None)
     out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, [4, 1], masks=3, draws=draws)
     assert [s.tolist() for s in out] == [[M, 4, M, 6], [1, 4, M, M]] and kinds == [4, 1]
+
+
+def test_history_alternatives_by_hand():
+    """The NGRAM kinds (6, 7, 8 of ALTERNATIVES): the positions the (1 + skip)-th logits kind
+    reveals, each given the history's prediction there (``fill``; MASK: none, the logits' token
+    kept). On the state above: (0, NGRAM) position 2 := 6; (1, NGRAM) position 0 := 7; (2,
+    NGRAM) position 3, unpredicted: the logits' 6, the same state as (2, 0). Without a fill they do
+    not apply."""
+    state = torch.tensor([M, 4, M, M])
+    logits = logits_for([{1: 5.0, 2: 4.5}, {4: 9.0}, {3: 9.0, 5: 8.0, 8: 7.0}, {6: 1.0, 7: 0.9}])
+    cfg = DecodeConfig(block_length=4, strategy="static")
+    fill = torch.tensor([7, 4, 6, M])
+    assert [ALTERNATIVES[k - 1] for k in (6, 7, 8)] == [(0, NGRAM), (1, NGRAM), (2, NGRAM)]
+    out, kinds = step_candidates(logits.clone(), state, M, cfg, 1, None, [6, 7, 8, 4], masks=3, fill=fill)
+    assert [s.tolist() for s in out] == [[M, 4, 6, M], [7, 4, M, M], [M, 4, M, 6], [M, 4, M, 6]]
+    assert kinds == [6, 7, 8, 4]
+    assert step_candidates(logits.clone(), state, M, cfg, 1, None, range(9), masks=3)[1] == list(range(6))
+    # a multi-token step: every revealed position takes the history's token where it has one
+    two = DecodeConfig(block_length=4, steps=2, strategy="static")
+    out, _ = step_candidates(logits.clone(), state, M, two, 0, None, [0, 6], masks=3, fill=fill)
+    assert [s.tolist() for s in out] == [[1, 4, 3, M], [7, 4, 6, M]]
 
 
 def test_sampled_token_alternative_is_the_race_runner_up():

@@ -4,7 +4,7 @@ a GPU-like flat cost and a CPU-like growing one, and the running fit."""
 import pytest
 import torch
 
-from simsd.config.speculative import ALTERNATIVES, MAX_ALTERNATIVES
+from simsd.config.speculative import ALTERNATIVES, MAX_ALTERNATIVES, NGRAM
 from simsd.config.vocabulary import ParamError
 from simsd.engine.costs import ForwardCost
 from simsd.speculative.tree import applies
@@ -96,10 +96,17 @@ def test_several_finished_blocks_each_carry_a_lookahead():
 
 
 def test_kinds_that_do_not_apply_are_not_planned():
-    assert [k for k in range(1 + MAX_ALTERNATIVES) if applies(k, True, 2)] == \
+    assert [k for k in range(1 + MAX_ALTERNATIVES) if applies(k, True, 2, ngram=True)] == \
         [k for k in range(1 + MAX_ALTERNATIVES) if k == 0 or ALTERNATIVES[k - 1][0] < 2]
-    assert [k for k in range(1 + MAX_ALTERNATIVES) if not applies(k, False, 4)] == \
+    assert [k for k in range(1 + MAX_ALTERNATIVES) if not applies(k, False, 4, ngram=True)] == \
         [k for k in range(1, 1 + MAX_ALTERNATIVES) if ALTERNATIVES[k - 1][0]]  # no position left out
+    # the history's tokens only where the row's history predicts some of the block
+    assert [k for k in range(1 + MAX_ALTERNATIVES) if applies(k, True, 4) != applies(k, True, 4, ngram=True)] == \
+        [k for k in range(1, 1 + MAX_ALTERNATIVES) if ALTERNATIVES[k - 1][1] == NGRAM] != []
+    plan = WidthPolicy(40, 4, 4).plan(3, ONE, positional=True)
+    assert all(ALTERNATIVES[k - 1][1] != NGRAM for k in plan.kind[1:] if k)
+    plan = WidthPolicy(40, 4, 4).plan(3, ONE, positional=True, ngram=True)
+    assert {ALTERNATIVES[k - 1] for k in plan.kind[1:] if k} >= {(0, NGRAM), (1, NGRAM)}
     plan = WidthPolicy(40, 4, 4).plan(2, ONE, positional=False)
     assert all(not ALTERNATIVES[k - 1][0] for k in plan.kind[1:] if k)
     plan = WidthPolicy(40, 4, 4).plan(2, ONE, positional=True)
