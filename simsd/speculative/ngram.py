@@ -73,11 +73,14 @@ class NgramIndex:
                 return self.tokens[at]
         return None
 
-    def fill(self, block: list, mask_id: int) -> list:
-        """A prediction of every MASK position of ``block`` (host ids, after the history), left to
-        right: each from the history, the block's tokens before it and the predictions there;
-        ``mask_id`` where there is none (the positions after it predicted without it)."""
+    def fill(self, block: list, mask_id: int, before=()) -> list:
+        """A prediction of every MASK position of ``block`` (host ids, after the history and then
+        ``before``: ids of a block assumed in between, ``mask_id`` where unknown), left to right:
+        each from the history, the block's tokens before it and the predictions there; ``mask_id``
+        where there is none (the positions after it predicted without it)."""
         context = self.tokens[-self.max_n:]
+        for t in before:
+            context = [] if t == mask_id else (context + [t])[-self.max_n:]
         out = []
         for t in block:
             if t == mask_id:

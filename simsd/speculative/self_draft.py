@@ -95,20 +95,51 @@ class SelfDraft:
         predictions (:attr:`ngram`, fed by the row: :meth:`~simsd.speculative.ngram.NgramIndex.follow`;
         None: none)."""
         logits, self.logits = self.logits, None
+        predicted = None if host is None or masks == 0 else self.ngram.fill(host, self.mask_id)
+        if logits is None and predicted is not None:  # nothing to propose from but the history
+            chain = self.history_chain(host, predicted, block_step)
+            chain = chain[:1 + self.policy.chain_length(len(chain) - 1, self.policy.rows())]
+            if len(chain) > 1:
+                return ProposalTree(to_device(chain, block.device), [-1] + list(range(len(chain) - 1)),
+                                    list(range(len(chain))), [True] * len(chain), masks - chain[-1].count(self.mask_id),
+                                    None, masks=masks)
         if logits is None or masks == 0:
             return ProposalTree(block[None], [-1], [0], [masks > 0], 0, [0], masks=masks)
         per_step = self.per_step(block_step)
-        fill = None if host is None else self.ngram.fill(host, self.mask_id)
-        fill = None if fill is None or fill == host else to_device(fill, block.device)
+        fill = None if predicted is None or predicted == host else to_device(predicted, block.device)
+        chain = self.ahead_chain(predicted) if lookahead and predicted is not None else []
         if self.alternatives is None:
             plan = self.policy.plan(masks, per_step, self.cfg.strategy in ("static", "dynamic"), self.policy.rows(),
-                                    lookahead, fill is not None)
+                                    lookahead, fill is not None, len(chain) - 1 if chain else 0)
         else:
             plan = self.fixed_plan(masks, per_step)
         started = time.perf_counter()
-        tree = self._grow(logits, block, block_step, masks, key, plan, per_step, fill)
+        tree = self._grow(logits, block, block_step, masks, key, plan, per_step, fill, chain)
         self.policy.proposing(time.perf_counter() - started, tree.nodes - 1)
         return tree
+
+    def ahead_chain(self, predicted: list) -> list:
+        """The next block's first steps as the row's history predicts them (:meth:`history_chain`
+        from the next block all MASK, the history's tokens after the finished block
+        ``predicted``: the round's block with the history's predictions)."""
+        M = [self.mask_id] * self.cfg.block_length
+        return self.history_chain(M, self.ngram.fill(M, self.mask_id, before=predicted), 0)
+
+    def history_chain(self, state: list, tokens: list, block_step: int) -> list:
+        """Host lists: ``state`` (a block after ``block_step`` steps), then after each next step the
+        schedule's count of its leftmost MASK positions given ``tokens`` (the history's
+        predictions, :meth:`~simsd.speculative.ngram.NgramIndex.fill`), while they are predicted
+        and MASK is left after them (a step that fills the block saves nothing: the target's
+        step before it fills it)."""
+        M = self.mask_id
+        chain = [state]
+        for reveals in self.per_step(block_step):
+            at = [i for i, t in enumerate(state) if t == M][:max(1, reveals)]
+            if any(tokens[i] == M for i in at) or len(at) == state.count(M):
+                break
+            state = [tokens[i] if i in at else t for i, t in enumerate(state)]
+            chain.append(state)
+        return chain
 
     def fixed_plan(self, masks: int, per_step: list) -> TreePlan:
         """The tree of a fixed ``alternatives`` (tests): a spine of ``gamma`` primary steps, each
@@ -156,10 +187,11 @@ class SelfDraft:
         return [self.cfg.tokens_for_step(block_step + d) if known else 1 for d in range(self.gamma)]
 
     def _grow(self, logits, block, block_step: int, masks: int, key: NoiseKey, plan: TreePlan,
-              per_step: list, fill: torch.Tensor | None = None) -> ProposalTree:
+              per_step: list, fill: torch.Tensor | None = None, chain=()) -> ProposalTree:
         """The tree of ``plan``: each node's state is its kind's candidate of its parent's step
         (the candidates of one parent drawn together, each step's draws once; ``fill (L,)``: the
-        history's predictions, or None)."""
+        history's predictions, or None; ``chain``: :meth:`ahead_chain`, the next block's states
+        proposed under the finishes)."""
         cfg = self.cfg
         known = cfg.strategy in ("sequential", "static")
         states, parent, depths, left, kind = [block], [-1], [0], [masks], [0]
@@ -189,12 +221,19 @@ class SelfDraft:
             depths.append(d)
             left.append(masks_after(left[at[p]], per_step[d - 1]) if known else None)
             kind.append(plan.kind[j])
+        ahead = dict(zip(plan.finishes, plan.ahead))
         finishes = [at[f] for f in plan.finishes if f in at]
+        ahead = {at[f]: ahead[f] for f in plan.finishes if f in at}
         if not known:
-            states, parent, depths, left, kind, finishes = self._prune(states, parent, depths, kind, finishes)
+            states, parent, depths, left, kind, kept = self._prune(states, parent, depths, kind, finishes)
+            ahead = {k: ahead[f] for f, k in zip(finishes, kept) if k is not None}
+            finishes = [k for k in kept if k is not None]
+        finishes = [f for f in finishes if left[f] == 0]
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
+        steps = [ahead[f] for f in finishes]
+        proposed += sum(len(chain[d]) - chain[d].count(self.mask_id) for d in steps)  # the next block's
         return ProposalTree(torch.stack(states), parent, depths, [m > 0 for m in left], proposed, kind,
-                            tuple(f for f in finishes if left[f] == 0), masks)
+                            tuple(finishes), masks, tuple(steps), chain[:1 + max(steps, default=0)])
 
     def _prune(self, states: list, parent: list, depth: list, kind: list, finishes: list) -> tuple:
         """The nodes whose step revealed something and whose parent had MASK, from one host read
@@ -208,11 +247,14 @@ class SelfDraft:
                 keep.append(j)
         return ([states[j] for j in keep], [-1] + [new_index[parent[j]] for j in keep[1:]],
                 [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep],
-                [new_index[f] for f in finishes if f in new_index])
+                [new_index.get(f) for f in finishes])
 
     def observe(self, tree: ProposalTree, node: int) -> None:
         """Count a round's outcome for the width policy: ``node`` the deepest valid node of
         ``tree`` (read with the decision)."""
+        if tree.kind is None:  # a chain of the history's steps (:meth:`history_chain`)
+            self.policy.observe_ahead(tree.nodes - 1, tree.depth[node])
+            return
         valid, j = [], node
         while j >= 0:
             valid.append(j)
@@ -257,44 +299,73 @@ class SelfExactVerifier(ExactVerifier):
             return super().request(layouts, rnd)
         shape, copies, indices = self.tree_copies(tree, rnd)
         at = to_device(list(leaves), copies.device)
-        rnd.layout = (tree, shape, at)
+        every = to_device(tree.ahead_states, copies.device).view(len(tree.ahead_states), -1) \
+            if len(tree.ahead_states) > 1 else None
+        chains = [self.chain_tree(tree, i, copies, every) for i in range(len(leaves))]
+        rnd.layout = (tree, shape, (at, chains))
         ids, positions, labels = exact_layout(copies, rnd.start)
         L, C, m = copies.shape[1], copies.shape[0], len(leaves)
         here, after = list(range(rnd.start, rnd.start + L)), list(range(rnd.start + L, rnd.start + 2 * L))
-        nxt = torch.full((m, L), self.mask_id, dtype=copies.dtype, device=copies.device)
         finished = tree.states.index_select(0, at)
-        ids = torch.cat([finished.view(-1), ids, nxt.view(-1)])
-        positions = here * m + list(positions) + after * m
-        labels = ([(KIND_KNOWN, C + 2 * i + 1, C + 2 * i) for i in range(m) for _ in range(L)] + list(labels)
-                  + [(KIND_KNOWN, 0, C + 2 * i + 1) for i in range(m) for _ in range(L)])
+        ahead = torch.cat([c.states for c in chains])
+        n = [c.nodes for c in chains]
+        first = [C + i + sum(n[:i]) for i in range(m)]  # F_i's group; its next block's copies follow
+        ids = torch.cat([finished.view(-1), ids, ahead.view(-1)])
+        positions = here * m + list(positions) + after * sum(n)
+        labels = ([(KIND_KNOWN, first[i] + n[i], first[i]) for i in range(m) for _ in range(L)] + list(labels)
+                  + [(KIND_KNOWN, 0, first[i] + 1 + k) for i in range(m) for k in range(n[i]) for _ in range(L)])
         fwd = layouts.exact("target", ids, positions, labels, write=L, hidden=(m - 1) * L)
         history = None  # a next block's copy counts its proposed finished block as output
         if rnd.history is not None:
-            history = [rnd.history] * C + [rnd.history.after(tree.states[f]) for f in leaves]
-        fwd.step = Step(torch.cat([copies, nxt]), indices + [0] * m, self.cfg, self.mask_id,
-                        [self.key(rnd.start)] * C + [self.key(rnd.start + L)] * m, keep_logits=True, history=history)
+            history = [rnd.history] * C + [rnd.history.after(tree.states[f]) for i, f in enumerate(leaves)
+                                           for _ in range(n[i])]
+        fwd.step = Step(torch.cat([copies, ahead]), indices + [k for c in chains for k in range(c.nodes)], self.cfg,
+                        self.mask_id, [self.key(rnd.start)] * C + [self.key(rnd.start + L)] * sum(n), keep_logits=True,
+                        history=history)
         return fwd
 
+    def chain_tree(self, tree: ProposalTree, i: int, like: torch.Tensor, every) -> ProposalTree:
+        """The next block's tree under finish ``i`` of ``tree``: all MASK, then the
+        ``tree.ahead[i]`` steps the history predicts, a chain of copies (``like``: a tensor of the
+        states' dtype and device; ``every``: ``tree.ahead_states`` there, or None)."""
+        d = tree.ahead[i] if tree.ahead else 0
+        if d == 0:
+            states = torch.full((1, like.shape[-1]), self.mask_id, dtype=like.dtype, device=like.device)
+        else:
+            states = every[:1 + d]
+        return ProposalTree(states, [-1] + list(range(d)), list(range(d + 1)), [True] * (d + 1), 0)
+
     def judge(self, rnd, out):
-        tree, shape, leaves = rnd.layout
+        tree, shape, lookahead = rnd.layout
         mine, logits = out[0], out[3].view(-1, *out[3].shape[-2:])
         C = shape[0].shape[0]
         new, taken, accepted, node, valid = tree_verdict(mine[:C], tree.states, shape)
         copy = shape[4].index_select(0, node.view(1))[0]  # the valid node's copy (a finished one has none)
         lp = self.revealing_logits(logits[:C], tree, shape, node)
-        if leaves is None:
+        if lookahead is None:
             self.draft.keep(logits, copy)
             return Verdict(new, taken, accepted, valid, node, logits=lp)
+        leaves, chains = lookahead
+        # each finish's next block: the target's step on the deepest valid node of its chain
+        nexts, lps, start = [], [], C
+        for c in chains:
+            cshape = c.constants(new.device)
+            nexts.append((*tree_verdict(mine[start:start + c.nodes], c.states, cshape)[:4],
+                          torch.tensor(start, device=new.device)))
+            lps.append(self.revealing_logits(logits[start:start + c.nodes], c, cshape, nexts[-1][3]))
+            start += c.nodes
+        news, takens, accs, nodes, starts = (torch.stack(x) for x in zip(*nexts))
         hit = node == leaves
-        ahead = C + hit.long().argmax()  # the valid finished block's next block (the first if none is)
-        self.draft.keep(logits, torch.where(hit.any(), ahead, copy))  # finished as proposed: the next block's
+        sel = hit.long().argmax().view(1)  # the valid finished block (the first if none is)
+        at = (starts + nodes).index_select(0, sel)[0]  # its next block's deepest valid copy
+        self.draft.keep(logits, torch.where(hit.any(), at, copy))  # finished as proposed: the next block's
         # else, for the next block's first proposals if this block ends without a lookahead: the
         # next block under the proposed finished block nearest the new block (its tokens the most alike)
-        near = C + (tree.states.index_select(0, leaves) != new).sum(-1).argmin()
-        self.draft.upcoming = logits.index_select(0, near.view(1))[0]
-        nxt = mine.index_select(0, ahead.view(1))[0]
-        return Verdict(new, taken, accepted, valid, node, nxt, tree.finishes, lp,
-                       None if lp is None else logits.index_select(0, ahead.view(1))[0])
+        near = (tree.states.index_select(0, leaves) != new).sum(-1).argmin().view(1)
+        self.draft.upcoming = logits.index_select(0, starts.index_select(0, near))[0]
+        return Verdict(new, taken, accepted, valid, node, news.index_select(0, sel)[0], tree.finishes, lp,
+                       None if lp is None else torch.stack(lps).index_select(0, sel)[0],
+                       takens.index_select(0, sel)[0], accs.index_select(0, sel)[0], nodes.index_select(0, sel)[0])
 
 
 class SelfPaperVerifier(PaperVerifier):

@@ -158,8 +158,9 @@ class SpecRow(RowProgram):
         self.optimistic = optimistic
         self.round_index = 0  # rounds verified so far (keys paper mode's noise)
         self.carried = None  # a Speculation for the next round
-        # (block, host, logits, committed) of the next block after its first step, taken by a
-        # lookahead round (committed: the finished block was written by that round)
+        # (block, host, logits, committed, steps, accepted) of the next block after its first steps,
+        # taken by a lookahead round (committed: the finished block was written by that round;
+        # accepted: the positions it took from the history's predictions)
         self.ahead = None
         self.stats = Stats()
 
@@ -182,9 +183,9 @@ class SpecRow(RowProgram):
         if ahead is None:
             return super().new_block(tail)
         # the last round took this block's first step (a lookahead round: its logits are kept)
-        block, host, logits, _ = ahead
-        self.mark([self.mask_id] * len(host), host)
-        blk = BlockState(block, host, self.layouts.start("target"), 0, 1, lp=self.block_logprobs())
+        block, host, logits, _, steps, proposed = ahead
+        self.mark([self.mask_id] * len(host), host, proposed)
+        blk = BlockState(block, host, self.layouts.start("target"), 0, steps, lp=self.block_logprobs())
         if blk.lp is not None:  # the first step's tokens, revealed from the lookahead copy's logits
             blk.lp.note(logits, block, block != self.mask_id)
         return blk
@@ -340,8 +341,9 @@ class SpecRow(RowProgram):
         if verdict.valid is not None:  # exact: accepted where the deepest valid proposal differs from the block
             tree = rnd.layout[0]
             known = not isinstance(tree.proposed, torch.Tensor)
-            counts = [taken, acc, verdict.node] + ([] if known else [tree.proposed])
             ahead = [] if verdict.next is None else [verdict.next]
+            counts = [taken, acc, verdict.node] + ([] if known else [tree.proposed]) + \
+                ([verdict.next_taken, verdict.next_accepted, verdict.next_node] if ahead else [])
             host = self.read([new, verdict.valid, *ahead, torch.stack(counts).to(new.dtype)], blk)
             block_host, valid = host[:L], host[L:2 * L]
             nxt, host = (host[2 * L:3 * L], host[3 * L:]) if ahead else (None, host[2 * L:])
@@ -351,13 +353,19 @@ class SpecRow(RowProgram):
             if self.dec.self_draft:
                 self.verifier.draft.observe(tree, node)
             if ahead:
+                next_taken, next_acc, next_node = host[-3:]
                 written = node == verdict.finished[0]
                 if not written:  # the first proposed finished block was written to the cache: roll it back
                     self.row.truncate("target", self.row.cached["target"] - L)
                 if node in verdict.finished:  # finished as proposed: the next block begun
-                    self.ahead = (verdict.next, nxt, verdict.next_logits, written)
+                    chain = tree.ahead_states[next_node] if next_node else ()
+                    self.ahead = (verdict.next, nxt, verdict.next_logits, written, next_taken,
+                                  {i for i, t in enumerate(chain) if t != self.mask_id})
                     self.stats.lookahead_blocks += 1
                     self.stats.lookahead_commits += written
+                    self.stats.accepted += next_acc  # the next block's steps the history predicted
+                    if tree.ahead:
+                        self.verifier.draft.policy.observe_ahead(tree.ahead[verdict.finished.index(node)], next_node)
         else:
             draft = rnd.draft
             host = self.read([new, draft.tau.to(new.dtype), torch.stack([taken, acc]).to(new.dtype)], blk)

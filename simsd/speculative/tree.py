@@ -51,6 +51,12 @@ class ProposalTree:
     finishes: tuple = ()
     #: the MASK count of the round's block (a host int), or None
     masks: int | None = None
+    #: per finish, how many of the next block's first steps are proposed under its next block:
+    #: the first ``1 + ahead[i]`` states of ``ahead_states``
+    ahead: tuple = ()
+    #: host lists: the next block all MASK, then after each of its first steps as the row's
+    #: history predicts them (:meth:`~simsd.speculative.self_draft.SelfDraft.ahead_chain`)
+    ahead_states: list = ()
 
     @property
     def nodes(self) -> int:

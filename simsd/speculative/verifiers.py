@@ -72,7 +72,10 @@ class Verdict(NamedTuple):
     the forward; ``next`` stands when ``node`` is one of them, else it is the first one's). With
     log-probabilities asked for (``DecodeConfig.logprobs``; None otherwise): ``logits (L, V)``,
     row ``i`` the target logits that revealed position ``i`` when it is revealed this round (MASK excluded;
-    :mod:`simsd.decoding.logprobs`), and ``next_logits (L, V)``, those of ``next``."""
+    :mod:`simsd.decoding.logprobs`), and ``next_logits (L, V)``, those of ``next``. A lookahead
+    round also gives ``next_taken`` (the next block's steps taken: its first, plus those of its
+    steps the history predicted that were the target's), ``next_accepted`` (their tokens) and
+    ``next_node`` (the deepest valid node of that finish's next-block chain)."""
     block: torch.Tensor
     taken: torch.Tensor
     accepted: torch.Tensor
@@ -82,6 +85,9 @@ class Verdict(NamedTuple):
     finished: tuple = ()
     logits: torch.Tensor | None = None
     next_logits: torch.Tensor | None = None
+    next_taken: torch.Tensor | None = None
+    next_accepted: torch.Tensor | None = None
+    next_node: torch.Tensor | None = None
 
 
 class Verifier:

@@ -44,11 +44,16 @@ from .tree import applies, masks_after
 #: :data:`~simsd.config.speculative.ALTERNATIVES` in order) being its parent's target step, the
 #: same at every depth, weighted as two trials: the measured shares of the bundled target's next
 #: steps predicted from one-step-old logits (46%, 9.3%, 8.7%, 4.1%, 3.9%, 2.8%), then the
-#: history's predictions at the primary's positions and the skipped ones (of the depth-1 steps
-#: that no logits candidate held, about one in three had its token predicted by the history: a
-#: guess of 10%, 5%, 3% of all; the row's own counts take over)
-PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0), (0.2, 2.0), (0.1, 2.0),
-         (0.06, 2.0))
+#: history's predictions at the primary's positions and the skipped ones (16.8%, 8.8%, 5.1% of
+#: their trials: the bundled target, greedy, width 64, 24 prompts of the training split)
+PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0), (0.34, 2.0), (0.18, 2.0),
+         (0.1, 2.0))
+#: the heap's kind of a proposed step of the next block under a finish (:meth:`WidthPolicy.plan`)
+AHEAD = -1
+#: prior pseudo-counts (successes, trials) of such a step being the target's, given the one
+#: before it was (the measurement of :data:`PRIOR`: 51% the first, 72% and 64% the second and
+#: third)
+AHEAD_PRIOR = (1.2, 2.0)
 
 
 def auto_copies(gamma: int) -> int:
@@ -63,11 +68,14 @@ class TreePlan:
     """A round's tree shape, parents before children: node ``j`` is the ``kind[j]`` candidate of
     node ``parent[j]``'s step, at ``depth[j]`` (node 0: the round's block, parent -1, kind 0,
     depth 0); ``finishes``: the filled nodes that carry a lookahead, in the order they were added
-    (the first one's commit copy is written by the forward)."""
+    (the first one's commit copy is written by the forward); ``ahead``: per finish, how many of the
+    next block's first steps, as the history predicts them, are proposed under its next block (a
+    chain of copies: :class:`~simsd.speculative.self_draft.SelfExactVerifier`)."""
     parent: list
     kind: list
     depth: list
     finishes: list = field(default_factory=list)
+    ahead: list = field(default_factory=list)
 
     @classmethod
     def chain(cls, depth: int) -> "TreePlan":
@@ -104,6 +112,20 @@ class WidthPolicy:
         21% with three), from :data:`PRIOR`."""
         return self.hits.setdefault((masks, depth), [list(p) for p in PRIOR])
 
+    def ahead_rate(self, depth: int) -> float:
+        """The estimated rate at which the next block's step ``depth`` (1-based), as the history
+        predicts it, is the target's, given that the finish and the steps before it are."""
+        s, t = self.hits.setdefault(("ahead", depth), list(AHEAD_PRIOR))
+        return s / t
+
+    def observe_ahead(self, proposed: int, valid: int) -> None:
+        """Count the next block's predicted steps under a finish that was the target's: ``proposed``
+        of them, the first ``valid`` right (a step is tried when the one before it was right)."""
+        for d in range(1, min(proposed, valid + 1) + 1):
+            hit = self.hits.setdefault(("ahead", d), list(AHEAD_PRIOR))
+            hit[1] += 1
+            hit[0] += d <= valid
+
     def rates(self, masks: int, depth: int) -> list:
         """The estimated rate at which a node of each kind at ``depth`` (1-based), in a round
         whose block had ``masks`` MASK, is its parent's target step, given that the parent is
@@ -111,19 +133,22 @@ class WidthPolicy:
         return [s / t for s, t in self.counts(masks, depth)]
 
     def plan(self, masks: int, per_step: list, positional: bool, rows: int = 1, lookahead: bool = False,
-             ngram: bool = False) -> TreePlan:
+             ngram: bool = False, ahead: int = 0) -> TreePlan:
         """The next round's tree on a block with ``masks`` MASK left (module doc): ``per_step`` the
         tokens each of the next steps reveals (the schedule's; estimates where the strategy's
         counts depend on the data); ``positional``: the strategy picks positions by confidence
         (the position alternatives apply); ``rows``: the rows sharing the forward, for the cost
         share; ``lookahead``: a filled node may carry the block's commit and the next block's
         first step (two more copies each); ``ngram``: the row's history predicts some of the block's
-        MASK positions (its kinds apply)."""
+        MASK positions (its kinds apply); ``ahead``: the next block's first steps the history
+        predicts (each, under a finish, one more copy valued at the finish's value times the rate
+        of such a step at its depth, :meth:`counts` ``(AHEAD, depth)``)."""
         cap = auto_copies(self.gamma) + 2 * lookahead if self.width == "auto" else int(self.width)
         rates = [self.rates(masks, d) for d in range(1, self.gamma + 1)]
         plan = TreePlan([-1], [0], [0])
         left, value = [masks], [1.0]
         heap, order = [], 0  # candidates: (-value per copy, order, parent, kind, copies, MASK left)
+        # (the next block's predicted steps: (-value, order, finish's position in finishes, AHEAD, 1, depth))
 
         def offer(j: int) -> None:
             nonlocal order
@@ -139,6 +164,12 @@ class WidthPolicy:
                     heapq.heappush(heap, (-value[j] * rates[d - 1][k] / copies, order, j, k, copies, rest))
                     order += 1
 
+        def offer_ahead(f: int, d: int, v: float) -> None:
+            nonlocal order
+            if d <= ahead:
+                heapq.heappush(heap, (-v * self.ahead_rate(d), order, f, AHEAD, 1, d))
+                order += 1
+
         offer(0)
         copies, steps = 1, 1.0
         while heap:
@@ -148,17 +179,39 @@ class WidthPolicy:
             if self.width == "auto" and (steps - gain * cost) / self.seconds(copies + cost, rows) <= \
                     steps / self.seconds(copies, rows) * (1 + 1e-9):
                 break  # no better per second: the values per copy only fall from here
+            if k == AHEAD:  # the next block's step ``rest`` under finish ``j``
+                plan.ahead[j] = rest
+                copies, steps = copies + 1, steps - gain
+                offer_ahead(j, rest + 1, -gain)
+                continue
             d = plan.depth[j] + 1
             plan.parent.append(j)
             plan.kind.append(k)
             plan.depth.append(d)
             left.append(rest)
             value.append(value[j] * rates[d - 1][k])
+            copies, steps = copies + cost, steps - gain * cost
             if cost == 2:
                 plan.finishes.append(len(plan.parent) - 1)
-            copies, steps = copies + cost, steps - gain * cost
+                plan.ahead.append(0)
+                offer_ahead(len(plan.finishes) - 1, 1, value[-1])
             offer(len(plan.parent) - 1)
         return plan
+
+    def chain_length(self, available: int, rows: int = 1) -> int:
+        """How many of ``available`` steps the history predicts, one below the other, a round with
+        nothing else to propose puts to the target (a block's first round without logits): each
+        one copy, worth the product of :meth:`ahead_rate` along the chain; as many as the width
+        holds, or with ``"auto"`` while one adds expected steps per second."""
+        cap = auto_copies(self.gamma) if self.width == "auto" else int(self.width)
+        copies, steps, value, d = 1, 1.0, 1.0, 0
+        while d < available and copies < cap:
+            value *= self.ahead_rate(d + 1)
+            if self.width == "auto" and (steps + value) / self.seconds(copies + 1, rows) <= \
+                    steps / self.seconds(copies, rows) * (1 + 1e-9):
+                break
+            copies, steps, d = copies + 1, steps + value, d + 1
+        return d
 
     def rows(self) -> int:
         """Rows of the target's last forward (the share of its fixed cost), 1 without a cost."""

@@ -54,3 +54,48 @@ def test_the_index_follows_a_rows_history():
     assert len(index) == 10 and index.predict([2]) == 3
     with pytest.raises(ValueError, match="shorter than the 10 indexed"):
         index.follow(prompt, [7])
+
+
+def test_the_next_blocks_first_steps_as_the_history_predicts_them():
+    """SelfDraft.ahead_chain: the next block all MASK, then after each step (the schedule's count of
+    its leftmost MASK positions given the history's tokens after the predicted finished block)
+    while predicted and MASK is left."""
+    from simsd import DecodeConfig
+    from simsd.speculative.self_draft import SelfDraft
+    draft = SelfDraft(DecodeConfig(block_length=4, strategy="static"), M, 4, width=9)
+    draft.ngram.extend([1, 2, 3, 4, 1, 2, 3])
+    # the block predicted finished as [4, 1, 2, 3]: then [1, 2, 3] -> 4, [2, 3, 4] -> 1, ...
+    assert draft.ahead_chain([4, 1, 2, 3]) == [[M] * 4, [4, M, M, M], [4, 1, M, M], [4, 1, 2, M]]
+    two = SelfDraft(DecodeConfig(block_length=4, steps=2, strategy="static"), M, 4, width=9)
+    two.ngram = draft.ngram
+    assert two.ahead_chain([4, 1, 2, 3]) == [[M] * 4, [4, 1, M, M]]  # the next step would fill it
+    # a finished block the history never saw the end of: nothing predicted after it
+    assert draft.ahead_chain([4, 1, 2, 9]) == [[M] * 4]
+    assert draft.ahead_chain([4, 1, 2, M]) == [[M] * 4]  # its last token unknown
+
+
+def test_a_round_without_logits_proposes_the_historys_steps():
+    """A round with nothing to propose from (a request's first, a block no lookahead reached)
+    puts the history's next steps to the target, one below the other (kind None: counted as the
+    history's steps, WidthPolicy.observe_ahead), as many as the width holds."""
+    import torch
+
+    from simsd import DecodeConfig
+    from simsd.speculative.self_draft import SelfDraft
+    from simsd.speculative.width import AHEAD_PRIOR
+
+    def draft_of(width):
+        draft = SelfDraft(DecodeConfig(block_length=4, strategy="static"), M, 4, width=width)
+        draft.ngram.extend([1, 2, 3, 4, 1, 2, 3])
+        return draft
+    block = [4, M, M, M]  # after the history: [2, 3, 4] -> 1, [3, 4, 1] -> 2, [4, 1, 2] -> 3
+    draft = draft_of(9)
+    tree = draft.propose(torch.tensor(block), 1, 3, None, host=block)
+    assert tree.kind is None and tree.parent == [-1, 0, 1] and tree.copies == [True] * 3 and tree.proposed == 2
+    assert tree.states.tolist() == [[4, M, M, M], [4, 1, M, M], [4, 1, 2, M]]  # the block is not filled
+    draft.observe(tree, 1)  # the first step was the target's, the second not
+    s, t = AHEAD_PRIOR
+    assert draft.policy.hits[("ahead", 1)] == [s + 1, t + 1] and draft.policy.hits[("ahead", 2)] == [s, t + 1]
+    assert draft_of(2).propose(torch.tensor(block), 1, 3, None, host=block).parent == [-1, 0]  # two copies
+    tree = draft_of(9).propose(torch.tensor([9, M, M, M]), 1, 3, None, host=[9, M, M, M])
+    assert tree.parent == [-1] and tree.kind == [0]  # nothing predicted: the block alone

@@ -235,13 +235,16 @@ def test_alternatives_save_target_forwards_on_the_bundled_target():
 
 @pytest.mark.parametrize("T", [0.0, 1.0])
 def test_history_predictions_save_target_forwards_on_the_bundled_target(T):
-    """The row's history's predictions (prompt lookup, the NGRAM kinds) beside the logits': the
-    bundled target repeats itself, and greedy, proposals of its history's tokens are the target's
-    steps (valid nodes of those kinds), with fewer target forwards than without them; sampled,
-    they are proposed. Vanilla's tokens either way."""
+    """The row's history's predictions (prompt lookup) beside the logits': the NGRAM kinds in the
+    block's tree, and the next block's first steps under a finished block (a chain under its next
+    block's copy). The bundled target repeats itself, and greedy, proposals of its history's
+    tokens are the target's steps (valid nodes of those kinds, next blocks begun more than one
+    step in), with fewer target forwards than without them; sampled, they are proposed.
+    Vanilla's tokens either way."""
     from simsd.entrypoints.prompts import load_prompts
     from simsd.speculative.ngram import NgramIndex
     from simsd.speculative.self_draft import SelfDraft
+    from simsd.speculative.width import WidthPolicy
     target, _ = bundled_pair("float32")
     tok = target.tokenizer
     prompts = [tok(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts("bundled")[:4]]
@@ -250,9 +253,13 @@ def test_history_predictions_save_target_forwards_on_the_bundled_target(T):
     want = [r.token_ids for r in vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id,
                                                         target.stop_ids).results]
     forwards, kinds = [], {"proposed": [], "valid": []}
-    real = SelfDraft.observe
+    real, real_ahead, ahead = SelfDraft.observe, WidthPolicy.observe_ahead, []
 
     def observe(self, tree, node):
+        if tree.kind is None:  # a round without logits: the history's steps alone
+            kinds["proposed"].append((0, NGRAM))
+            kinds["valid"] += [(0, NGRAM)] * node
+            return real(self, tree, node)
         kinds["proposed"] += [ALTERNATIVES[k - 1] for k in tree.kind[1:] if k]
         j = node
         while j > 0:
@@ -262,15 +269,22 @@ def test_history_predictions_save_target_forwards_on_the_bundled_target(T):
     for history in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(SelfDraft, "observe", observe)
+            mp.setattr(WidthPolicy, "observe_ahead", lambda self, n, v: ahead.append((n, v)) or real_ahead(self, n, v))
             if not history:
-                mp.setattr(NgramIndex, "fill", lambda self, block, mask_id: list(block))
+                mp.setattr(NgramIndex, "fill", lambda self, block, mask_id, before=(): list(block))
             out = speculative_generate_batch(target, "self", prompts, cfg, spec(speculation_width=24))
         assert [r.token_ids for r in out.results] == want
         forwards.append(sum(r.stats["target_forwards"] for r in out.results))
+        for r in out.results:  # the next blocks' predicted steps count as proposed and accepted tokens
+            st = r.stats
+            assert st["accepted"] + st["target_tokens"] == st["new_tokens"] + st["cut_tokens"]
+            assert st["accepted"] <= st["proposed"] and st["from_draft"] <= min(st["accepted"], st["new_tokens"])
         assert any(rank == NGRAM for _, rank in kinds["proposed"]) == history
+        assert any(n for n, _ in ahead) == history  # next blocks' steps proposed under a finished block
         if T == 0.0:
             assert any(rank == NGRAM for _, rank in kinds["valid"]) == history
-        kinds = {"proposed": [], "valid": []}
+            assert any(v for _, v in ahead) == history  # and taken
+        kinds, ahead = {"proposed": [], "valid": []}, []
     if T == 0.0:
         assert forwards[0] < forwards[1], forwards
 

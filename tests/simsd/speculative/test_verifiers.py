@@ -148,5 +148,5 @@ def test_paper_judge_greedy():
 
 def test_verdict_and_sampling_flags():
     assert Verdict._fields == ("block", "taken", "accepted", "valid", "node", "next", "finished", "logits",
-                               "next_logits")
+                               "next_logits", "next_taken", "next_accepted", "next_node")
     assert PaperVerifier.rejection_sampling and not ExactVerifier.rejection_sampling

@@ -33,11 +33,12 @@ def with_rates(policy, *levels, masks=(1, 2, 3, 4)):
 
 
 def copies(plan, masks, per_step=ONE):
-    """Block copies of a plan: the root, every node with MASK left, two for each lookahead node."""
+    """Block copies of a plan: the root, every node with MASK left, two for each lookahead node and
+    one for each of the next block's steps proposed under it."""
     left = [masks]
     for j in range(1, len(plan.parent)):
         left.append(left[plan.parent[j]] - min(per_step[plan.depth[j] - 1], left[plan.parent[j]]))
-    return 1 + sum(1 for j in range(1, len(left)) if left[j]) + 2 * len(plan.finishes), left
+    return 1 + sum(1 for j in range(1, len(left)) if left[j]) + 2 * len(plan.finishes) + sum(plan.ahead), left
 
 
 def test_best_first_by_hand():
@@ -93,6 +94,32 @@ def test_several_finished_blocks_each_carry_a_lookahead():
     assert n <= 40 and {plan.parent[f] for f in plan.finishes} == {1, 2}
     value = {f: [0.6, 0.3][plan.kind[plan.parent[f]]] * [0.8, 0.0, 0.1][plan.kind[f]] for f in plan.finishes}
     assert [value[f] for f in plan.finishes] == sorted(value.values(), reverse=True)  # the first is written
+
+
+def test_the_next_blocks_predicted_steps_under_a_finish():
+    # 1 MASK, the primary finishing (0.5): its next block's first predicted step is worth
+    # 0.5 x 0.5 (the prior), the second 0.125, one copy each, within the cap
+    policy = with_rates(WidthPolicy(5, 4, 4), [0.5])
+    plan = policy.plan(1, ONE, positional=True, lookahead=True, ahead=3)
+    assert plan.finishes == [1] and plan.ahead == [2] and copies(plan, 1)[0] == 5
+    policy.width = 4
+    assert policy.plan(1, ONE, positional=True, lookahead=True, ahead=3).ahead == [1]
+    policy.width = 9
+    assert policy.plan(1, ONE, positional=True, lookahead=True, ahead=2).ahead == [2]  # as many as predicted
+    assert policy.plan(1, ONE, positional=True, lookahead=True).ahead == [0]  # none predicted
+    # the rate is the row's own: with a second finish (the runner-up token, 0.2: 0.1 per copy)
+    # beside them, the predicted steps come first while they are right half the time, the second
+    # finish once they never were
+    policy = with_rates(WidthPolicy(5, 4, 4), [0.5, 0.0, 0.2])
+    plan = policy.plan(1, ONE, positional=True, lookahead=True, ahead=2)
+    assert (plan.finishes, plan.ahead) == ([1], [2])
+    for _ in range(50):
+        policy.observe_ahead(2, 0)
+    assert policy.ahead_rate(1) < 0.05 and policy.ahead_rate(2) == 0.5  # the second was never tried
+    plan = policy.plan(1, ONE, positional=True, lookahead=True, ahead=2)
+    assert (plan.finishes, plan.ahead) == ([1, 2], [0, 0])
+    policy.observe_ahead(2, 2)
+    assert policy.hits[("ahead", 2)] == [2.0, 3.0]
 
 
 def test_kinds_that_do_not_apply_are_not_planned():
