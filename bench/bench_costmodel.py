@@ -13,9 +13,10 @@ Two ways to get ``t(q)``, stated on every row:
 
 * ``measured`` (``--latency``, a ``bench/bench_e2e.py`` result): the per-forward latencies
   replayed as CUDA graphs on that GPU with the SDAR-8B-shaped target and SDAR-1.7B-shaped draft
-  (``vanilla_step`` 4, ``verify_paper`` 8, ``verify_exact`` 16 query tokens for the target,
-  ``draft_step`` 4 for the draft), interpolated linearly in the query tokens and extended
-  linearly past the widest measured forward (the draft's one point: flat);
+  (``vanilla_step`` 4, ``verify_paper`` 8, ``verify_exact`` 16 query tokens for the target, and
+  ``verify_exact_16`` / ``_32``, 64 and 128, where the run timed them; ``draft_step`` 4 for the
+  draft), interpolated linearly in the query tokens and extended linearly past the widest
+  measured forward (the draft's one point: flat);
 * ``roofline`` (``--gpu``): the weights' and KV cache's bytes read once per forward at a fraction
   of the GPU's memory bandwidth, the matrix products' FLOPs at a fraction of its bf16 rate
   (whichever bound is larger), plus a fixed cost per forward (kernel launches: small with CUDA
@@ -47,7 +48,8 @@ def measured_latency(path: Path, pair: str = "random-8b/1.7b") -> dict:
         if row.get("kind") != "latency" or row.get("pair") != pair or row.get("mode") != "graphs":
             continue
         role = "draft" if row["forward"] == "draft_step" else "target"
-        if row["forward"] in ("draft_step", "vanilla_step", "verify_paper", "verify_exact"):
+        name = row["forward"]
+        if name in ("draft_step", "vanilla_step", "verify_paper") or name.startswith("verify_exact"):
             points[role][row["Lq"]] = row["ms"]
     if not points["target"] or not points["draft"]:
         raise ValueError(f"{path}: no graph latencies of {pair} (a bench/bench_e2e.py result)")

@@ -6,7 +6,8 @@
    decoder runs, eager and replayed as CUDA graphs (:mod:`simsd.engine.graphs`): ``draft_step`` (draft,
    B tokens, bidirectional), ``vanilla_step`` (target, B tokens), ``verify_paper`` (target, 2B
    tokens ``D|M``, four-quadrant mask), ``verify_exact`` (target, B copies of the block, B*B
-   tokens), ``commit`` / ``draft_commit`` (B tokens written; the timed function also resets the
+   tokens; ``verify_exact_16`` and ``_32``: 16 and 32 copies, a self-speculative tree's widths),
+   ``commit`` / ``draft_commit`` (B tokens written; the timed function also resets the
    cache length, one tiny kernel). Median of ``triton.testing.do_bench``. ``gpu_ms`` is the sum
    of the kernels' device time from the profiler (the "pure GPU time" of one forward).
    Models: ``--target/--draft`` checkpoints, or random weights with the SDAR-8B / SDAR-1.7B
@@ -139,6 +140,10 @@ def random_model(shape: str, block_length: int):
     return model.eval()
 
 
+#: block copies of the wide exact verify forwards timed beside ``verify_exact`` (B copies)
+WIDE_COPIES = (16, 32)
+
+
 def forward_cases(B: int, L: int):
     """name -> (model role, mask mode, labels (1, Lq, 3) int32, num_write, logits?)."""
     import torch
@@ -148,12 +153,16 @@ def forward_cases(B: int, L: int):
     paper = zeros(2 * B)
     paper[0, :B, 0], paper[0, B:, 0] = KIND_DRAFT, KIND_MASK
     paper[0, :B, 1] = paper[0, B:, 1] = torch.arange(1, B + 1, dtype=torch.int32)
-    exact = zeros(B * B)
-    exact[0, :, 2] = torch.arange(B, dtype=torch.int32).repeat_interleave(B)
+    def exact(copies: int):
+        labels = zeros(copies * B)
+        labels[0, :, 2] = torch.arange(copies, dtype=torch.int32).repeat_interleave(B)
+        return labels
     return {"draft_step": ("draft", "bidirectional", zeros(B), 0, True),
             "vanilla_step": ("target", "bidirectional", zeros(B), 0, True),
             "verify_paper": ("target", "paper", paper, 0, True),
-            "verify_exact": ("target", "exact", exact, 0, True),
+            "verify_exact": ("target", "exact", exact(B), 0, True),
+            # the wide trees of self-speculation (bench/bench_costmodel.py reads their widths)
+            **{f"verify_exact_{c}": ("target", "exact", exact(c), 0, True) for c in WIDE_COPIES},
             "commit": ("target", "bidirectional", zeros(B), B, False),
             "draft_commit": ("draft", "bidirectional", zeros(B), B, False)}
 

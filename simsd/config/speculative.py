@@ -13,23 +13,26 @@ from pathlib import Path
 from .fields import PAPER_VARIANTS, SETTINGS, check_threshold, parse_strategy
 from .vocabulary import SPECULATIVE, Rule, check_fields, check_modes, check_rules, opt
 
-__all__ = ["ALTERNATIVES", "LOGIT_ALTERNATIVES", "MAX_ALTERNATIVES", "NGRAM", "PAPER_VARIANTS", "SELF_DRAFT",
-           "SPECULATIVE_RULES", "SpecConfig", "draft_config", "draft_settings", "is_self_draft", "max_query_blocks",
-           "parse_draft"]
+__all__ = ["ALTERNATIVES", "LEFTMOST", "LOGIT_ALTERNATIVES", "MAX_ALTERNATIVES", "NGRAM", "PAPER_VARIANTS",
+           "SELF_DRAFT", "SPECULATIVE_RULES", "SpecConfig", "draft_config", "draft_settings", "is_self_draft",
+           "max_query_blocks", "parse_draft"]
 
 #: ``rank`` of an alternative whose tokens are the row's history's predictions
 #: (:mod:`simsd.speculative.ngram`) instead of the logits'
 NGRAM = -1
+#: ``skip`` of an alternative that reveals the leftmost MASK positions (as many as the step
+#: reveals) instead of the most confident ones
+LEFTMOST = -1
 #: the alternatives a self-speculative tree may propose beside a step, in the order they are
 #: added (:func:`simsd.speculative.tree.step_candidates`): ``(skip, rank)``, the strategy's choice
-#: with its ``skip`` most confident positions left out and the ``rank``-th runner-up token at its
-#: most confident one, or (``rank`` :data:`NGRAM`) the history's prediction at each position it
-#: reveals. The logits' order is how often each outcome was the target's next step, predicted
-#: from the logits one step older (the bundled target, greedy, 8 held-out prompts: primary 46%,
-#: then 9.3%, 8.7%, 4.1%, 3.9%, 2.8% of 389 steps; 23% had the token at rank 3 or below); the
-#: history's predictions come last (a draft model's alternatives are the logits' only,
-#: :data:`LOGIT_ALTERNATIVES`)
-ALTERNATIVES = ((1, 0), (0, 1), (1, 1), (2, 0), (0, 2), (0, NGRAM), (1, NGRAM), (2, NGRAM))
+#: with its ``skip`` most confident positions left out (:data:`LEFTMOST`: the leftmost MASK
+#: positions instead) and the ``rank``-th runner-up token at its most confident one, or (``rank``
+#: :data:`NGRAM`) the history's prediction at each position it reveals. The logits' order is how
+#: often each outcome was the target's next step, predicted from the logits one step older (the
+#: bundled target, greedy, 8 held-out prompts: primary 46%, then 9.3%, 8.7%, 4.1%, 3.9%, 2.8% of
+#: 389 steps; 23% had the token at rank 3 or below); the history's predictions come last (a draft
+#: model's alternatives are the logits' only, :data:`LOGIT_ALTERNATIVES`)
+ALTERNATIVES = ((1, 0), (0, 1), (1, 1), (2, 0), (0, 2), (0, NGRAM), (1, NGRAM), (2, NGRAM), (LEFTMOST, NGRAM))
 #: the most alternatives beside a step
 MAX_ALTERNATIVES = len(ALTERNATIVES)
 #: the alternatives built from logits alone (the first ones)

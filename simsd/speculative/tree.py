@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.speculative import ALTERNATIVES, NGRAM
+from ..config.speculative import ALTERNATIVES, LEFTMOST, NGRAM
 from ..decoding.sampling import filtered_probs, sample
 from ..decoding.step import tokens_to_reveal, without_mask_token_
 from ..decoding.strategies import select_positions
@@ -113,9 +113,11 @@ def tree_constants(parent: tuple, depth: tuple, copies: tuple, device: torch.dev
 def applies(kind: int, positional: bool, masks: int | None, ngram: bool = False) -> bool:
     """Whether a candidate of ``kind`` exists on a state with ``masks`` MASK (None: unknown): an
     alternative that leaves ``skip`` positions out needs a positional strategy and ``skip + 1``
-    MASK; one of the history's tokens needs its predictions (``ngram``: the round has some,
-    :func:`step_candidates`)."""
+    MASK, one of the leftmost positions a positional strategy; one of the history's tokens needs
+    its predictions (``ngram``: the round has some, :func:`step_candidates`)."""
     skip, rank = ALTERNATIVES[kind - 1] if kind else (0, 0)
+    if skip == LEFTMOST:
+        return positional and (rank != NGRAM or ngram)
     return (not skip or (positional and (masks is None or masks > skip))) and (rank != NGRAM or ngram)
 
 
@@ -147,7 +149,9 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
 
     * ``skip`` positions left out (``static``, ``dynamic``; needs ``skip + 1`` MASK, ``masks``
       the host count, None: unknown): the step's most confident revealed position and the next
-      most confident ones; the strategy's choice without them;
+      most confident ones; the strategy's choice without them (``skip``
+      :data:`~simsd.config.speculative.LEFTMOST`: the leftmost MASK positions, as many as the
+      step reveals);
     * the ``rank``-th next most likely token at the most confident revealed position (every
       strategy): greedy, by logit; sampling, by arrival in the exponential race under the step's
       noise (the same draw), the token already there left out;
@@ -181,7 +185,10 @@ def step_candidates(logits: torch.Tensor, state: torch.Tensor, mask_id: int, cfg
             continue
         skip, rank = ALTERNATIVES[kind - 1] if kind else (0, 0)
         new, revealed = primary
-        if skip:
+        if skip == LEFTMOST:  # as many positions as the step reveals, the leftmost MASK ones
+            revealed = masked & (masked.long().cumsum(0) <= revealed.sum())
+            new = torch.where(revealed, tokens, state)
+        elif skip:
             if top is None:  # the step's most confident position
                 top = conf.masked_fill(~primary[1], float("-inf")).argmax().view(1)
             rest = masked.index_fill(0, top, False)

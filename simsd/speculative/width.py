@@ -44,10 +44,11 @@ from .tree import applies, masks_after
 #: :data:`~simsd.config.speculative.ALTERNATIVES` in order) being its parent's target step, the
 #: same at every depth, weighted as two trials: the measured shares of the bundled target's next
 #: steps predicted from one-step-old logits (46%, 9.3%, 8.7%, 4.1%, 3.9%, 2.8%), then the
-#: history's predictions at the primary's positions and the skipped ones (16.8%, 8.8%, 5.1% of
-#: their trials: the bundled target, greedy, width 64, 24 prompts of the training split)
-PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0), (0.34, 2.0), (0.18, 2.0),
-         (0.1, 2.0))
+#: history's predictions at the primary's positions, the skipped ones and the leftmost ones
+#: (14.5%, 7.5%, 4.0%, 9.0% of their trials: the bundled target, greedy, width 64, 24 prompts of
+#: the training split)
+PRIOR = ((1.0, 2.0), (0.19, 2.0), (0.17, 2.0), (0.08, 2.0), (0.08, 2.0), (0.06, 2.0), (0.29, 2.0), (0.15, 2.0),
+         (0.08, 2.0), (0.18, 2.0))
 #: the heap's kind of a proposed step of the next block under a finish (:meth:`WidthPolicy.plan`)
 AHEAD = -1
 #: prior pseudo-counts (successes, trials) of such a step being the target's, given the one

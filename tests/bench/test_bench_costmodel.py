@@ -42,3 +42,17 @@ def test_the_committed_results_model_on_the_h200(tmp_path, capsys):
     assert cm.main([counters, "--gpu", "h200"]) == 0
     with pytest.raises(SystemExit):
         cm.main([counters])  # neither --latency nor --gpu
+
+
+def test_the_wide_exact_forwards_are_latency_points(tmp_path):
+    """bench_e2e's ``verify_exact_16`` / ``_32`` rows (64 and 128 query tokens) are points of the
+    target's t(q): the wide trees are interpolated, not extended from 16 query tokens."""
+    cm = load_bench_script("bench_costmodel")
+    rows = [("draft_step", 4, 3.0), ("vanilla_step", 4, 6.0), ("verify_exact", 16, 6.5), ("verify_exact_16", 64, 6.9),
+            ("verify_exact_32", 128, 7.5), ("commit", 4, 5.0)]
+    path = tmp_path / "e2e.jsonl"
+    path.write_text("".join(json.dumps(dict(kind="latency", pair="random-8b/1.7b", mode="graphs", forward=f, Lq=q,
+                                            ms=ms)) + "\n" for f, q, ms in rows))
+    points = cm.measured_latency(path)
+    assert points["target"] == [(4, 6.0), (16, 6.5), (64, 6.9), (128, 7.5)] and points["draft"] == [(4, 3.0)]
+    assert cm.interpolate(points["target"], 96) == pytest.approx(7.2)

@@ -3,7 +3,7 @@ constants the verdict reads."""
 import torch
 
 from simsd import DecodeConfig, SamplingParams
-from simsd.config.speculative import ALTERNATIVES, NGRAM
+from simsd.config.speculative import ALTERNATIVES, LEFTMOST, NGRAM
 from simsd.speculative.tree import ProposalTree, step_candidates, step_draws
 
 M = 9  # MASK (vocabulary of 10)
@@ -83,6 +83,16 @@ def test_history_alternatives_by_hand():
     two = DecodeConfig(block_length=4, steps=2, strategy="static")
     out, _ = step_candidates(logits.clone(), state, M, two, 0, None, [0, 6], masks=3, fill=fill)
     assert [s.tolist() for s in out] == [[1, 4, 3, M], [7, 4, 6, M]]
+    # (LEFTMOST, NGRAM): the leftmost MASK positions, as many as the step reveals, with the
+    # history's tokens: position 0 (7); two of them on [M, M, 4, M], predicted 2 and 5
+    assert ALTERNATIVES[8] == (LEFTMOST, NGRAM)
+    out, _ = step_candidates(logits.clone(), state, M, cfg, 1, None, [9], masks=3, fill=fill)
+    assert [s.tolist() for s in out] == [[7, 4, M, M]]
+    out, _ = step_candidates(logits.clone(), torch.tensor([M, M, 4, M]), M, two, 0, None, [0, 9], masks=3,
+                             fill=torch.tensor([2, 5, 4, 8]))
+    assert [s.tolist() for s in out][1] == [2, 5, 4, M] and out[0].tolist() != [2, 5, 4, M]
+    seq = DecodeConfig(block_length=4, strategy="sequential")  # its own step is the leftmost one
+    assert step_candidates(logits.clone(), state, M, seq, 1, None, [0, 9], masks=3, fill=fill)[1] == [0]
 
 
 def test_sampled_token_alternative_is_the_race_runner_up():

@@ -8,7 +8,7 @@ from simsd.config.speculative import ALTERNATIVES, MAX_ALTERNATIVES, NGRAM
 from simsd.config.vocabulary import ParamError
 from simsd.engine.costs import ForwardCost
 from simsd.speculative.tree import applies
-from simsd.speculative.width import PRIOR, WidthPolicy, auto_copies
+from simsd.speculative.width import AHEAD_PRIOR, PRIOR, WidthPolicy, auto_copies
 
 ONE = [1, 1, 1, 1]  # one token per step (B = 4, static)
 
@@ -98,7 +98,7 @@ def test_several_finished_blocks_each_carry_a_lookahead():
 
 def test_the_next_blocks_predicted_steps_under_a_finish():
     # 1 MASK, the primary finishing (0.5): its next block's first predicted step is worth
-    # 0.5 x 0.5 (the prior), the second 0.125, one copy each, within the cap
+    # 0.5 x 0.6 (the prior), the second 0.18, one copy each, within the cap
     policy = with_rates(WidthPolicy(5, 4, 4), [0.5])
     plan = policy.plan(1, ONE, positional=True, lookahead=True, ahead=3)
     assert plan.finishes == [1] and plan.ahead == [2] and copies(plan, 1)[0] == 5
@@ -108,18 +108,20 @@ def test_the_next_blocks_predicted_steps_under_a_finish():
     assert policy.plan(1, ONE, positional=True, lookahead=True, ahead=2).ahead == [2]  # as many as predicted
     assert policy.plan(1, ONE, positional=True, lookahead=True).ahead == [0]  # none predicted
     # the rate is the row's own: with a second finish (the runner-up token, 0.2: 0.1 per copy)
-    # beside them, the predicted steps come first while they are right half the time, the second
-    # finish once they never were
+    # beside them, the predicted steps come first while they are right as often as the prior
+    # says, the second finish once they never were
     policy = with_rates(WidthPolicy(5, 4, 4), [0.5, 0.0, 0.2])
     plan = policy.plan(1, ONE, positional=True, lookahead=True, ahead=2)
     assert (plan.finishes, plan.ahead) == ([1], [2])
     for _ in range(50):
         policy.observe_ahead(2, 0)
-    assert policy.ahead_rate(1) < 0.05 and policy.ahead_rate(2) == 0.5  # the second was never tried
+    s, t = AHEAD_PRIOR
+    assert AHEAD_PRIOR == (1.2, 2.0) and policy.ahead_rate(1) < 0.05
+    assert policy.ahead_rate(2) == s / t  # the second was never tried
     plan = policy.plan(1, ONE, positional=True, lookahead=True, ahead=2)
     assert (plan.finishes, plan.ahead) == ([1, 2], [0, 0])
     policy.observe_ahead(2, 2)
-    assert policy.hits[("ahead", 2)] == [2.0, 3.0]
+    assert policy.hits[("ahead", 2)] == [s + 1, t + 1]
 
 
 def test_kinds_that_do_not_apply_are_not_planned():
