@@ -88,7 +88,8 @@ class SelfDraft:
         noise; ``key``: the row's block key), each node one candidate of its parent's step
         (:func:`~simsd.speculative.tree.step_candidates`), the tree grown best first by
         :attr:`policy` (``lookahead``: a node that finishes the block may also carry the next
-        block's first step, two more copies). Without kept logits the tree is the block alone.
+        block's first step, two more copies). Without kept logits the tree is a chain of the
+        history's next steps (:meth:`history_chain`), or the block alone.
         The ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: the nodes' MASK
         counts are read in one host read after the tree is grown, and nodes that reveal nothing
         or hang below a full state are dropped. ``host``: the block on the host, for the history's
@@ -221,9 +222,9 @@ class SelfDraft:
             depths.append(d)
             left.append(masks_after(left[at[p]], per_step[d - 1]) if known else None)
             kind.append(plan.kind[j])
-        ahead = dict(zip(plan.finishes, plan.ahead))
-        finishes = [at[f] for f in plan.finishes if f in at]
-        ahead = {at[f]: ahead[f] for f in plan.finishes if f in at}
+        planned = dict(zip(plan.finishes, plan.ahead))  # the next block's steps under each finish
+        ahead = {at[f]: planned[f] for f in plan.finishes if f in at}
+        finishes = list(ahead)
         if not known:
             states, parent, depths, left, kind, kept = self._prune(states, parent, depths, kind, finishes)
             ahead = {k: ahead[f] for f, k in zip(finishes, kept) if k is not None}
