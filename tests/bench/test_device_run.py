@@ -242,7 +242,8 @@ def test_the_script_keeps_every_other_row_after_an_injected_failure(tmp_path):
     assert [(r["case"], r["pair"]) for r in failed] == [("latency:verify_paper:graphs", "random-8b/1.7b"),
                                                         ("latency:verify_paper:graphs", "random-30b-a3b/1.7b")]
     latency = {(r["forward"], r["mode"]) for r in rows if r["kind"] == "latency"}
-    assert len(latency) == 11 and ("verify_paper", "eager") in latency
+    # 8 forwards (verify_exact of 4, 16 and 32 copies among them) x eager/graphs, less the injected failure
+    assert len(latency) == 15 and ("verify_paper", "eager") in latency and ("verify_exact_32", "graphs") in latency
     assert {r["mode"] for r in rows if r["kind"] == "tokens_per_second" and r["pair"] != "bundled-tiny"} == \
         {"vanilla", "vanilla+graphs", "paper", "paper+graphs", "exact", "exact+graphs"}
     assert {r["mode"] for r in rows if r["kind"] == "modelled"} >= {"vanilla/graphs", "exact/graphs", "paper/eager"}
