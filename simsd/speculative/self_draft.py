@@ -66,6 +66,7 @@ class SelfDraft:
         self.logits: torch.Tensor | None = None
         self.upcoming: torch.Tensor | None = None
         self.ngram = NgramIndex()
+        self.reads = 0  # host reads of grown trees (:meth:`_prune`)
 
     def keep(self, logits: torch.Tensor, copy: torch.Tensor) -> None:
         """Keep the logits of one verify copy: ``logits (C, L, V)`` of a verify forward's copies,
@@ -90,9 +91,11 @@ class SelfDraft:
         :attr:`policy` (``lookahead``: a node that finishes the block may also carry the next
         block's first step, two more copies). Without kept logits the tree is a chain of the
         history's next steps (:meth:`history_chain`), or the block alone.
-        The ``dynamic`` and ``entropy`` strategies reveal data-dependent counts: the nodes' MASK
-        counts are read in one host read after the tree is grown, and nodes that reveal nothing
-        or hang below a full state are dropped. ``host``: the block on the host, for the history's
+        The ``dynamic`` and ``entropy`` strategies reveal data-dependent counts, and a history's
+        token may be the logits' one (two siblings the same state): then the nodes' states are
+        read in one host read after the tree is grown (:attr:`reads` counts them), and nodes that
+        reveal nothing, hang below a full state or repeat a sibling are dropped
+        (:meth:`_prune`). ``host``: the block on the host, for the history's
         predictions (:attr:`ngram`, fed by the row: :meth:`~simsd.speculative.ngram.NgramIndex.follow`;
         None: none)."""
         logits, self.logits = self.logits, None
@@ -225,10 +228,14 @@ class SelfDraft:
         planned = dict(zip(plan.finishes, plan.ahead))  # the next block's steps under each finish
         ahead = {at[f]: planned[f] for f in plan.finishes if f in at}
         finishes = list(ahead)
-        if not known:
+        if not known or fill is not None:  # data-dependent counts, or siblings that may be equal
             states, parent, depths, left, kind, kept = self._prune(states, parent, depths, kind, finishes)
-            ahead = {k: ahead[f] for f, k in zip(finishes, kept) if k is not None}
-            finishes = [k for k in kept if k is not None]
+            self.reads += 1
+            moved = {}
+            for f, k in zip(finishes, kept):
+                if k is not None and k not in moved:  # a finish equal to an earlier one is that one
+                    moved[k] = ahead[f]
+            ahead, finishes = moved, list(moved)
         finishes = [f for f in finishes if left[f] == 0]
         proposed = sum(left[parent[j]] - left[j] for j in range(1, len(states)))
         steps = [ahead[f] for f in finishes]
@@ -237,15 +244,25 @@ class SelfDraft:
                             tuple(finishes), masks, tuple(steps), chain[:1 + max(steps, default=0)])
 
     def _prune(self, states: list, parent: list, depth: list, kind: list, finishes: list) -> tuple:
-        """The nodes whose step revealed something and whose parent had MASK, from one host read
-        of every node's MASK count (renumbered, parents kept before children)."""
-        left = (torch.stack(states) == self.mask_id).sum(-1).tolist()
-        keep, new_index = [0], {0: 0}
+        """From one host read of the nodes' states: the nodes whose step revealed something, whose
+        parent had MASK and whose state no earlier sibling has (a history's token may be the
+        logits' one: the same state twice is one copy wasted; the later one is dropped and its
+        children go to the earlier), renumbered, parents kept before children. Returns the kept
+        ``(states, parent, depth, MASK left, kind)`` and each of ``finishes``' new index (None:
+        dropped)."""
+        host = torch.stack(states).tolist()
+        left = [row.count(self.mask_id) for row in host]
+        keep, new_index, seen = [0], {0: 0}, {}
         for j in range(1, len(states)):
             p = parent[j]
-            if p in new_index and left[p] > 0 and left[j] < left[p]:
-                new_index[j] = len(keep)
-                keep.append(j)
+            if p not in new_index or left[p] == 0 or left[j] >= left[p]:
+                continue
+            key = (new_index[p], tuple(host[j]))
+            if key in seen:
+                new_index[j] = seen[key]  # the same state as an earlier sibling: that node
+                continue
+            new_index[j] = seen[key] = len(keep)
+            keep.append(j)
         return ([states[j] for j in keep], [-1] + [new_index[parent[j]] for j in keep[1:]],
                 [depth[j] for j in keep], [left[j] for j in keep], [kind[j] for j in keep],
                 [new_index.get(f) for f in finishes])

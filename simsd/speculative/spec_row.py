@@ -433,11 +433,14 @@ class SpecRow(RowProgram):
         """Vanilla's statistics (:meth:`RowProgram.stats_for`) and the SimSD counters (docs/statistics.md,
         "Statistics"): ``from_draft`` (returned tokens that came from the draft),
         ``draft_share``, ``draft_forwards``, ``draft_forwards_per_token``,
-        ``draft_query_tokens_per_forward``, ``gamma`` and :class:`Stats`."""
+        ``draft_query_tokens_per_forward``, ``gamma``, ``tree_reads`` (self-speculation: the
+        rounds whose grown tree was read back, :meth:`~simsd.speculative.self_draft.SelfDraft.propose`;
+        0 otherwise) and :class:`Stats`."""
         from_draft = sum(1 for o in self.stats.origins[:n] if o)
         fw = self.row.forwards.get("draft", 0)
         return {**super().stats_for(n, seconds), "from_draft": from_draft,
                 "draft_share": from_draft / n if n else 0.0, "draft_forwards": fw,
                 "draft_forwards_per_token": fw / max(n, 1),
                 "draft_query_tokens_per_forward": self.row.query_tokens.get("draft", 0) / max(fw, 1),
-                "gamma": self.plan.gamma, **self.stats.as_dict()}
+                "gamma": self.plan.gamma, "tree_reads": getattr(getattr(self.verifier, "draft", None), "reads", 0),
+                **self.stats.as_dict()}

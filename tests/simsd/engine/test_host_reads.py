@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from simsd import DecodeConfig, SamplingParams, load_checkpoint
+from simsd.assets import DEFAULT_TARGET
 from simsd.decoding.vanilla import vanilla_generate_batch
 from simsd.engine.host_sync import HostReads, to_device
 from simsd.speculative import SpecConfig, speculative_generate_batch
@@ -90,9 +91,31 @@ def test_penalties_add_no_read(pair, mode):
             out = speculative_generate_batch(target, "self" if mode == "exact-self" else draft, PROMPTS, cfg, spec)
     if mode == "vanilla":
         want = totals(out, "target_forwards") - sum(r.stats["blocks"] - 1 for r in out.results)
-    else:
-        want = totals(out, "rounds")
+    else:  # self-speculation reads a grown tree back when the history's predictions may repeat a sibling
+        want = totals(out, "rounds") + totals(out, "tree_reads")
     assert reads.count == want, [w for _, w in reads.where[:3]]
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+def test_self_speculation_reads_a_tree_back_only_when_it_may_repeat_a_sibling(strategy):
+    """Self-speculation on the bundled target, whose history predicts much of its output: a round
+    whose tree holds the history's predictions (or a data-dependent strategy's counts) reads the
+    grown tree once before its forward (``tree_reads``), every other round reads only its
+    decision; vanilla's tokens."""
+    from simsd.entrypoints.prompts import load_prompts
+    target = load_checkpoint(DEFAULT_TARGET, dtype="float32")
+    tok = target.tokenizer
+    prompts = [tok(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts("bundled")[:3]]
+    cfg = DecodeConfig(block_length=4, max_new_tokens=32, strategy=strategy,
+                       threshold=0.05 if strategy == "dynamic" else None, fold_commit=True)
+    with HostReads() as reads:
+        out = speculative_generate_batch(target, "self", prompts, cfg, SpecConfig(mode="exact", speculation_width=16))
+    assert 0 < totals(out, "tree_reads") <= totals(out, "rounds")
+    if strategy == "static":  # rounds without the history's predictions read nothing more
+        assert totals(out, "tree_reads") < totals(out, "rounds")
+    assert reads.count == totals(out, "rounds") + totals(out, "tree_reads")
+    want = vanilla_generate_batch(target.model, prompts, cfg, target.mask_token_id, target.stop_ids).results
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in want]
 
 
 def test_counter_sees_the_usual_reads():

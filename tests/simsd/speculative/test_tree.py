@@ -133,3 +133,24 @@ def test_a_grown_tree_keeps_each_nodes_kind():
     tree = draft.propose(torch.tensor([7, 4, M, 8]), 3, 1, None)
     assert tree.kind == [0, 0, 2, 5] and tree.parent == [-1, 0, 0, 0]
     assert [s.tolist() for s in tree.states[1:]] == [[7, 4, 3, 8], [7, 4, 5, 8], [7, 4, 8, 8]]
+
+
+def test_a_history_token_equal_to_the_logits_one_is_one_node():
+    """A (0, NGRAM) candidate whose history token is the primary's (position 2 token 3 both) is
+    the same state: the grown tree is read back once (``reads``) and the later sibling dropped, so
+    the forward carries no copy twice; with a history that predicts another token it stays."""
+    from simsd.speculative.self_draft import SelfDraft
+    logits = logits_for([{1: 5.0, 2: 4.5}, {4: 9.0}, {3: 9.0, 5: 8.0, 8: 7.0}, {6: 1.0, 7: 0.9}])
+    block = [M, 4, M, M]
+    for history, kept in (([4, 3], [0, 0, 1, 2, 3, 4, 5]), ([4, 7], [0, 0, 1, 2, 3, 4, 5, 6])):  # the root first
+        draft = SelfDraft(DecodeConfig(block_length=4, strategy="static"), M, 1, alternatives=6)
+        draft.ngram.extend(history)  # after 4: 3 (the logits' token at position 2), or 7
+        draft.logits = logits.clone()
+        tree = draft.propose(torch.tensor(block), 1, 3, None, host=block)
+        assert tree.kind == kept and draft.reads == 1
+        states = [tuple(s) for s in tree.states.tolist()]
+        assert len(set(states)) == len(states)
+    draft = SelfDraft(DecodeConfig(block_length=4, strategy="static"), M, 1, alternatives=6)
+    draft.logits = logits.clone()
+    tree = draft.propose(torch.tensor(block), 1, 3, None, host=block)  # no history: nothing to read
+    assert tree.kind == [0, 0, 1, 2, 3, 4, 5] and draft.reads == 0
