@@ -41,7 +41,11 @@ stream at ``max_tokens`` before it shows; the invariant plan's natural tile equa
 ``INVARIANT_BLOCK_M`` for GQA groups >= 4; dropping the query heads from the tensor-parallel
 check changes nothing (they are a multiple of the KV heads, which are checked); the engine's own
 page reservation in ``BatchEngine.forward`` is a guard for direct callers: the scheduler reserved
-the same pages first (``Scheduler._make_room``), so dropping it changes no scheduled run.
+the same pages first (``Scheduler._make_room``), so dropping it changes no scheduled run; which
+proposed finished block's next-block logits a block that ends without a lookahead proposes from
+(``near`` in ``SelfExactVerifier.judge``, the finish nearest the new block) is a guess of which
+predictions are the likeliest: any logits are proposals, and exact verification keeps the tokens
+vanilla's, so the first finish's instead changes only how many forwards a block takes.
 """
 from __future__ import annotations
 
@@ -146,6 +150,7 @@ PAGED_CACHE = "tests/simsd/models/test_paged_cache.py"
 PAGED_ENGINE = "tests/simsd/engine/test_paged_engine.py"
 KV_PAGES = "tests/simsd/entrypoints/test_kv_pages.py"
 EXACT_PENALTIES = "tests/simsd/speculative/test_exact_penalties.py"
+NGRAM_TESTS = "tests/simsd/speculative/test_ngram.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
 OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
@@ -772,15 +777,14 @@ MUTANTS = [
     m("lookahead", SR, 'self.row.truncate("target", self.row.cached["target"] - L)',
       'self.row.truncate("target", self.row.cached["target"])', SELF,
       note="a proposed finished block that was not committed stays in the cache"),
-    m("lookahead", SR, "if ahead and node == verdict.finished:", "if ahead:", SELF,
+    m("lookahead", SR, "if node in verdict.finished:  # finished as proposed", "if True:  # finished as proposed", SELF,
       note="the next block begun from a lookahead whose finished block was rejected"),
-    m("lookahead", SD, "keys + [self.key(rnd.start + L)], keep_logits=True, history=history)",
-      "keys + [self.key(rnd.start)], keep_logits=True, history=history)", SELF,
-      note="the next block's first step drawn with this block's noise key"),
+    m("lookahead", SD, "[self.key(rnd.start)] * C + [self.key(rnd.start + L)] * sum(n)",
+      "[self.key(rnd.start)] * C + [self.key(rnd.start)] * sum(n)", SELF,
+      note="the next block's first step (every next-block chain copy) drawn with this block's noise key"),
     m("lookahead", SR, "self.stats.lookahead_blocks += 1", "self.stats.lookahead_blocks += 0", SELF,
       note="lookahead_blocks never counts"),
-    m("width", "simsd/speculative/width.py", "if copies + cost > cap or (cost == 2 and plan.finish is not None):",
-      "if copies + cost > cap + 1 or (cost == 2 and plan.finish is not None):", WIDTH,
+    m("width", "simsd/speculative/width.py", "if copies + cost > cap:", "if copies + cost > cap + 1:", WIDTH,
       note="--speculation-width N lets N + 1 copies through"),
     m("width", "simsd/speculative/width.py", "copies = 1 if rest else 2", "copies = 1", WIDTH,
       note="a lookahead's two extra copies left out of the width"),
@@ -870,15 +874,16 @@ MUTANTS = [
       'if False and (steps - gain * cost)', WIDTH, note="auto keeps the whole budget whatever a copy costs"),
     m("best first", "simsd/speculative/width.py", "rates = [self.rates(masks, d) for d in",
       "rates = [self.rates(4, d) for d in", WIDTH, note="a round's tree planned with another MASK count's rates"),
-    m("best first", "simsd/speculative/tree.py", "return not skip or (positional and (masks is None or masks > skip))",
-      "return not skip or (positional and (masks is None or masks >= skip))", WIDTH,
+    m("best first", "simsd/speculative/tree.py", "(not skip or (positional and (masks is None or masks > skip)))",
+      "(not skip or (positional and (masks is None or masks >= skip)))", WIDTH,
       note="a position alternative planned where it leaves no MASK to reveal"),
     m("best first", SD, "            self.logits = self.upcoming", "            self.logits = None", SELF,
       note="a block no lookahead began proposes nothing in its first round"),
-    m("best first", SD, "self.draft.upcoming = logits[C].clone()", "self.draft.upcoming = None", SELF,
+    m("best first", SD, "self.draft.upcoming = logits.index_select(0, starts.index_select(0, near))[0]",
+      "self.draft.upcoming = None", SELF,
       note="the rolled-back lookahead's next-block predictions not kept"),
     m("draft alternatives", "simsd/speculative/spec_row.py",
-      "self.alternatives = min(MAX_ALTERNATIVES, max(0, (int(width) - plan.gamma - 1) // plan.gamma))",
+      "self.alternatives = min(LOGIT_ALTERNATIVES, max(0, (int(width) - plan.gamma - 1) // plan.gamma))",
       "self.alternatives = 0", "tests/simsd/speculative/test_draft_alternatives.py",
       note="--speculation-width N with a draft model ignored (the chain only)"),
     m("draft alternatives", "simsd/speculative/spec_row.py", "copies += [chain.copies[c + 1]] * len(kinds)",
@@ -909,8 +914,8 @@ MUTANTS = [
       note="the prompt's tokens not counted by the repetition penalty"),
     m("penalties", "simsd/decoding/penalties.py", "tokens = torch.cat([h.tokens, torch.where(h.output, block, "
       "self.mask_id)])", "tokens = h.tokens", PENALTIES, note="finished blocks never counted as output"),
-    m("penalties", SD, "history = [rnd.history] * C + [rnd.history.after(tree.states[leaf])]",
-      "history = [rnd.history] * (C + 1)", EXACT_PENALTIES,
+    m("penalties", SD, "history = [rnd.history] * C + [rnd.history.after(tree.states[f]) for i, f in",
+      "history = [rnd.history] * C + [rnd.history for i, f in", EXACT_PENALTIES,
       note="a lookahead's next-block copy penalised without the proposed finished block"),
     m("response format", "simsd/config/vllm_names.py", '"response_format": Lacks(STRUCTURED, (TEXT, None), "OpenAI"),',
       '"response_format": Lacks(STRUCTURED, (TEXT, None, {"type": "json_object"}), "OpenAI"),', PENALTIES,
@@ -974,6 +979,61 @@ MUTANTS = [
     m("prefix cache", BAT, "if self.pages is not None and self.pages.prefix_caching and offer and row.prompt:",
       "if False:", KV_PAGES,
       note="an ended request's prompt and output pages never offered to the prefix cache"),
+    # issue 36: several finishes, prompt lookup, next-block chains (2026-12-05) ---------------------
+    m("several finishes", SR, "written = node == verdict.finished[0]", "written = node in verdict.finished", SELF,
+      note="a non-first proposed finished block that was the target's treated as written (never committed)"),
+    m("several finishes", SR, "if not written:  # the first proposed", "if node not in verdict.finished:  # the first "
+      "proposed", SELF, note="the written finished block not rolled back when another finish was the target's"),
+    m("several finishes", SR, 'fwd = self.layouts.flush("target")  # the last block', "fwd = None  # the last block",
+      SELF, note="a block finished by a lookahead round's chain drops the pending commit of the block before it"),
+    m("several finishes", SD, "[(KIND_KNOWN, first[i] + n[i], first[i]) for i in range(m)",
+      "[(KIND_KNOWN, first[-1] + n[-1], first[i]) for i in range(m)", SELF, LOGPROBS_MODES,
+      note="a next block under a later finish sees the earlier proposed finished blocks too"),
+    m("prompt lookup", "simsd/speculative/ngram.py", "self.after[tuple(self.tokens[i - n:i])] = i",
+      "self.after.setdefault(tuple(self.tokens[i - n:i]), i)", NGRAM_TESTS,
+      note="an n-gram predicts what followed its first occurrence, not its latest"),
+    m("prompt lookup", "simsd/speculative/ngram.py",
+      "for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):",
+      "for n in range(self.min_n, min(self.max_n, len(context)) + 1):", NGRAM_TESTS,
+      note="the shortest matching context predicts, not the longest"),
+    m("prompt lookup", "simsd/speculative/ngram.py", "if first == 0 and len(self.tokens) < len(prompt):",
+      "if len(self.tokens) < len(prompt):", NGRAM_TESTS, SELF,
+      note="the first block's prompt tail indexed before its block is done (in the history and the block)"),
+    m("prompt lookup", "simsd/speculative/ngram.py", "self.extend(prompt[len(self.tokens):before])",
+      "self.tokens.extend(prompt[len(self.tokens):before])", NGRAM_TESTS,
+      note="the prompt's n-grams (its tail's with them, once its block is done) never indexed"),
+    m("prompt lookup", "simsd/speculative/ngram.py", "context = [] if t is None else context + [t]",
+      "context = [] if t is None else context", NGRAM_TESTS,
+      note="a block's predictions made without the predictions before them"),
+    m("prompt lookup", "simsd/speculative/tree.py", "new = torch.where(revealed & (fill != mask_id), fill, new)",
+      "new = torch.where(fill != mask_id, fill, new)", TREE,
+      note="a history alternative fills every predicted MASK position, not the step's"),
+    m("prompt lookup", "simsd/speculative/tree.py", "new = torch.where(revealed & (fill != mask_id), fill, new)",
+      "new = torch.where(revealed, fill, new)", TREE,
+      note="a history alternative puts MASK where the history predicts nothing"),
+    m("next-block chain", "simsd/speculative/width.py", "copies, steps = copies + 1, steps - gain",
+      "copies, steps = copies, steps - gain", WIDTH, note="the next block's predicted steps not counted in the width"),
+    m("next-block chain", "simsd/speculative/width.py", "hit[0] += d <= valid", "hit[0] += d < valid", WIDTH,
+      note="the next block's last right predicted step counted as wrong"),
+    m("next-block chain", "simsd/speculative/width.py", "while d < available and copies < cap:",
+      "while d < available:", WIDTH, NGRAM_TESTS,
+      note="a history chain without logits longer than --speculation-width"),
+    m("next-block chain", SD, "if any(tokens[i] == M for i in at) or len(at) == state.count(M):",
+      "if any(tokens[i] == M for i in at):", NGRAM_TESTS, SELF,
+      note="a history chain's step that fills the block proposed (a verify copy of a full block)"),
+    m("next-block chain", SD, "indices + [k for c in chains for k in range(c.nodes)]",
+      "indices + [0 for c in chains for k in range(c.nodes)]", SELF, LOGPROBS_MODES,
+      note="every step of a next-block chain taken as the next block's first (its schedule and noise)"),
+    m("next-block chain", SD, "at = (starts + nodes).index_select(0, sel)[0]",
+      "at = (starts + nodes - 1).index_select(0, sel)[0]", SELF,
+      note="the next block's proposals kept from the copy before its deepest valid one"),
+    m("next-block chain", SR, 'self.layouts.start("target"), 0, steps, lp=', 'self.layouts.start("target"), 0, 1, lp=',
+      SELF, LOGPROBS_MODES, note="a next block begun by a lookahead round at step 1 whatever chained steps it took"),
+    m("next-block chain", SR, "self.stats.accepted += next_acc", "self.stats.accepted += 0", SELF,
+      note="the next block's accepted predicted tokens not counted as accepted"),
+    m("next-block chain", SR, "self.mark([self.mask_id] * len(host), host, proposed)",
+      "self.mark([self.mask_id] * len(host), host, set())", SELF,
+      note="the next block's accepted predicted tokens counted as the target's"),
 ]
 
 

@@ -48,6 +48,7 @@ def test_the_index_follows_a_rows_history():
     assert index.tokens == [1, 2, 3, 4]
     index.follow(prompt, [7, 8], first=0)  # that block done: its tail and output
     assert index.tokens == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert index.predict([4]) == 5 and index.predict([5]) == 6  # the tail's n-grams indexed too
     index.follow(prompt, [7, 8, 9, 10])
     assert index.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     index.follow(prompt, [7, 8, 9, 10])  # nothing new

@@ -407,3 +407,33 @@ def test_a_block_without_a_lookahead_proposes_from_the_rolled_back_one():
         assert [r.token_ids for r in out.results] == want
         forwards.append(sum(r.stats["target_forwards"] for r in out.results))
     assert forwards[0] < forwards[1], forwards
+
+
+def test_a_block_begun_by_a_lookahead_proposes_from_the_copy_the_target_took(target, monkeypatch):
+    """When a lookahead round's finished block is the target's, the next block's first round
+    proposes from the logits of the next-block copy whose target step began it (its chain's
+    deepest valid node): at every position that step revealed, those logits are the ones that
+    revealed it (``Verdict.next_logits``, the same forward's). Vanilla's tokens."""
+    import torch
+
+    from simsd.speculative.self_draft import SelfExactVerifier
+    checked = []
+    real = SelfExactVerifier.judge
+
+    def judge(self, rnd, out):
+        v = real(self, rnd, out)
+        if v.next is not None and int(v.node) in v.finished:
+            tree, node = rnd.layout[0], int(v.next_node)
+            state = torch.tensor(tree.ahead_states[node] if node else [self.mask_id] * v.next.shape[0])
+            revealed = (v.next.cpu() != self.mask_id) & (state == self.mask_id)
+            assert revealed.any()
+            assert torch.equal(self.draft.logits.cpu()[revealed], v.next_logits.cpu()[revealed])
+            checked.append(node)
+        return v
+    monkeypatch.setattr(SelfExactVerifier, "judge", judge)
+    for T in (0.0, 1.0):
+        cfg = cfg_for("static", T, seed=1, max_new_tokens=48, logprobs=4)
+        got = speculative_generate_batch(target, "self", PROMPTS, cfg, spec(speculation_width=24))
+        for i, p in enumerate(PROMPTS):
+            assert got.results[i].token_ids == vanilla_ids(target, p, dataclasses.replace(cfg, seed=1 + i))
+    assert checked

@@ -124,6 +124,15 @@ def test_the_next_blocks_predicted_steps_under_a_finish():
     assert policy.hits[("ahead", 2)] == [s + 1, t + 1]
 
 
+def test_a_history_chain_holds_as_many_steps_as_the_width():
+    # a round without logits: the block's copy and one per predicted step, at most the width
+    # (whatever the rates), fewer when fewer are predicted
+    policy = WidthPolicy(3, 4, 4)
+    assert policy.chain_length(10) == 2 and policy.chain_length(1) == 1 and policy.chain_length(0) == 0
+    policy.width = 1
+    assert policy.chain_length(10) == 0
+
+
 def test_kinds_that_do_not_apply_are_not_planned():
     assert [k for k in range(1 + MAX_ALTERNATIVES) if applies(k, True, 2, ngram=True)] == \
         [k for k in range(1 + MAX_ALTERNATIVES) if k == 0 or ALTERNATIVES[k - 1][0] < 2]
