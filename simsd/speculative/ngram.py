@@ -57,14 +57,12 @@ class NgramIndex:
 
         Raises:
             ValueError: fewer tokens than indexed already (a row's history only grows)."""
-        before = len(prompt) - first
+        before = len(prompt) - first  # the whole prompt once the first block is done (first = 0)
         if len(self.tokens) > before + len(generated):
             raise ValueError(f"a row's history of {before + len(generated)} tokens is shorter than the "
                              f"{len(self.tokens)} indexed")
         if len(self.tokens) < before:
             self.extend(prompt[len(self.tokens):before])
-        if first == 0 and len(self.tokens) < len(prompt):  # the tail, once its block is done
-            self.extend(prompt[len(self.tokens):])
         if len(self.tokens) >= len(prompt):
             self.extend(generated[len(self.tokens) - len(prompt):])
 
