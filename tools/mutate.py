@@ -151,6 +151,7 @@ PAGED_ENGINE = "tests/simsd/engine/test_paged_engine.py"
 KV_PAGES = "tests/simsd/entrypoints/test_kv_pages.py"
 EXACT_PENALTIES = "tests/simsd/speculative/test_exact_penalties.py"
 NGRAM_TESTS = "tests/simsd/speculative/test_ngram.py"
+HOST_READS = "tests/simsd/engine/test_host_reads.py"
 PROTO, REQ = "simsd/entrypoints/openai/protocol.py", "simsd/config/request.py"
 SERVING, MIDDLEWARE = "simsd/entrypoints/openai/serving.py", "simsd/entrypoints/openai/middleware.py"
 OSTATE, OERRORS = "simsd/entrypoints/openai/state.py", "simsd/entrypoints/openai/errors.py"
@@ -1034,6 +1035,11 @@ MUTANTS = [
     m("next-block chain", SR, "self.mark([self.mask_id] * len(host), host, proposed)",
       "self.mark([self.mask_id] * len(host), host, set())", SELF,
       note="the next block's accepted predicted tokens counted as the target's"),
+    m("duplicate siblings", SD, "            if key in seen:\n", "            if key is None:\n", TREE, SELF,
+      note="a proposed state that repeats a sibling kept (one copy wasted per repeat)"),
+    m("duplicate siblings", SD, "        if not known or fill is not None:  # data-dependent counts",
+      "        if not known:  # data-dependent counts", TREE, HOST_READS,
+      note="a tree holding the history's predictions never read back: its repeated siblings kept"),
 ]
 
 
