@@ -320,13 +320,15 @@ class SelfExactVerifier(ExactVerifier):
         every = to_device(tree.ahead_states, copies.device).view(len(tree.ahead_states), -1) \
             if len(tree.ahead_states) > 1 else None
         chains = [self.chain_tree(tree, i, copies, every) for i in range(len(leaves))]
-        rnd.layout = (tree, shape, (at, chains))
-        ids, positions, labels = exact_layout(copies, rnd.start)
         L, C, m = copies.shape[1], copies.shape[0], len(leaves)
+        n = [c.nodes for c in chains]
+        # each next block's first copy among the verify copies (the logits' rows), on the device once
+        starts = to_device([C + sum(n[:i]) for i in range(m)], copies.device)
+        rnd.layout = (tree, shape, (at, chains, starts))
+        ids, positions, labels = exact_layout(copies, rnd.start)
         here, after = list(range(rnd.start, rnd.start + L)), list(range(rnd.start + L, rnd.start + 2 * L))
         finished = tree.states.index_select(0, at)
         ahead = torch.cat([c.states for c in chains])
-        n = [c.nodes for c in chains]
         first = [C + i + sum(n[:i]) for i in range(m)]  # F_i's group; its next block's copies follow
         ids = torch.cat([finished.view(-1), ids, ahead.view(-1)])
         positions = here * m + list(positions) + after * sum(n)
@@ -335,8 +337,8 @@ class SelfExactVerifier(ExactVerifier):
         fwd = layouts.exact("target", ids, positions, labels, write=L, hidden=(m - 1) * L)
         history = None  # a next block's copy counts its proposed finished block as output
         if rnd.history is not None:
-            history = [rnd.history] * C + [rnd.history.after(tree.states[f]) for i, f in enumerate(leaves)
-                                           for _ in range(n[i])]
+            after_finish = [rnd.history.after(tree.states[f]) for f in leaves]
+            history = [rnd.history] * C + [after_finish[i] for i in range(m) for _ in range(n[i])]
         fwd.step = Step(torch.cat([copies, ahead]), indices + [k for c in chains for k in range(c.nodes)], self.cfg,
                         self.mask_id, [self.key(rnd.start)] * C + [self.key(rnd.start + L)] * sum(n), keep_logits=True,
                         history=history)
@@ -363,16 +365,15 @@ class SelfExactVerifier(ExactVerifier):
         if lookahead is None:
             self.draft.keep(logits, copy)
             return Verdict(new, taken, accepted, valid, node, logits=lp)
-        leaves, chains = lookahead
+        leaves, chains, starts = lookahead
         # each finish's next block: the target's step on the deepest valid node of its chain
         nexts, lps, start = [], [], C
         for c in chains:
             cshape = c.constants(new.device)
-            nexts.append((*tree_verdict(mine[start:start + c.nodes], c.states, cshape)[:4],
-                          torch.tensor(start, device=new.device)))
+            nexts.append(tree_verdict(mine[start:start + c.nodes], c.states, cshape)[:4])
             lps.append(self.revealing_logits(logits[start:start + c.nodes], c, cshape, nexts[-1][3]))
             start += c.nodes
-        news, takens, accs, nodes, starts = (torch.stack(x) for x in zip(*nexts))
+        news, takens, accs, nodes = (torch.stack(x) for x in zip(*nexts))
         hit = node == leaves
         sel = hit.long().argmax().view(1)  # the valid finished block (the first if none is)
         at = (starts + nodes).index_select(0, sel)[0]  # its next block's deepest valid copy
